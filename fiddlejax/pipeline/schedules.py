@@ -1,0 +1,811 @@
+"""Pipeline schedules as data: an IR, generators, a validator and timeline simulators.
+
+A schedule is one ordered list of actions per pipeline stage. A separate runtime executes it,
+so schedules can be generated, written by hand, checked, simulated and drawn without JAX (this
+module imports none). The design follows DeepSpeed's instruction schedules and PyTorch's
+pipelining action lists.
+
+Vocabulary:
+  chunk   a global virtual stage, 0 .. stages*virtual_stages-1 in model order; ``placement[c]``
+          is the stage that holds chunk c.
+  F       forward of (microbatch, chunk).
+  B       whole backward of (microbatch, chunk).
+  I, W    a split backward: I computes the input gradient (what the previous chunk waits for),
+          W the weight gradient (nobody waits for it, so it can fill bubbles).
+  held    the activations of (microbatch, chunk) are held from its F until its B (or its W).
+
+Dependencies: F(m, c) needs F(m, c-1); B(m, c) and I(m, c) need F(m, c) and the input-gradient
+op (B or I) of (m, c+1); W(m, c) needs I(m, c). Each stage runs its own list strictly in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = [
+    "OPS",
+    "DEFAULT_COSTS",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "Span",
+    "Simulation",
+    "TickTable",
+    "build",
+    "register",
+    "kinds",
+    "load",
+    "dump",
+    "validate",
+    "simulate",
+    "tick_table",
+    "stash_slots",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "zb_h1",
+]
+
+OPS = ("F", "B", "I", "W")
+DEFAULT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as written; the message names the first violation."""
+
+
+class Action(NamedTuple):
+    """One unit of work on a stage: ``op`` of ``microbatch`` through ``chunk``."""
+
+    op: str
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.op}(m={self.microbatch}, chunk={self.chunk})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "microbatch": self.microbatch, "chunk": self.chunk}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage ordered action lists plus the chunk placement they run against.
+
+    Construction does not validate (so broken hand-written schedules can be inspected and
+    reported); ``build`` and ``load`` do. Derived figures are computed on first use.
+    """
+
+    kind: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        # Accept lists (hand-written code, JSON) but store tuples so the schedule is hashable.
+        object.__setattr__(self, "placement", tuple(self.placement))
+        object.__setattr__(
+            self, "actions", tuple(tuple(Action(*a) for a in row) for row in self.actions)
+        )
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.placement)
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """Chunks held by ``stage``, in model order."""
+        return tuple(c for c, s in enumerate(self.placement) if s == stage)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(row) for row in self.actions)
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the schedule uses I/W (zero-bubble style) anywhere."""
+        return any(a.op in "IW" for row in self.actions for a in row)
+
+    @cached_property
+    def held_peak(self) -> tuple[int, ...]:
+        """Per stage, the most (microbatch, chunk) activations held at once.
+
+        Depends only on each stage's order (F adds one, B or W releases one), not on timing,
+        so it is also the stash size the runtime needs on that stage.
+        """
+        peaks = []
+        for row in self.actions:
+            held = peak = 0
+            for a in row:
+                if a.op == "F":
+                    held += 1
+                    peak = max(peak, held)
+                elif a.op in "BW":
+                    held -= 1
+            peaks.append(peak)
+        return tuple(peaks)
+
+    @property
+    def max_held(self) -> int:
+        return max(self.held_peak, default=0)
+
+    @cached_property
+    def simulation(self) -> Simulation:
+        """Timeline with the default unit costs F=1, B=2, I=1, W=1 and no latency."""
+        return simulate(self)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of stage-time in the default-cost timeline (see ``simulate``)."""
+        return self.simulation.bubble_fraction
+
+    @cached_property
+    def ticks(self) -> TickTable:
+        """The lockstep tick table the SPMD runtime executes (see ``tick_table``)."""
+        return tick_table(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form of DESIGN.md (plain lists and dicts)."""
+        return {
+            "kind": self.kind,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "placement": list(self.placement),
+            "actions": [[a.to_dict() for a in row] for row in self.actions],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, check: bool = True) -> Schedule:
+        """Parse the JSON form; with ``check`` (default) also ``validate`` it."""
+        schedule = _parse(data)
+        if check:
+            validate(schedule)
+        return schedule
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.kind}: stages={self.stages} microbatches={self.microbatches} "
+            f"virtual_stages={self.virtual_stages}"
+        )
+        rows = [f"  stage {s}: " + " ".join(map(_short, row)) for s, row in enumerate(self.actions)]
+        return "\n".join([head, *rows])
+
+
+def _short(a: Action) -> str:
+    return f"{a.op}{a.microbatch}.{a.chunk}"
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+
+def _parse(data: Mapping[str, Any]) -> Schedule:
+    if not isinstance(data, Mapping):
+        raise ScheduleError(f"a schedule must be a JSON object, got {type(data).__name__}")
+    missing = [k for k in ("stages", "microbatches", "placement", "actions") if k not in data]
+    if missing:
+        raise ScheduleError(f"schedule JSON lacks {', '.join(map(repr, missing))}")
+    stages = _count(data["stages"], "stages")
+    microbatches = _count(data["microbatches"], "microbatches")
+    placement = data["placement"]
+    if not isinstance(placement, list) or not all(_is_int(x) for x in placement):
+        raise ScheduleError(f"placement={placement!r} must be a list of stage indices")
+    virtual_stages = data.get("virtual_stages")
+    if virtual_stages is None:
+        virtual_stages = max(1, len(placement) // stages)
+    virtual_stages = _count(virtual_stages, "virtual_stages")
+    rows = data["actions"]
+    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+        raise ScheduleError("actions must be a list with one list of actions per stage")
+    actions = []
+    for s, row in enumerate(rows):
+        parsed = []
+        for i, a in enumerate(row):
+            where = f"actions[{s}][{i}]"
+            if not isinstance(a, Mapping) or not {"op", "microbatch", "chunk"} <= set(a):
+                raise ScheduleError(f"{where}={a!r} must be {{'op', 'microbatch', 'chunk'}}")
+            if a["op"] not in OPS:
+                raise ScheduleError(f"{where}.op={a['op']!r} is not one of {', '.join(OPS)}")
+            if not _is_int(a["microbatch"]) or not _is_int(a["chunk"]):
+                raise ScheduleError(f"{where}={a!r}: microbatch and chunk must be integers")
+            parsed.append(Action(a["op"], a["microbatch"], a["chunk"]))
+        actions.append(parsed)
+    return Schedule(
+        kind=str(data.get("kind", "custom")),
+        stages=stages,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        placement=placement,
+        actions=actions,
+    )
+
+
+def load(source: str | os.PathLike[str] | Mapping[str, Any], *, check: bool = True) -> Schedule:
+    """Load a schedule from a JSON string, a path to a JSON file, or an already-parsed dict."""
+    if isinstance(source, Mapping):
+        return Schedule.from_dict(source, check=check)
+    text = str(source)
+    if not text.lstrip().startswith("{"):
+        text = Path(source).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ScheduleError(f"schedule is not valid JSON: {err}") from err
+    return Schedule.from_dict(data, check=check)
+
+
+def dump(schedule: Schedule, path: str | os.PathLike[str] | None = None) -> str:
+    """The schedule as indented JSON; also written to ``path`` when given."""
+    text = schedule.to_json(indent=1)
+    if path is not None:
+        Path(path).write_text(text + "\n")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _count(value: object, name: str, minimum: int = 1) -> int:
+    if not _is_int(value):
+        hint = minimum
+        if isinstance(value, float) and value.is_integer() and value >= minimum:
+            hint = int(value)
+        raise ScheduleError(f"{name}={value!r} must be an integer, e.g. {name}={hint}")
+    if value < minimum:
+        raise ScheduleError(f"{name}={value} must be at least {minimum}, e.g. {name}={minimum}")
+    return value
+
+
+def _producer_key(a: Action) -> tuple[str, int, int]:
+    """What an action makes available: activations ("F"), input gradient ("G") or done ("W")."""
+    return ("F" if a.op == "F" else "G" if a.op in "BI" else "W", a.microbatch, a.chunk)
+
+
+def _needs(a: Action, num_chunks: int) -> list[tuple[str, int, int]]:
+    m, c = a.microbatch, a.chunk
+    if a.op == "F":
+        return [("F", m, c - 1)] if c > 0 else []
+    if a.op == "W":
+        return [("G", m, c)]
+    deps = [("F", m, c)]
+    if c < num_chunks - 1:
+        deps.append(("G", m, c + 1))
+    return deps
+
+
+Position = tuple[int, int]  # (stage, index in that stage's list)
+
+
+def _check_structure(s: Schedule) -> dict[tuple[str, int, int], Position]:
+    """Everything but ordering; returns where each activation / gradient is produced."""
+    _count(s.stages, "stages")
+    _count(s.microbatches, "microbatches")
+    _count(s.virtual_stages, "virtual_stages")
+    if len(s.placement) != s.stages * s.virtual_stages:
+        raise ScheduleError(
+            f"placement has {len(s.placement)} chunks; stages={s.stages} x "
+            f"virtual_stages={s.virtual_stages} needs {s.stages * s.virtual_stages}"
+        )
+    for c, st in enumerate(s.placement):
+        if not _is_int(st) or not 0 <= st < s.stages:
+            raise ScheduleError(f"placement[{c}]={st!r} is not a stage in 0..{s.stages - 1}")
+    for st in range(s.stages):
+        held = s.chunks_of(st)
+        if len(held) != s.virtual_stages:
+            raise ScheduleError(
+                f"stage {st} holds chunks {list(held)} but every stage must hold "
+                f"virtual_stages={s.virtual_stages} chunks"
+            )
+    if len(s.actions) != s.stages:
+        raise ScheduleError(f"actions has {len(s.actions)} lists; need one per stage ({s.stages})")
+    seen: dict[Action, Position] = {}
+    produced: dict[tuple[str, int, int], Position] = {}
+    for st, row in enumerate(s.actions):
+        for i, a in enumerate(row):
+            where = f"stage {st} action {i} {a}"
+            if a.op not in OPS:
+                raise ScheduleError(f"{where}: op {a.op!r} is not one of {', '.join(OPS)}")
+            if not _is_int(a.microbatch) or not 0 <= a.microbatch < s.microbatches:
+                raise ScheduleError(f"{where}: microbatch is not in 0..{s.microbatches - 1}")
+            if not _is_int(a.chunk) or not 0 <= a.chunk < s.num_chunks:
+                raise ScheduleError(f"{where}: chunk is not in 0..{s.num_chunks - 1}")
+            home = s.placement[a.chunk]
+            if home != st:
+                raise ScheduleError(
+                    f"{where} is on the wrong stage: chunk {a.chunk} is placed on stage {home}"
+                )
+            if a in seen:
+                raise ScheduleError(f"{where} duplicates stage {seen[a][0]} action {seen[a][1]}")
+            other = {"B": ("I", "W"), "I": ("B",), "W": ("B",)}.get(a.op, ())
+            for op in other:
+                twin = Action(op, a.microbatch, a.chunk)
+                if twin in seen:
+                    raise ScheduleError(
+                        f"{where} mixes whole and split backward: {twin} is at "
+                        f"stage {seen[twin][0]} action {seen[twin][1]}"
+                    )
+            seen[a] = (st, i)
+            produced[_producer_key(a)] = (st, i)
+    for m in range(s.microbatches):
+        for c in range(s.num_chunks):
+            home = s.placement[c]
+            if Action("F", m, c) not in seen:
+                raise ScheduleError(f"F(m={m}, chunk={c}) is missing; add it on stage {home}")
+            has_i, has_w = Action("I", m, c) in seen, Action("W", m, c) in seen
+            if Action("B", m, c) not in seen and not (has_i or has_w):
+                raise ScheduleError(
+                    f"the backward of (m={m}, chunk={c}) is missing; add B(m={m}, chunk={c}) "
+                    f"(or I and W) on stage {home}"
+                )
+            if has_i != has_w:
+                lone, lacking = ("I", "W") if has_i else ("W", "I")
+                raise ScheduleError(
+                    f"{lone}(m={m}, chunk={c}) has no matching {lacking}(m={m}, chunk={c}); "
+                    f"add it on stage {home}"
+                )
+    return produced
+
+
+def _dependency_positions(s: Schedule) -> list[list[list[Position]]]:
+    produced = _check_structure(s)
+    return [[[produced[k] for k in _needs(a, s.num_chunks)] for a in row] for row in s.actions]
+
+
+def _blocker(deps: list[list[list[Position]]], st: int, ptr: list[int]) -> Position:
+    """The first input of stage ``st``'s next action that has not run; same-stage ones first."""
+    waits = [(t, j) for t, j in deps[st][ptr[st]] if j >= ptr[t]]
+    return min(waits, key=lambda d: d[0] != st)
+
+
+def _describe_wait(s: Schedule, deps: list[list[list[Position]]], st: int, ptr: list[int]) -> str:
+    i = ptr[st]
+    t, j = _blocker(deps, st, ptr)
+    head = f"stage {st} action {i} {s.actions[st][i]} needs {s.actions[t][j]}"
+    if t == st:
+        return f"{head}, which comes later on the same stage (action {j})"
+    return f"{head} (stage {t} action {j}), which never runs before it (deadlock)"
+
+
+def _advance_all(s: Schedule, deps: list[list[list[Position]]]) -> list[int]:
+    """Run every stage in order as far as dependencies allow; returns how far each got."""
+    ptr = [0] * s.stages
+    progress = True
+    while progress:
+        progress = False
+        for st, row in enumerate(s.actions):
+            i = ptr[st]
+            while i < len(row) and all(j < ptr[t] or (t == st and j < i) for t, j in deps[st][i]):
+                i += 1
+            if i != ptr[st]:
+                ptr[st] = i
+                progress = True
+    return ptr
+
+
+def _raise_deadlock(s: Schedule, deps: list[list[list[Position]]], ptr: list[int]) -> None:
+    """Raise if some stage is stuck at ``ptr`` (a state where no stage can make progress)."""
+    stuck = [st for st in range(s.stages) if ptr[st] < len(s.actions[st])]
+    if not stuck:
+        return
+    # An action waiting on something later in its own list is the root cause; report it first.
+    for st in stuck:
+        if _blocker(deps, st, ptr)[0] == st:
+            raise ScheduleError(_describe_wait(s, deps, st, ptr))
+    # Otherwise stages wait on each other in a cycle: follow the waits until a stage repeats.
+    st, chain = stuck[0], []
+    while st not in chain:
+        chain.append(st)
+        st = _blocker(deps, st, ptr)[0]
+    cycle = chain[chain.index(st) :] + [st]
+    raise ScheduleError(
+        f"{_describe_wait(s, deps, st, ptr)}; cycle: {' -> '.join(f'stage {x}' for x in cycle)}"
+    )
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check that ``schedule`` can run as written; raise ``ScheduleError`` naming the first fault.
+
+    Checks, in order: counts and placement; each action's op, microbatch, chunk and stage
+    (the stage must hold the chunk); duplicates; B mixed with I/W for one pair; missing F or
+    backward; finally executes every stage in order and reports the first stage whose next
+    action waits forever. Returns the schedule so calls can be chained.
+    """
+    deps = _dependency_positions(schedule)
+    _raise_deadlock(schedule, deps, _advance_all(schedule, deps))
+    return schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Timelines
+
+
+class Span(NamedTuple):
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Event-driven timeline: each action starts when its stage is free and its inputs arrived.
+
+    ``bubble_fraction`` = 1 - total busy time / (stages * makespan). ``spans[s][i]`` is the
+    (start, end) of ``schedule.actions[s][i]``.
+    """
+
+    makespan: float
+    bubble_fraction: float
+    busy: tuple[float, ...]
+    held_peak: tuple[int, ...]
+    spans: tuple[tuple[Span, ...], ...]
+    costs: Mapping[str, float]
+    latency: float
+
+
+def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
+    merged = dict(DEFAULT_COSTS)
+    for op, value in (costs or {}).items():
+        if op not in OPS:
+            raise ValueError(f"costs has op {op!r}; ops are {', '.join(OPS)}")
+        if not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"costs[{op!r}]={value!r} must be a number >= 0")
+        merged[op] = float(value)
+    return merged
+
+
+def simulate(
+    schedule: Schedule, costs: Mapping[str, float] | None = None, latency: float = 0.0
+) -> Simulation:
+    """Timeline of ``schedule`` with per-op ``costs`` (overrides of F=1, B=2, I=1, W=1).
+
+    ``latency`` is added whenever a dependency crosses stages (point-to-point transfer).
+    Validates first, so a broken schedule raises ``ScheduleError`` rather than hanging.
+    """
+    cost = _costs(costs)
+    if latency < 0:
+        raise ValueError(f"latency={latency} must be >= 0")
+    deps = _dependency_positions(schedule)
+    end: list[list[float]] = [[0.0] * len(row) for row in schedule.actions]
+    spans: list[list[Span]] = [[Span(0.0, 0.0)] * len(row) for row in schedule.actions]
+    ptr = [0] * schedule.stages
+    progress = True
+    # Sweep stages, running each as far as its inputs allow; start times do not depend on the
+    # sweep order, and a sweep without progress is exactly a deadlock.
+    while progress:
+        progress = False
+        for st, row in enumerate(schedule.actions):
+            i = ptr[st]
+            while i < len(row) and all(j < ptr[t] or (t == st and j < i) for t, j in deps[st][i]):
+                ready = end[st][i - 1] if i else 0.0
+                for t, j in deps[st][i]:
+                    ready = max(ready, end[t][j] + (latency if t != st else 0.0))
+                end[st][i] = ready + cost[row[i].op]
+                spans[st][i] = Span(ready, end[st][i])
+                i += 1
+            progress |= i != ptr[st]
+            ptr[st] = i
+    _raise_deadlock(schedule, deps, ptr)
+    makespan = max((row[-1] for row in end if row), default=0.0)
+    busy = tuple(sum(cost[a.op] for a in row) for row in schedule.actions)
+    bubble = 1.0 - sum(busy) / (schedule.stages * makespan) if makespan else 0.0
+    return Simulation(
+        makespan=makespan,
+        bubble_fraction=bubble,
+        busy=busy,
+        held_peak=schedule.held_peak,
+        spans=tuple(tuple(r) for r in spans),
+        costs=cost,
+        latency=latency,
+    )
+
+
+@dataclass(frozen=True)
+class TickTable:
+    """The lockstep table: ``ticks[t][s]`` is what stage s runs at tick t (None = idle).
+
+    Every action takes one tick; a result made at tick t is usable from tick t+1, on the same
+    stage or another. ``tick_of[s][i]`` is the tick of ``schedule.actions[s][i]``.
+
+    Two bubbles, both for this lockstep execution:
+      ``bubble_fraction``           idle slots / all slots (every op weighs one tick).
+      ``weighted_bubble_fraction``  with op costs, each tick lasting as long as its slowest
+                                    action (stages synchronise every tick), i.e.
+                                    1 - total cost / (stages * ``weighted_makespan``).
+    """
+
+    ticks: tuple[tuple[Action | None, ...], ...]
+    tick_of: tuple[tuple[int, ...], ...]
+    bubble_fraction: float
+    weighted_makespan: float
+    weighted_bubble_fraction: float
+    costs: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_COSTS))
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.ticks)
+
+    @property
+    def stages(self) -> int:
+        return len(self.ticks[0]) if self.ticks else 0
+
+
+def tick_table(schedule: Schedule, costs: Mapping[str, float] | None = None) -> TickTable:
+    """Assign every action a tick, greedily and deterministically (see ``TickTable``).
+
+    At each tick every stage runs its next action if all its inputs were made at an earlier
+    tick, else idles. For a schedule that validates this always finishes; ``costs`` only feed
+    the weighted bubble.
+    """
+    cost = _costs(costs)
+    deps = _dependency_positions(schedule)
+    never = 1 << 62
+    tick_of = [[never] * len(row) for row in schedule.actions]
+    ptr = [0] * schedule.stages
+    ticks: list[tuple[Action | None, ...]] = []
+    remaining = schedule.num_actions
+    t = 0
+    while remaining:
+        slot: list[Action | None] = [None] * schedule.stages
+        for st, row in enumerate(schedule.actions):
+            i = ptr[st]
+            if i < len(row) and all(tick_of[d][j] < t for d, j in deps[st][i]):
+                tick_of[st][i] = t
+                slot[st] = row[i]
+                ptr[st] = i + 1
+                remaining -= 1
+        if not any(a is not None for a in slot):
+            # Nothing could run although work remains: every stage waits on undone work.
+            _raise_deadlock(schedule, deps, ptr)
+        ticks.append(tuple(slot))
+        t += 1
+    slots = len(ticks) * schedule.stages
+    busy = sum(1 for row in ticks for a in row if a is not None)
+    weighted = sum(max((cost[a.op] for a in row if a is not None), default=0.0) for row in ticks)
+    work = sum(cost[a.op] for row in schedule.actions for a in row)
+    return TickTable(
+        ticks=tuple(ticks),
+        tick_of=tuple(tuple(r) for r in tick_of),
+        bubble_fraction=1.0 - busy / slots if slots else 0.0,
+        weighted_makespan=weighted,
+        weighted_bubble_fraction=1.0 - work / (schedule.stages * weighted) if weighted else 0.0,
+        costs=cost,
+    )
+
+
+def stash_slots(schedule: Schedule) -> tuple[dict[tuple[int, int], int], ...]:
+    """Per stage, a stash slot for each (microbatch, chunk), reused once released.
+
+    Slots are taken lowest-free-first at F and freed at B/W, so stage s needs exactly
+    ``held_peak[s]`` slots; a runtime can size fixed buffers by it.
+    """
+    result = []
+    for row in schedule.actions:
+        free: list[int] = []
+        used = 0
+        slots: dict[tuple[int, int], int] = {}
+        live: dict[tuple[int, int], int] = {}
+        for a in row:
+            key = (a.microbatch, a.chunk)
+            if a.op == "F":
+                if free:
+                    free.sort()
+                    slot = free.pop(0)
+                else:
+                    slot, used = used, used + 1
+                slots[key] = live[key] = slot
+            elif a.op in "BW" and key in live:
+                free.append(live.pop(key))
+        result.append(slots)
+    return tuple(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generators and registry
+
+Generator = Callable[[int, int, int], Schedule]
+
+
+MinMicrobatches = Callable[[int, int], int]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    generator: Generator
+    virtual: bool
+    min_microbatches: MinMicrobatches | None
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def _normal(kind: str) -> str:
+    return kind.strip().lower().replace("_", "-")
+
+
+def register(
+    kind: str,
+    generator: Generator,
+    *,
+    virtual: bool = False,
+    min_microbatches: MinMicrobatches | None = None,
+) -> None:
+    """Make ``build(kind, ...)`` call ``generator(stages, microbatches, virtual_stages)``.
+
+    ``virtual`` says whether the kind uses ``virtual_stages`` > 1 (kinds that do not accept
+    only 1). ``min_microbatches(stages, virtual_stages)``, if given, is the fewest microbatches
+    the kind can schedule; ``build`` reports anything lower. The generator returns a
+    ``Schedule`` with any placement it likes; ``build`` validates it, and the runtime only
+    reads the schedule, so a new kind needs no runtime change.
+    """
+    if not isinstance(kind, str) or not kind.strip():
+        raise ValueError(f"kind={kind!r} must be a non-empty string")
+    _REGISTRY[_normal(kind)] = _Entry(generator, virtual, min_microbatches)
+
+
+def kinds() -> list[str]:
+    """Registered schedule kinds, in registration order."""
+    return list(_REGISTRY)
+
+
+def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
+    """Generate and validate a schedule of a registered ``kind``.
+
+    ``virtual_stages`` defaults to 1, or to 2 for kinds that interleave.
+    """
+    if not isinstance(kind, str) or _normal(kind) not in _REGISTRY:
+        raise ValueError(f"unknown schedule kind {kind!r}; known kinds: {', '.join(_REGISTRY)}")
+    kind = _normal(kind)
+    entry = _REGISTRY[kind]
+    stages = _count(stages, "stages")
+    microbatches = _count(microbatches, "microbatches")
+    if virtual_stages is None:
+        virtual_stages = 2 if entry.virtual else 1
+    virtual_stages = _count(virtual_stages, "virtual_stages")
+    if virtual_stages != 1 and not entry.virtual:
+        interleaving = [k for k, e in _REGISTRY.items() if e.virtual]
+        raise ValueError(
+            f"virtual_stages={virtual_stages} is not used by {kind!r}; leave it at 1 or use "
+            f"one of: {', '.join(interleaving)}"
+        )
+    if entry.min_microbatches is not None:
+        need = entry.min_microbatches(stages, virtual_stages)
+        if microbatches < need:
+            raise ValueError(
+                f"microbatches={microbatches} is too few for {kind} with stages={stages} and "
+                f"virtual_stages={virtual_stages}; use at least {need}"
+            )
+    return validate(entry.generator(stages, microbatches, virtual_stages))
+
+
+def _schedule(kind: str, p: int, m: int, v: int, rows: list[list[Action]]) -> Schedule:
+    return Schedule(kind, p, m, v, tuple(c % p for c in range(p * v)), rows)
+
+
+def gpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """All forwards, then all backwards, both in microbatch order 0..m-1 (as PyTorch's GPipe).
+
+    Simple and latency-tolerant but holds every microbatch's activations (peak m per stage).
+    """
+    p, m = stages, microbatches
+    rows = [
+        [Action("F", j, s) for j in range(m)] + [Action("B", j, s) for j in range(m)]
+        for s in range(p)
+    ]
+    return _schedule("gpipe", p, m, 1, rows)
+
+
+def _one_f_one_b_row(p: int, m: int, s: int) -> list[Action]:
+    warmup = min(p - s - 1, m)
+    row = [Action("F", j, s) for j in range(warmup)]
+    for j in range(m - warmup):
+        row += [Action("F", warmup + j, s), Action("B", j, s)]
+    row += [Action("B", j, s) for j in range(m - warmup, m)]
+    return row
+
+
+def one_f_one_b(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """PipeDream-Flush: p-s-1 warm-up forwards on stage s, then F/B pairs, then cool-down Bs.
+
+    Same bubble as GPipe, but stage s holds at most min(p-s, m) microbatches.
+    """
+    p, m = stages, microbatches
+    return _schedule("1f1b", p, m, 1, [_one_f_one_b_row(p, m, s) for s in range(p)])
+
+
+def _interleaved_groups(p: int, m: int) -> list[int]:
+    """Sizes of the microbatch groups each chunk processes before moving to the next chunk.
+
+    Megatron uses groups of exactly p, which needs m to be a multiple of p. Like PyTorch we
+    take r = max(1, m // p) rounds; unlike PyTorch (which then needs r to divide m) we let the
+    first m mod r groups be one larger, so every m works: for m >= p all groups lie in
+    [p, 2p) and the bubble stays (p-1)/(v*m+p-1); for m < p one group of m runs, valid but
+    with a larger bubble.
+    """
+    rounds = max(1, m // p)
+    base, extra = divmod(m, rounds)
+    return [base + 1] * extra + [base] * (rounds - extra)
+
+
+def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: chunk c on stage c mod p, v chunks per stage.
+
+    Each stage walks its chunks group by group (forwards in chunk order, backwards in
+    reverse), with (v-1)*g + 2*(p-s-1) warm-up forwards (g = size of the first group), then
+    F/B pairs, then cool-down backwards. Shrinks the bubble about v-fold for more held
+    activations. With virtual_stages=1 it is exactly 1F1B.
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    if v == 1:
+        return _schedule("interleaved-1f1b", p, m, 1, [_one_f_one_b_row(p, m, s) for s in range(p)])
+    groups = _interleaved_groups(p, m)
+    starts = [sum(groups[:g]) for g in range(len(groups))]
+    rows = []
+    for s in range(p):
+        fwd = [
+            Action("F", start + j, k * p + s)
+            for start, size in zip(starts, groups, strict=True)
+            for k in range(v)
+            for j in range(size)
+        ]
+        bwd = [
+            Action("B", start + j, k * p + s)
+            for start, size in zip(starts, groups, strict=True)
+            for k in reversed(range(v))
+            for j in range(size)
+        ]
+        total = v * m
+        warmup = min((v - 1) * groups[0] + 2 * (p - s - 1), total)
+        row = fwd[:warmup]
+        for j in range(total - warmup):
+            row += [fwd[warmup + j], bwd[j]]
+        row += bwd[total - warmup :]
+        rows.append(row)
+    return _schedule("interleaved-1f1b", p, m, v, rows)
+
+
+def zb_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Zero-bubble H1 (Qi et al. 2023): backward split into I and W, memory of 1F1B.
+
+    Stage s runs 1F1B's warm-up and F/I pairs but defers each W by s microbatches; the
+    deferred Ws fill the cool-down bubbles. Every stage then holds at most min(p, m)
+    activations (1F1B's peak, reached on stage 0) and the bubble drops to about a third of
+    1F1B's with F=I=W=1.
+    """
+    p, m = stages, microbatches
+    rows = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        row = [Action("F", j, s) for j in range(warmup)]
+        steady = [[Action("F", warmup + j, s), Action("I", j, s)] for j in range(m - warmup)]
+        cooldown = [[Action("I", j, s)] for j in range(m - warmup, m)]
+        done_w = 0
+        for j, pair in enumerate(steady + cooldown):
+            row += pair
+            # W(k) may run once I(k + s) has (steady) or right after its I (cool-down).
+            if done_w <= (j - s if j < len(steady) else j):
+                row.append(Action("W", done_w, s))
+                done_w += 1
+        row += [Action("W", k, s) for k in range(done_w, m)]
+        rows.append(row)
+    return _schedule("zb-h1", p, m, 1, rows)
+
+
+register("gpipe", gpipe)
+register("1f1b", one_f_one_b)
+register("interleaved-1f1b", interleaved_1f1b, virtual=True)
+register("zb-h1", zb_h1)
