@@ -161,11 +161,32 @@ def split_sizes(n: int, weights: Sequence[float]) -> list[int]:
 # ----------------------------------------------------------------------------- max flow
 
 
-def _flow_graph(topo: Topology) -> tuple[list[str], np.ndarray]:
-    """Capacity matrix over the nodes a collective may use (unallocated GPUs removed)."""
+def direct_only(topo: Topology) -> bool:
+    """Whether the direct device-to-device links (NVLink) alone connect every device both ways.
+
+    Then trees use only those links, as Blink does: a switch (PCIe, NVSwitch) cannot replicate
+    data, so routes through it share bandwidth in ways a max-flow bound does not see."""
+    p = topo.size
+    reach = np.eye(p, dtype=bool)
+    for (u, v), path in topo.routes.items():
+        reach[u, v] = _is_direct(topo, path)
+    for k in range(p):  # transitive closure
+        reach |= reach[:, [k]] & reach[[k], :]
+    return p > 1 and bool(reach.all())
+
+
+def _is_direct(topo: Topology, path: tuple[int, ...]) -> bool:
+    return len(path) == 1
+
+
+def _flow_graph(topo: Topology, direct: bool) -> tuple[list[str], np.ndarray]:
+    """Capacity matrix over the nodes a collective may use (unallocated GPUs removed; only
+    device-to-device links when `direct`)."""
     allocated = set(topo.devices)
     nodes = sorted(
-        {n for lk in topo.links for n in (lk.src, lk.dst)}
+        allocated
+        if direct
+        else {n for lk in topo.links for n in (lk.src, lk.dst)}
         - {g for g in topo.gpus if g not in allocated}
     )
     index = {n: i for i, n in enumerate(nodes)}
@@ -206,9 +227,10 @@ def max_flow(cap: np.ndarray, s: int, t: int) -> float:
 
 
 @functools.cache
-def broadcast_bound(topo: Topology, root: int) -> float:
-    """Max-flow bound on broadcast rate from `root`: min over devices of the root->device cut."""
-    nodes, cap = _flow_graph(topo)
+def broadcast_bound(topo: Topology, root: int, direct: bool | None = None) -> float:
+    """Max-flow bound on broadcast rate from `root`: min over devices of the root->device cut
+    (over direct links only when `direct`; default: `direct_only(topo)`, as the packer)."""
+    nodes, cap = _flow_graph(topo, direct_only(topo) if direct is None else direct)
     s = nodes.index(topo.devices[root])
     return min(
         max_flow(cap, s, nodes.index(d)) for i, d in enumerate(topo.devices) if i != root
@@ -216,14 +238,14 @@ def broadcast_bound(topo: Topology, root: int) -> float:
 
 
 @functools.cache
-def reduce_bound(topo: Topology, root: int) -> float:
+def reduce_bound(topo: Topology, root: int, direct: bool | None = None) -> float:
     """Max-flow bound on reduce rate into `root`: min over devices of the device->root cut."""
-    nodes, cap = _flow_graph(topo)
+    nodes, cap = _flow_graph(topo, direct_only(topo) if direct is None else direct)
     t = nodes.index(topo.devices[root])
     return min(max_flow(cap, nodes.index(d), t) for i, d in enumerate(topo.devices) if i != root)
 
 
-def allreduce_bound(topo: Topology, nbytes: float) -> float:
+def allreduce_bound(topo: Topology, nbytes: float, direct: bool | None = None) -> float:
     """Lower bound (seconds) on any reduce-then-broadcast all-reduce through one root.
 
     Every byte must cross the root's minimum cut twice (in, then out), whatever the trees. It
@@ -232,7 +254,7 @@ def allreduce_bound(topo: Topology, nbytes: float) -> float:
     if topo.size == 1:
         return 0.0
     return min(
-        nbytes / reduce_bound(topo, r) + nbytes / broadcast_bound(topo, r)
+        nbytes / reduce_bound(topo, r, direct) + nbytes / broadcast_bound(topo, r, direct)
         for r in range(topo.size)
     )
 
@@ -305,7 +327,7 @@ def _usage(topo: Topology, tree: Parents) -> np.ndarray:
     return use
 
 
-def _pack_from(topo: Topology, root: int, max_iters: int = 200) -> Packing:
+def _pack_from(topo: Topology, root: int, direct: bool, max_iters: int = 200) -> Packing:
     from scipy.optimize import linprog  # scipy ships with jax; only the packer needs it
 
     p = topo.size
@@ -314,11 +336,17 @@ def _pack_from(topo: Topology, root: int, max_iters: int = 200) -> Packing:
     caps_n = caps / scale
     routes = topo.routes
     route_of = np.zeros((p, p, len(caps)))
+    allowed = np.zeros((p, p), dtype=bool)
     for (u, v), path in routes.items():
+        allowed[u, v] = _is_direct(topo, path) or not direct
         for k in path:
             route_of[u, v, k] += 1
+
+    def arc_cost(prices: np.ndarray) -> np.ndarray:
+        return np.where(allowed, route_of @ prices, np.inf)
+
     # First column: the arborescence of fastest routes.
-    pool = [min_arborescence(route_of @ (1.0 / caps_n), root)]
+    pool = [min_arborescence(arc_cost(1.0 / caps_n), root)]
     x = np.ones(1)
     for _ in range(max_iters):
         usage = np.stack([_usage(topo, t) for t in pool], axis=1)
@@ -328,8 +356,9 @@ def _pack_from(topo: Topology, root: int, max_iters: int = 200) -> Packing:
         if res.status != 0:
             raise RuntimeError(f"tree packing LP failed on {topo.name!r}: {res.message}")
         x, duals = res.x, -res.ineqlin.marginals
-        tree = min_arborescence(route_of @ duals, root)
-        price = sum((route_of[u, v] @ duals) for v, u in enumerate(tree) if u >= 0)
+        cost = arc_cost(duals)
+        tree = min_arborescence(cost, root)
+        price = sum(cost[u, v] for v, u in enumerate(tree) if u >= 0)
         if price >= 1 - 1e-9 or tree in pool:
             break
         pool.append(tree)
@@ -341,17 +370,21 @@ def _pack_from(topo: Topology, root: int, max_iters: int = 200) -> Packing:
         trees=trees,
         weights=tuple(float(x[i]) / total for i in keep),
         rate=total * scale,
-        bound=broadcast_bound(topo, root),
+        bound=broadcast_bound(topo, root, direct),
     )
 
 
 @functools.cache
-def pack_trees(topo: Topology, root: int | None = None) -> Packing:
-    """The best packing of spanning trees over `topo` (all roots tried when `root` is None)."""
+def pack_trees(topo: Topology, root: int | None = None, direct: bool | None = None) -> Packing:
+    """The best packing of spanning trees over `topo` (all roots tried when `root` is None).
+
+    `direct`: use only device-to-device links (default `direct_only(topo)`: when they connect
+    all devices, as NVLink does on a DGX-1); False also uses routes through switches."""
     if topo.size == 1:
         return Packing(0, ((-1,),), (1.0,), math.inf, math.inf)
     if root is not None and not 0 <= root < topo.size:
         raise ValueError(f"root={root} must be in [0, {topo.size}) for {topo.name!r}")
     roots = range(topo.size) if root is None else [root]
-    packs = [_pack_from(topo, r) for r in roots]
+    direct = direct_only(topo) if direct is None else direct
+    packs = [_pack_from(topo, r, direct) for r in roots]
     return max(packs, key=lambda pk: (round(pk.rate / 1e6), -pk.height, -pk.root))

@@ -18,15 +18,13 @@ backward pass, and that the backward needs much less than the full values:
 
 A model is written once against the model-facing functions :func:`relu`, :func:`relu_maxpool`,
 :func:`dense` and :func:`conv`; they use plain ops unless an encoding is selected by the trace-time
-context ``with gist.encodings([...]):`` (a contextvar, read while tracing). Enter it *inside* the
-function that is jitted (or wrap that function with :func:`with_encodings`): jit caches traces by
-function, not by context.
+context ``with gist.encodings([...]):`` (a ``jax.make_user_context`` value, read while tracing
+and part of jax's trace cache keys), or by wrapping the traced function with :func:`with_encodings`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -142,24 +140,27 @@ def parse(names: Iterable[str] | str | Encodings | None) -> Encodings:
 
 
 _NONE = Encodings()
-_ACTIVE: contextvars.ContextVar[Encodings | None] = contextvars.ContextVar(
-    "fiddlejax_gist_encodings", default=None
-)
+# A jax user context rather than a bare contextvar: its value is part of every jax tracing and
+# compilation cache key, so switching encodings re-traces even a scan body or jitted function
+# that was already traced under other encodings (a plain contextvar would hit the stale trace).
+_CONTEXT = jax.make_user_context(default_value=None)
 
 
 def active() -> Encodings:
     """The encodings selected for the trace in progress (none outside ``encodings(...)``)."""
-    return _ACTIVE.get() or _NONE
+    return _CONTEXT.value or _NONE
 
 
 @contextlib.contextmanager
 def encodings(names: Iterable[str] | str | Encodings | None) -> Iterator[Encodings]:
-    """Select encodings for the model-facing functions traced inside this block."""
-    token = _ACTIVE.set(parse(names))
-    try:
-        yield active()
-    finally:
-        _ACTIVE.reset(token)
+    """Select encodings for the model-facing functions traced inside this block.
+
+    Tracing caches (``jax.jit``, ``lax.scan`` bodies) are keyed on the selection, so entering it
+    around a call of an already-jitted function re-traces that function with the encodings.
+    """
+    enc = parse(names)
+    with _CONTEXT(enc if enc != _NONE else None):
+        yield enc
 
 
 def with_encodings(fn: F, names: Iterable[str] | str | Encodings | None) -> F:

@@ -246,8 +246,14 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any], *, check: bool = Tr
 
 
 def dump(schedule: Schedule, path: str | os.PathLike[str] | None = None) -> str:
-    """The schedule as indented JSON; also written to ``path`` when given."""
-    text = schedule.to_json(indent=1)
+    """The schedule as JSON, one stage's action list per line (easy to read and edit by hand).
+
+    Also written to ``path`` when given. ``load`` reads it back.
+    """
+    d = schedule.to_dict()
+    head = [f" {json.dumps(k)}: {json.dumps(d[k])}," for k in d if k != "actions"]
+    rows = ",\n".join("  " + json.dumps(row) for row in d["actions"])
+    text = "{\n" + "\n".join(head) + '\n "actions": [\n' + rows + "\n ]\n}"
     if path is not None:
         Path(path).write_text(text + "\n")
     return text

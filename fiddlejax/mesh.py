@@ -1,0 +1,77 @@
+"""Device meshes with the named axes fiddlejax uses: ``data``, ``pipe``, ``tensor``.
+
+The axis order is fixed (``data`` outermost, ``tensor`` innermost) so that, with devices listed
+host by host, a tensor group sits on the fastest links inside one node, the pipeline crosses the
+next-fastest, and data parallelism spans the rest. Axes are ``Auto``: the runtime makes ``data``
+and ``pipe`` manual inside ``jax.shard_map`` and leaves ``tensor`` to the GSPMD partitioner
+(DESIGN section 6).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "pipe", "tensor")
+
+
+def _resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
+    for name, size in sizes.items():
+        if not isinstance(size, int | np.integer) or isinstance(size, bool):
+            raise TypeError(f"{name}={size!r} must be an int (or -1 to infer it)")
+        if size == 0 or size < -1:
+            raise ValueError(f"{name}={size} must be a positive int, or -1 to infer it")
+    inferred = [n for n, s in sizes.items() if s == -1]
+    if len(inferred) > 1:
+        raise ValueError(
+            f"only one axis may be -1 (inferred), got {', '.join(f'{n}=-1' for n in inferred)}; "
+            "give explicit sizes for all but one"
+        )
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if inferred:
+        if n_devices % known:
+            raise ValueError(
+                f"cannot infer {inferred[0]}: {n_devices} devices are not divisible by the "
+                f"product {known} of the other axes ({_fmt(sizes)})"
+            )
+        sizes = {**sizes, inferred[0]: n_devices // known}
+    if math.prod(sizes.values()) != n_devices:
+        raise ValueError(
+            f"mesh {_fmt(sizes)} needs {math.prod(sizes.values())} devices but {n_devices} are "
+            f"available; make data*pipe*tensor equal {n_devices} (or pass -1 for one axis)"
+        )
+    return sizes
+
+
+def _fmt(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def make_mesh(
+    data: int = -1,
+    pipe: int = 1,
+    tensor: int = 1,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A mesh with axes ``("data", "pipe", "tensor")``; ``-1`` infers one axis from the devices.
+
+    ``devices`` defaults to ``jax.devices()`` (every process's devices, host-major), so ``tensor``
+    varies fastest and stays within a host whenever ``tensor`` divides the devices per host.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    if not devs:
+        raise ValueError("devices= is empty; pass at least one device")
+    sizes = _resolve_sizes({"data": data, "pipe": pipe, "tensor": tensor}, len(devs))
+    shape = tuple(sizes[a] for a in AXES)
+    grid = np.array(devs, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+    """Size of ``name`` in ``mesh`` (1 if the mesh lacks that axis)."""
+    return int(mesh.shape.get(name, 1))

@@ -1,0 +1,100 @@
+"""Plan: the parallel layout of a training job, validated before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import Mesh
+
+from fiddlejax.mesh import AXES, axis_size
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How to lay a model out on ``mesh`` (axes ``data``, ``pipe``, ``tensor``).
+
+    - ``schedule``: pipeline schedule kind; ``None`` means no pipeline (then ``pipe`` must be 1).
+      Defaults to ``"1f1b"`` when the mesh has ``pipe > 1``.
+    - ``microbatches``: per step, per data-parallel replica; gradients are accumulated over them.
+    - ``virtual_stages``: model chunks per pipeline stage (interleaved schedules).
+    - ``remat``: rematerialization policy name (``fiddlejax.memory``) or a policy object.
+    - ``encodings``: Gist-style activation encodings (``fiddlejax.memory.gist``).
+    - ``grad_allreduce``: algorithm for the data-parallel gradient reduction
+      (``fiddlejax.collectives``); ``bucket_bytes`` groups small gradients into one reduction.
+    - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1).
+    - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
+    - ``memory_budget``: bytes per device, for ``remat="auto"``.
+    """
+
+    mesh: Mesh
+    schedule: str | None = "default"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    remat: object = "none"
+    encodings: Sequence[str] = ()
+    grad_allreduce: str = "xla"
+    bucket_bytes: int = 4 << 20
+    zero: int = 0
+    partition: str = "uniform"
+    memory_budget: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh) or tuple(self.mesh.axis_names) != AXES:
+            names = getattr(self.mesh, "axis_names", None)
+            raise ValueError(
+                f"Plan.mesh must be a mesh with axes {AXES} (got {names!r}); "
+                "build it with fiddlejax.make_mesh(data=, pipe=, tensor=)"
+            )
+        pipe = axis_size(self.mesh, "pipe")
+        if self.schedule == "default":
+            object.__setattr__(self, "schedule", "1f1b" if pipe > 1 else None)
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule!r} is unknown; use one of {SCHEDULES} or None"
+            )
+        if self.schedule is None and pipe > 1:
+            raise ValueError(
+                f"the mesh has pipe={pipe} but schedule=None; pick a pipeline schedule, e.g. "
+                "schedule='1f1b'"
+            )
+        for name in ("microbatches", "virtual_stages", "bucket_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
+                f"(got {self.schedule!r}); set virtual_stages=1 or change the schedule"
+            )
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero={self.zero!r} must be 0 (off) or 1 (shard optimizer state)")
+        if self.partition not in ("uniform", "params", "cost"):
+            raise ValueError(
+                f"partition={self.partition!r} must be 'uniform', 'params' or 'cost'"
+            )
+        if isinstance(self.encodings, str):
+            object.__setattr__(self, "encodings", (self.encodings,))
+        object.__setattr__(self, "encodings", tuple(self.encodings))
+
+    @property
+    def data(self) -> int:
+        return axis_size(self.mesh, "data")
+
+    @property
+    def pipe(self) -> int:
+        return axis_size(self.mesh, "pipe")
+
+    @property
+    def tensor(self) -> int:
+        return axis_size(self.mesh, "tensor")
+
+    def describe(self) -> dict:
+        """A JSON-friendly summary (for logs and checkpoint metadata)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh"}
+        d["remat"] = getattr(self.remat, "name", self.remat)
+        d["encodings"] = list(self.encodings)
+        d["mesh"] = {a: axis_size(self.mesh, a) for a in AXES}
+        return d

@@ -1,0 +1,299 @@
+"""``parallelize``: a Flax model, an optax optimizer and a Plan become a Trainer of pure jitted steps.
+
+One step is one jitted program: ``jax.shard_map`` manual over ``data`` (and ``pipe`` when
+pipelining) computes each replica's loss and gradients, with ``tensor`` left to the GSPMD
+partitioner for Megatron-style tensor parallelism; gradients are reduced over ``data`` with the
+plan's all-reduce algorithm; the optimizer update runs on the sharded parameters (optimizer
+state sharded over ``data`` too with ZeRO-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fiddlejax import layout, staged
+from fiddlejax.plan import Plan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a step updates: the step counter, internal-layout parameters, optimizer state."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: Any
+
+
+def _rel(x: int, what: str) -> str:
+    return f"{what}={x}"
+
+
+class Trainer:
+    """Pure, jitted functions for one model, optimizer and plan. Build with :func:`parallelize`."""
+
+    def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,
+                 loss: staged.Loss | None = None):
+        self.plan = plan
+        self.mesh = plan.mesh
+        self.optimizer = optimizer
+        self.model_name = type(model).__name__
+        self.staged, canonical = staged.split(model, loss)
+        self._batch_spec = getattr(model, "batch_spec", None)
+        self._canonical_template = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
+        self._init_params = canonical
+        self._remat = _resolve_remat(plan.remat)
+        if plan.schedule is not None:
+            from fiddlejax.pipeline import runtime
+
+            self._pipeline = runtime.build(self.staged, plan, self._canonical_template)
+        else:
+            self._pipeline = None
+        internal = jax.eval_shape(self._to_internal, canonical)
+        spec_tree = (self._pipeline.param_specs(internal) if self._pipeline
+                     else layout.specs(internal))
+        layout.check_divisible(internal, spec_tree, self.mesh)
+        self.param_shardings = layout.shardings(self.mesh, spec_tree)
+        opt_abstract = jax.eval_shape(optimizer.init, internal)
+        self.opt_shardings = _opt_shardings(optimizer, opt_abstract, spec_tree, plan)
+        self.state_shardings = TrainState(
+            NamedSharding(self.mesh, P()), self.param_shardings, self.opt_shardings)
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self._step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
+                             out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._loss_and_grads = jax.jit(self._loss_and_grads_impl)
+        self._to_canonical_jit = jax.jit(self._to_canonical)
+
+    # -- layouts -----------------------------------------------------------------------------
+    def _to_internal(self, canonical: nnx.State) -> nnx.State:
+        params = layout.pad_vocab(canonical, self.plan.tensor)
+        return self._pipeline.to_internal(params) if self._pipeline else params
+
+    def _to_canonical(self, internal: nnx.State) -> nnx.State:
+        params = self._pipeline.to_canonical(internal) if self._pipeline else internal
+        return layout.unpad_vocab(params, self._canonical_template)
+
+    # -- the computation ---------------------------------------------------------------------
+    def _microbatch_loss(self, params: nnx.State, batch: dict) -> jax.Array:
+        s = self.staged
+        layer = self._remat(s.layer)
+        x = s.prologue(params, batch)
+        x = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params[s.stack])[0]
+        return s.epilogue(params, x, batch)
+
+    def _local_loss_and_grads(self, params: nnx.State, batch: dict):
+        """Mean loss and gradients of one data-parallel replica's batch (inside shard_map)."""
+        m = self.plan.microbatches
+        vg = jax.value_and_grad(self._microbatch_loss)
+        if m == 1:
+            return vg(params, batch)
+        mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+        def body(acc, mb):
+            loss, grads = vg(params, mb)
+            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        total = jax.lax.scan(body, zeros, mbs)[0]
+        return jax.tree.map(lambda a: a / m, total)
+
+    def _reduce(self, loss, grads):
+        n = self.plan.data
+        if n == 1:  # no data parallelism: nothing to reduce
+            return loss, grads
+        loss = jax.lax.pmean(loss, "data")
+        if self.plan.grad_allreduce == "xla":
+            grads = jax.lax.pmean(grads, "data")
+        else:
+            from fiddlejax import collectives
+
+            grads = collectives.allreduce_tree(grads, "data", algorithm=self.plan.grad_allreduce,
+                                               bucket_bytes=self.plan.bucket_bytes)
+            grads = jax.tree.map(lambda g: g / n, grads)
+        return loss, grads
+
+    def _sharded_loss_and_grads(self, params: nnx.State, batch: dict):
+        with _encodings(self.plan.encodings):
+            if self._pipeline is not None:
+                return self._pipeline.loss_and_grads(params, batch, self._reduce, self._remat)
+
+            def per_replica(p, b):
+                if self.plan.data > 1:
+                    # Mark the replicated params as varying over `data` so autodiff returns
+                    # each replica's own gradients (instead of an implicit psum) and the
+                    # plan's all-reduce algorithm does the reduction.
+                    p = jax.lax.pcast(p, ("data",), to="varying")
+                return self._reduce(*self._local_loss_and_grads(p, b))
+
+            if self.plan.data == 1:  # nothing to make manual; GSPMD handles `tensor`
+                return per_replica(params, batch)
+            return jax.shard_map(
+                per_replica, mesh=self.mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                axis_names={"data"},
+            )(params, batch)
+
+    def _loss_and_grads_impl(self, state: TrainState, batch: dict):
+        loss, grads = self._sharded_loss_and_grads(state.params, batch)
+        return loss, self._to_canonical(grads)
+
+    def _step_impl(self, state: TrainState, batch: dict):
+        loss, grads = self._sharded_loss_and_grads(state.params, batch)
+        grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    # -- public API --------------------------------------------------------------------------
+    def init(self, params: nnx.State | None = None) -> TrainState:
+        """A sharded TrainState from the model's weights (or from canonical ``params``)."""
+        canonical = self._init_params if params is None else params
+        self._check_canonical(canonical)
+
+        @partial(jax.jit, out_shardings=self.state_shardings)
+        def init(c):
+            internal = self._to_internal(c)
+            return TrainState(jnp.zeros((), jnp.int32), internal, self.optimizer.init(internal))
+
+        return init(canonical)
+
+    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One optimizer step on a global batch; returns the new state and metrics."""
+        return self._step(state, self.shard_batch(batch))
+
+    def loss_and_grads(self, state: TrainState, batch: dict) -> tuple[jax.Array, nnx.State]:
+        """Mean loss and its gradients, in the canonical layout of the model's parameters."""
+        return self._loss_and_grads(state, self.shard_batch(batch))
+
+    def params(self, state: TrainState) -> nnx.State:
+        """The parameters in the canonical layout of ``nnx.state(model, nnx.Param)``."""
+        return self._to_canonical_jit(state.params)
+
+    def shard_batch(self, batch: dict) -> dict:
+        """Check a global batch and place it sharded over ``data``."""
+        self.check_batch(batch)
+        return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
+
+    def check_batch(self, batch: dict) -> None:
+        """Raise a clear error for a batch this trainer cannot take, before compiling."""
+        if not isinstance(batch, dict):
+            raise TypeError(f"batch must be a dict of arrays, got {type(batch).__name__}")
+        sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
+        bs = set(sizes.values())
+        if len(bs) != 1 or None in bs:
+            raise ValueError(f"batch arrays must share a leading batch dimension; got {sizes}")
+        b = bs.pop()
+        per = self.plan.data * self.plan.microbatches
+        if b % per:
+            raise ValueError(
+                f"global batch size {b} is not divisible by data={self.plan.data} x "
+                f"microbatches={self.plan.microbatches} = {per}; use a multiple of {per} "
+                f"such as {max(per, b - b % per)}"
+            )
+        if self._batch_spec is None:
+            return
+        want = self._batch_spec(b)
+        if set(want) != set(batch):
+            raise ValueError(
+                f"{self.model_name} expects batch keys {sorted(want)}, got {sorted(batch)}")
+        for k, spec in want.items():
+            x = batch[k]
+            if tuple(np.shape(x)) != tuple(spec.shape) or np.dtype(x.dtype) != spec.dtype:
+                raise ValueError(
+                    f"batch[{k!r}] is {np.dtype(x.dtype).name}{list(np.shape(x))}, but "
+                    f"{self.model_name} expects {np.dtype(spec.dtype).name}{list(spec.shape)}")
+
+    def _check_canonical(self, params: nnx.State) -> None:
+        want = jax.tree.map(lambda a: (a.shape, a.dtype), self._canonical_template)
+        got = jax.tree.map(lambda a: (tuple(a.shape), a.dtype), params)
+        if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+            raise ValueError(f"params do not match {self.model_name}'s parameter tree and shapes")
+
+    def compiled_step(self, state: TrainState, batch: dict):
+        """The compiled step, for ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``."""
+        return self._step.lower(state, self.shard_batch(batch)).compile()
+
+    def lower_loss_and_grads(self, state: TrainState, batch: dict):
+        return self._loss_and_grads.lower(state, self.shard_batch(batch))
+
+
+def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,
+                loss: staged.Loss | None = None) -> Trainer:
+    """Lay ``model`` out by ``plan`` and return its :class:`Trainer`.
+
+    ``loss(outputs, batch) -> scalar`` replaces the model's own ``loss`` (for GPT: mean
+    next-token cross-entropy).
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a fiddlejax.Plan, got {type(plan).__name__}")
+    return Trainer(model, optimizer, plan, loss)
+
+
+def _resolve_remat(remat) -> Callable[[Callable], Callable]:
+    if remat in (None, "none"):
+        return lambda f: f
+    from fiddlejax.memory import policies
+
+    policy = policies.resolve(remat)
+    return lambda f: policies.remat_layer(f, policy)
+
+
+def _encodings(encodings):
+    if not encodings:
+        return contextlib.nullcontext()
+    from fiddlejax.memory import gist
+
+    return gist.encodings(list(encodings))
+
+
+def _opt_shardings(optimizer, opt_abstract, spec_tree, plan: Plan):
+    """Optimizer-state shardings mirror the parameters'; ZeRO-1 also splits them over ``data``."""
+    mesh = plan.mesh
+
+    def spec_for(leaf, spec):
+        s = spec if isinstance(spec, P) else spec[...]
+        if plan.zero and plan.data > 1:
+            s = _add_data_axis(s, leaf.shape, plan.data)
+        return NamedSharding(mesh, s)
+
+    def unwrap(x):
+        return x.get_value() if isinstance(x, nnx.Variable) else x
+
+    specs = jax.tree.map(lambda v: v.get_value(), spec_tree,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return optax.tree_map_params(
+        optimizer,
+        lambda leaf, spec: spec_for(unwrap(leaf), spec),
+        opt_abstract,
+        specs,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+        is_leaf=lambda x: isinstance(x, P | nnx.Variable),
+    )
+
+
+def _add_data_axis(spec: P, shape: tuple[int, ...], data: int) -> P:
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for d, (size, ax) in enumerate(zip(shape, parts)):
+        if ax is None and size % data == 0 and size >= data:
+            parts[d] = "data"
+            return P(*parts)
+    return P(*parts)
+
+
+def flops_per_step(trainer: Trainer, state: TrainState, batch: dict) -> float:
+    """Compiled FLOPs of one step on one device (``cost_analysis``), for throughput reports."""
+    cost = trainer.compiled_step(state, batch).cost_analysis()
+    return float(cost.get("flops", math.nan)) if cost else math.nan

@@ -1,0 +1,141 @@
+"""Transformer pieces shared by GPT and BERT: a pre-LayerNorm block and helpers for stacked layers.
+
+Parameters carry logical axis names (``out_sharding``) so fiddlejax can shard them by rules; the
+attention projections and MLP outputs carry the canonical ``checkpoint_name`` tags of
+``fiddlejax.memory.names`` so remat policies can address them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from fiddlejax.memory import names
+
+Init = Callable[..., jax.Array]
+
+
+def annotated(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter tagged with logical axis names; fiddlejax maps them to mesh axes later."""
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    """An ``nnx.Param`` initialised by ``init`` and annotated with logical axis names."""
+    return annotated(init(rngs.params(), shape, jnp.float32), axes)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int):
+        self.scale = annotated(jnp.ones((dim,)), ("embed",))
+        self.bias = annotated(jnp.zeros((dim,)), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return layer_norm(x, self.scale[...], self.bias[...])
+
+
+class Block(nnx.Module):
+    """Pre-LN transformer layer: x + Attn(LN(x)), then x + MLP(LN(x)).
+
+    Q/K/V are column-parallel over heads, the output projection row-parallel; the MLP's first
+    matmul is column-parallel over its hidden units, the second row-parallel (Megatron).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        causal: bool,
+        dropout: float,
+        n_layers: int,
+        rngs: nnx.Rngs,
+    ):
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        dh = d_model // n_heads
+        std = 0.02
+        out_std = std / (2 * n_layers) ** 0.5  # GPT-2's scaled init of residual projections
+        normal = jax.nn.initializers.normal
+        self.causal = causal
+        self.ln1 = LayerNorm(d_model)
+        self.wq = param(rngs, normal(std), (d_model, n_heads, dh), ("embed", "heads", "head_dim"))
+        self.wk = param(rngs, normal(std), (d_model, n_heads, dh), ("embed", "heads", "head_dim"))
+        self.wv = param(rngs, normal(std), (d_model, n_heads, dh), ("embed", "heads", "head_dim"))
+        self.wo = param(rngs, normal(out_std), (n_heads, dh, d_model), ("heads", "head_dim", "embed"))
+        self.bo = annotated(jnp.zeros((d_model,)), ("embed",))
+        self.ln2 = LayerNorm(d_model)
+        self.w1 = param(rngs, normal(std), (d_model, d_ff), ("embed", "mlp"))
+        self.b1 = annotated(jnp.zeros((d_ff,)), ("mlp",))
+        self.w2 = param(rngs, normal(out_std), (d_ff, d_model), ("mlp", "embed"))
+        self.b2 = annotated(jnp.zeros((d_model,)), ("embed",))
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+
+    def _drop(self, x: jax.Array) -> jax.Array:
+        return self.dropout(x) if self.dropout is not None else x
+
+    def attention(self, x: jax.Array) -> jax.Array:
+        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
+        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
+        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        if self.causal:
+            t = x.shape[1]
+            mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        ctx = checkpoint_name(jnp.einsum("bhts,bshk->bthk", probs, v), names.CONTEXT)
+        out = jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]) + self.bo[...]
+        return checkpoint_name(out, names.ATTN_OUT)
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        h = checkpoint_name(x @ self.w1[...] + self.b1[...], names.MLP_HIDDEN)
+        h = jax.nn.gelu(h)
+        return checkpoint_name(h @ self.w2[...] + self.b2[...], names.MLP_OUT)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self._drop(self.attention(self.ln1(x)))
+        return x + self._drop(self.mlp(self.ln2(x)))
+
+
+def stacked(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+    """``n`` layers built by ``make`` with parameters stacked on a leading ``layers`` axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(r: nnx.Rngs) -> nnx.Module:
+        return make(r)
+
+    return build(rngs)
+
+
+def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
+    """Apply stacked layers in order with a ``lax.scan`` (one compiled layer body)."""
+    graphdef, state = nnx.split(layers)
+
+    def body(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h), None
+
+    return jax.lax.scan(body, x, state)[0]
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+    """Per-position cross-entropy; logits past ``vocab_size`` (sharding padding) are ignored."""
+    logits = logits.astype(jnp.float32)
+    if logits.shape[-1] > vocab_size:
+        valid = jnp.arange(logits.shape[-1]) < vocab_size
+        logits = jnp.where(valid, logits, -1e30)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return logz - picked

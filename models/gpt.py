@@ -1,0 +1,85 @@
+"""GPT: a decoder-only, pre-LayerNorm transformer with learned positions.
+
+Stage declaration (what fiddlejax's layouts build on):
+- ``prologue(batch)``: token + position embedding of ``tokens[:, :-1]``;
+- ``blocks``: ``n_layers`` identical :class:`~models.common.Block`s stacked on a leading axis;
+- ``head(x)``: final LayerNorm and the vocabulary projection (tied to the embedding if asked);
+- ``loss(logits, batch)``: mean next-token cross-entropy against ``tokens[:, 1:]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.common import Block, LayerNorm, cross_entropy, param, scan_layers, stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 512
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for f in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"GPTConfig.{f}={v!r} must be a positive int")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+
+
+class GPT(nnx.Module):
+    stack = "blocks"  # the attribute holding the stacked layers
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        normal = jax.nn.initializers.normal
+        self.wte = param(rngs, normal(0.02), (c.vocab_size, c.d_model), ("vocab", "embed"))
+        self.wpe = param(rngs, normal(0.01), (c.seq_len, c.d_model), ("seq", "embed"))
+        self.blocks = stacked(
+            c.n_layers,
+            lambda r: Block(
+                c.d_model, c.n_heads, c.d_ff, causal=True, dropout=c.dropout,
+                n_layers=c.n_layers, rngs=r,
+            ),
+            rngs,
+        )
+        self.ln_f = LayerNorm(c.d_model)
+        if not c.tie_embeddings:
+            self.lm_head = param(rngs, normal(0.02), (c.d_model, c.vocab_size), ("embed", "vocab"))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        t = tokens.shape[1]
+        if t > self.config.seq_len:
+            raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}")
+        return jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:t]
+
+    def prologue(self, batch: dict) -> jax.Array:
+        return self.embed(batch["tokens"][:, :-1])
+
+    def head(self, x: jax.Array) -> jax.Array:
+        x = self.ln_f(x)
+        if self.config.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", x, self.wte[...])
+        return x @ self.lm_head[...]
+
+    def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
+        return cross_entropy(logits, batch["tokens"][:, 1:], self.config.vocab_size).mean()
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``[B, T, vocab]`` for ``tokens[B, T]``."""
+        return self.head(scan_layers(self.blocks, self.embed(tokens)))
