@@ -50,8 +50,8 @@ def text_timeline(
         for a, span in zip(row, sim.spans[st], strict=True):
             start, end = round(span.start / unit), round(span.end / unit)
             cells += "." * (start * width - len(cells))
-            cells += label(a, schedule).ljust((end - start) * width - 1)[: (end - start) * width - 1]
-            cells += "|"
+            room = (end - start) * width - 1
+            cells += label(a, schedule).ljust(room)[:room] + "|"
         cells += "." * (columns * width - len(cells))
         lines.append(f"stage {st:>2} {cells}")
     return "\n".join(lines)
@@ -206,7 +206,10 @@ def _parser() -> argparse.ArgumentParser:
 def schedule_command(argv: Sequence[str]) -> int:
     """``fiddlejax schedule KIND --stages P --microbatches M [...]``; returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(list(argv))
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exit_:  # argparse already printed usage or help
+        return int(exit_.code or 0)
     try:
         costs = _parse_costs(args.costs) or None
         if args.kind.endswith(".json") or os.path.isfile(args.kind):
@@ -214,15 +217,17 @@ def schedule_command(argv: Sequence[str]) -> int:
         else:
             missing = [f"--{n}" for n in ("stages", "microbatches") if getattr(args, n) is None]
             if missing:
-                parser.error(f"{' and '.join(missing)} required to build {args.kind!r}")
+                raise ValueError(f"{' and '.join(missing)} required to build {args.kind!r}")
             schedule = schedules.build(
                 args.kind, args.stages, args.microbatches, args.virtual_stages
             )
         if args.json:
             print(schedules.dump(schedule))
         else:
-            body = tick_text(schedule) if args.ticks else text_timeline(schedule, costs, args.latency)
-            print(body)
+            if args.ticks:
+                print(tick_text(schedule))
+            else:
+                print(text_timeline(schedule, costs, args.latency))
             print()
             print(summary(schedule, costs, args.latency))
         if args.png:
