@@ -13,7 +13,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fiddlejax.sharding import DEFAULT_RULES, logical_to_spec
 

@@ -1,4 +1,4 @@
-"""``parallelize``: a Flax model, an optax optimizer and a Plan become a Trainer of pure jitted steps.
+"""``parallelize``: a Flax model, an optax optimizer and a Plan become a Trainer of jitted steps.
 
 One step is one jitted program: ``jax.shard_map`` manual over ``data`` (and ``pipe`` when
 pipelining) computes each replica's loss and gradients, with ``tensor`` left to the GSPMD
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fiddlejax import layout, staged
 from fiddlejax.plan import Plan

@@ -73,7 +73,9 @@ class Block(nnx.Module):
         self.wq = param(rngs, normal(std), (d_model, n_heads, dh), ("embed", "heads", "head_dim"))
         self.wk = param(rngs, normal(std), (d_model, n_heads, dh), ("embed", "heads", "head_dim"))
         self.wv = param(rngs, normal(std), (d_model, n_heads, dh), ("embed", "heads", "head_dim"))
-        self.wo = param(rngs, normal(out_std), (n_heads, dh, d_model), ("heads", "head_dim", "embed"))
+        self.wo = param(
+            rngs, normal(out_std), (n_heads, dh, d_model), ("heads", "head_dim", "embed")
+        )
         self.bo = annotated(jnp.zeros((d_model,)), ("embed",))
         self.ln2 = LayerNorm(d_model)
         self.w1 = param(rngs, normal(std), (d_model, d_ff), ("embed", "mlp"))
@@ -137,5 +139,6 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax
         valid = jnp.arange(logits.shape[-1]) < vocab_size
         logits = jnp.where(valid, logits, -1e30)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # A one-hot contraction instead of a gather keeps vocabulary-sharded logits sharded.
+    picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
     return logz - picked

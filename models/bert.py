@@ -1,0 +1,102 @@
+"""BERT: a bidirectional pre-LayerNorm transformer encoder trained with a masked-LM loss.
+
+Stage declaration: ``prologue`` embeds ``batch["inputs"]``, ``blocks`` are stacked encoder
+layers, ``head`` is the final LayerNorm plus a dense MLM projection, and ``loss`` is the mean
+cross-entropy over the masked positions (``batch["weights"]``). Every sequence masks the same
+number of positions (:func:`mlm_batch`), so per-microbatch means average to the global mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.common import (
+    Block,
+    LayerNorm,
+    annotated,
+    cross_entropy,
+    param,
+    scan_layers,
+    stacked,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BERTConfig:
+    vocab_size: int = 257  # 256 bytes + the [MASK] token (id vocab_size - 1)
+    seq_len: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 512
+    mask_rate: float = 0.15
+
+    @property
+    def mask_id(self) -> int:
+        return self.vocab_size - 1
+
+    @property
+    def masked_per_sequence(self) -> int:
+        return max(1, round(self.mask_rate * self.seq_len))
+
+
+class BERT(nnx.Module):
+    stack = "blocks"
+
+    def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        normal = jax.nn.initializers.normal
+        self.wte = param(rngs, normal(0.02), (c.vocab_size, c.d_model), ("vocab", "embed"))
+        self.wpe = param(rngs, normal(0.01), (c.seq_len, c.d_model), ("seq", "embed"))
+        self.blocks = stacked(
+            c.n_layers,
+            lambda r: Block(c.d_model, c.n_heads, c.d_ff, causal=False, dropout=0.0,
+                            n_layers=c.n_layers, rngs=r),
+            rngs,
+        )
+        self.ln_f = LayerNorm(c.d_model)
+        self.mlm = param(rngs, normal(0.02), (c.d_model, c.vocab_size), ("embed", "vocab"))
+        self.mlm_bias = annotated(jnp.zeros((c.vocab_size,)), ("vocab",))
+
+    def prologue(self, batch: dict) -> jax.Array:
+        tokens = batch["inputs"]
+        return jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][: tokens.shape[1]]
+
+    def head(self, x: jax.Array) -> jax.Array:
+        bias = self.mlm_bias[...]
+        return self.ln_f(x) @ self.mlm[...] + bias
+
+    def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
+        ce = cross_entropy(logits, batch["targets"], self.config.vocab_size)
+        w = batch["weights"]
+        return (ce * w).sum() / w.sum()
+
+    def batch_spec(self, batch_size: int) -> dict:
+        shape = (batch_size, self.config.seq_len)
+        return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+                "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+                "weights": jax.ShapeDtypeStruct(shape, jnp.float32)}
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return self.head(scan_layers(self.blocks, self.prologue({"inputs": inputs})))
+
+
+def mlm_batch(tokens: np.ndarray, config: BERTConfig, seed: int) -> dict:
+    """Mask exactly ``config.masked_per_sequence`` positions of each row of ``tokens[B, T]``.
+
+    Masked positions become ``[MASK]`` in ``inputs``; ``targets`` keeps the originals and
+    ``weights`` is 1 at masked positions.
+    """
+    tokens = np.asarray(tokens, np.int32)[:, : config.seq_len]
+    b, t = tokens.shape
+    rng = np.random.default_rng(seed)
+    pos = np.argsort(rng.random((b, t)), axis=1)[:, : config.masked_per_sequence]
+    weights = np.zeros((b, t), np.float32)
+    np.put_along_axis(weights, pos, 1.0, axis=1)
+    inputs = np.where(weights > 0, config.mask_id, tokens).astype(np.int32)
+    return {"inputs": inputs, "targets": tokens, "weights": weights}

@@ -1,0 +1,81 @@
+"""A small ReLU / max-pool convolutional classifier (the model Gist's encodings are measured on).
+
+Stage declaration: ``prologue`` is a 3x3 stem convolution; ``blocks`` are identical residual
+layers ``x + conv(relu(conv(relu(x))))``; ``head`` is ReLU + 2x2 max-pool (Gist's Binarize
+pattern), global average pooling and a dense classifier; ``loss`` is softmax cross-entropy.
+Activations go through ``fiddlejax.memory.gist`` so a plan's ``encodings=[...]`` change what is
+stashed for the backward without touching this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fiddlejax.memory import gist
+from models.common import annotated, param, scan_layers, stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class CNNConfig:
+    image_size: int = 8
+    in_channels: int = 1
+    channels: int = 32
+    n_layers: int = 4
+    num_classes: int = 10
+
+
+def _conv_init(fan_in_scale: float = 2.0):
+    return jax.nn.initializers.variance_scaling(fan_in_scale, "fan_in", "truncated_normal")
+
+
+class ConvBlock(nnx.Module):
+    def __init__(self, channels: int, n_layers: int, *, rngs: nnx.Rngs):
+        axes = (None, None, "channels", "channels")
+        self.k1 = param(rngs, _conv_init(), (3, 3, channels, channels), axes)
+        self.b1 = annotated(jnp.zeros((channels,)), ("channels",))
+        self.k2 = param(rngs, _conv_init(2.0 / n_layers), (3, 3, channels, channels), axes)
+        self.b2 = annotated(jnp.zeros((channels,)), ("channels",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = gist.conv(gist.relu(x), self.k1[...], self.b1[...], relu_input=True)
+        return x + gist.conv(gist.relu(h), self.k2[...], self.b2[...], relu_input=True)
+
+
+class CNN(nnx.Module):
+    stack = "blocks"
+
+    def __init__(self, config: CNNConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        self.stem = param(rngs, _conv_init(1.0), (3, 3, c.in_channels, c.channels),
+                          (None, None, None, "channels"))
+        self.blocks = stacked(c.n_layers, lambda r: ConvBlock(c.channels, c.n_layers, rngs=r),
+                              rngs)
+        self.fc = param(rngs, _conv_init(1.0), (c.channels, c.num_classes),
+                        ("channels", "classes"))
+        self.fc_bias = annotated(jnp.zeros((c.num_classes,)), ("classes",))
+
+    def prologue(self, batch: dict) -> jax.Array:
+        return gist.conv(batch["images"], self.stem[...])
+
+    def head(self, x: jax.Array) -> jax.Array:
+        pooled = gist.relu_maxpool(x, (2, 2)).mean(axis=(1, 2))
+        return pooled @ self.fc[...] + self.fc_bias[...]
+
+    def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.take_along_axis(logp, batch["labels"][:, None], axis=1).mean()
+
+    def batch_spec(self, batch_size: int) -> dict:
+        c = self.config
+        return {
+            "images": jax.ShapeDtypeStruct(
+                (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32),
+            "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        return self.head(scan_layers(self.blocks, self.prologue({"images": images})))
