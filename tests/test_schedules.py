@@ -260,6 +260,7 @@ def test_every_generated_schedule_validates_and_its_timelines_respect_dependenci
     if s.kind == "zb-h1":
         assert max(s.held_peak) <= min(p, m)
         if m >= p:
+            assert exact_bubble(s) == Fraction(p - 1, 3 * m + p - 1)
             assert exact_bubble(s) <= exact_bubble(schedules.build("1f1b", p, m)) / 2
 
 
@@ -412,6 +413,9 @@ def test_tick_tables():
     assert one.ticks[4] == (None, None, None, Action("B", 0, 3))
     inter = schedules.build("interleaved-1f1b", 4, 8, 2).ticks
     assert inter.num_ticks == 2 * (2 * 8 + 4 - 1)
+    # Inputs received but not yet used, per stage (activations, gradients): inbox sizes.
+    assert one.inbox_peak == ((0, 1), (1, 1), (1, 1), (1, 0))
+    assert inter.inbox_peak == ((1, 2), (2, 1), (2, 1), (2, 2))
     zb = schedules.build("zb-h1", 4, 8)
     # All ops of zb-h1 cost one unit, so the lockstep table is the timeline itself.
     assert zb.ticks.num_ticks == zb.simulation.makespan == 27

@@ -20,6 +20,7 @@ op (B or I) of (m, c+1); W(m, c) needs I(m, c). Each stage runs its own list str
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -532,6 +533,11 @@ class TickTable:
       ``weighted_bubble_fraction``  with op costs, each tick lasting as long as its slowest
                                     action (stages synchronise every tick), i.e.
                                     1 - total cost / (stages * ``weighted_makespan``).
+
+    ``inbox_peak[s]`` = (activations, gradients): the most inputs stage s has received (sent
+    at an earlier tick, from another stage or from its own previous chunk) but not yet
+    consumed, counting one from the tick after it was made through the tick that uses it.
+    A runtime that receives every tick sizes its inbox buffers by it.
     """
 
     ticks: tuple[tuple[Action | None, ...], ...]
@@ -539,6 +545,7 @@ class TickTable:
     bubble_fraction: float
     weighted_makespan: float
     weighted_bubble_fraction: float
+    inbox_peak: tuple[tuple[int, int], ...] = ()
     costs: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_COSTS))
 
     @property
@@ -581,6 +588,7 @@ def tick_table(schedule: Schedule, costs: Mapping[str, float] | None = None) -> 
         t += 1
     slots = len(ticks) * schedule.stages
     busy = sum(1 for row in ticks for a in row if a is not None)
+    inbox = _inbox_peak(schedule, deps, tick_of, len(ticks))
     weighted = sum(max((cost[a.op] for a in row if a is not None), default=0.0) for row in ticks)
     work = sum(cost[a.op] for row in schedule.actions for a in row)
     return TickTable(
@@ -589,8 +597,36 @@ def tick_table(schedule: Schedule, costs: Mapping[str, float] | None = None) -> 
         bubble_fraction=1.0 - busy / slots if slots else 0.0,
         weighted_makespan=weighted,
         weighted_bubble_fraction=1.0 - work / (schedule.stages * weighted) if weighted else 0.0,
+        inbox_peak=inbox,
         costs=cost,
     )
+
+
+def _inbox_peak(
+    s: Schedule, deps: list[list[list[Position]]], tick_of: list[list[int]], num_ticks: int
+) -> tuple[tuple[int, int], ...]:
+    """Peak count of received-but-unused activations and gradients per stage (see TickTable)."""
+    peaks = []
+    for st, row in enumerate(s.actions):
+        # Difference arrays over ticks, one for activations (kind 0) and one for gradients.
+        delta = [[0] * (num_ticks + 2) for _ in range(2)]
+        for i, a in enumerate(row):
+            if a.op == "W":
+                continue
+            for t, j in deps[st][i]:
+                if s.actions[t][j].chunk != a.chunk:  # a message, not this chunk's own stash
+                    kind = 0 if a.op == "F" else 1
+                    delta[kind][tick_of[t][j] + 1] += 1
+                    delta[kind][tick_of[st][i] + 1] -= 1
+        peak = []
+        for d in delta:
+            level = best = 0
+            for x in d:
+                level += x
+                best = max(best, level)
+            peak.append(best)
+        peaks.append((peak[0], peak[1]))
+    return tuple(peaks)
 
 
 def stash_slots(schedule: Schedule) -> tuple[dict[tuple[int, int], int], ...]:
@@ -601,7 +637,7 @@ def stash_slots(schedule: Schedule) -> tuple[dict[tuple[int, int], int], ...]:
     """
     result = []
     for row in schedule.actions:
-        free: list[int] = []
+        free: list[int] = []  # a heap: the lowest free slot first keeps assignments stable
         used = 0
         slots: dict[tuple[int, int], int] = {}
         live: dict[tuple[int, int], int] = {}
@@ -609,13 +645,12 @@ def stash_slots(schedule: Schedule) -> tuple[dict[tuple[int, int], int], ...]:
             key = (a.microbatch, a.chunk)
             if a.op == "F":
                 if free:
-                    free.sort()
-                    slot = free.pop(0)
+                    slot = heapq.heappop(free)
                 else:
                     slot, used = used, used + 1
                 slots[key] = live[key] = slot
             elif a.op in "BW" and key in live:
-                free.append(live.pop(key))
+                heapq.heappush(free, live.pop(key))
         result.append(slots)
     return tuple(result)
 
