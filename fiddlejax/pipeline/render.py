@@ -42,13 +42,15 @@ def text_timeline(
     width = 1 + max((len(label(a, schedule)) for row in schedule.actions for a in row), default=1)
     columns = round(sim.makespan / unit)
     head = f"{'time':>8} " + "".join(
-        f"{t:<{width}}" if t % 5 == 0 else " " * width for t in range(columns)
+        f"{t * unit:<{width}g}" if t % 5 == 0 else " " * width for t in range(columns)
     )
     lines = [head.rstrip()]
     for st, row in enumerate(schedule.actions):
         cells = ""
         for a, span in zip(row, sim.spans[st], strict=True):
             start, end = round(span.start / unit), round(span.end / unit)
+            if end <= start:  # shorter than half a unit: too small to draw
+                continue
             cells += "." * (start * width - len(cells))
             room = (end - start) * width - 1
             cells += label(a, schedule).ljust(room)[:room] + "|"

@@ -94,7 +94,7 @@ class Schedule:
         # Accept lists (hand-written code, JSON) but store tuples so the schedule is hashable.
         object.__setattr__(self, "placement", tuple(self.placement))
         object.__setattr__(
-            self, "actions", tuple(tuple(Action(*a) for a in row) for row in self.actions)
+            self, "actions", tuple(tuple(_action(a) for a in row) for row in self.actions)
         )
 
     @property
@@ -181,6 +181,12 @@ class Schedule:
         )
         rows = [f"  stage {s}: " + " ".join(map(_short, row)) for s, row in enumerate(self.actions)]
         return "\n".join([head, *rows])
+
+
+def _action(a: Action | Mapping[str, Any] | tuple) -> Action:
+    if isinstance(a, Mapping):
+        return Action(a["op"], a["microbatch"], a["chunk"])
+    return Action(*a)
 
 
 def _short(a: Action) -> str:
