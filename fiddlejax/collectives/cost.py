@@ -21,6 +21,8 @@ modelled.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -40,7 +42,7 @@ ALGORITHMS = (
     "hierarchical",
     "packed-trees",
 )
-MAX_CHUNKS = 32  # pipelining depth cap: every chunk is one more round of ppermutes in the HLO
+MAX_CHUNKS = 256  # pipelining depth cap (the steady state is one loop, so HLO size is flat)
 
 Message = tuple[int, int, float]  # (src device, dst device, bytes)
 
@@ -151,10 +153,13 @@ def _tree_time(topo: Topology, trees, weights, nbytes: float, chunks: int) -> fl
     return schedule_time(topo, tree_schedule(trees, weights, chunks, nbytes))
 
 
-def best_chunks(
-    topo: Topology, trees, weights, nbytes: float, max_chunks: int = MAX_CHUNKS
-) -> int:
+def best_chunks(topo: Topology, trees, weights, nbytes: float, max_chunks: int = MAX_CHUNKS) -> int:
     """Pipelining depth with the lowest predicted time (powers of two up to `max_chunks`)."""
+    return _best_chunks(topo, tuple(trees), tuple(weights), float(nbytes), max_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_chunks(topo: Topology, trees, weights, nbytes: float, max_chunks: int) -> int:
     cands = [1 << i for i in range(max(max_chunks, 1).bit_length()) if 1 << i <= max_chunks]
     return min(cands, key=lambda k: (_tree_time(topo, trees, weights, nbytes, k), k))
 
@@ -236,6 +241,24 @@ def choose(
         if inner is None and hierarchy_shape(topo) is None:
             candidates.remove("hierarchical")
     return min(candidates, key=lambda a: predict(a, topo, nbytes, inner=inner))
+
+
+def best_ring_order(topo: Topology) -> tuple[int, ...]:
+    """The device order whose ring is fastest on `topo` (bottleneck route bandwidth, then
+    latency), by exhaustive search over rings through device 0 (p <= 9). Build the mesh in this
+    order (or `subset(topo, order)`) so that "ring" follows NVLink, as NCCL's ring search does."""
+    p = topo.size
+    if p > 9:
+        raise ValueError(f"best_ring_order searches p! orders; p={p} is too many (max 9)")
+    if p <= 2:
+        return tuple(range(p))
+
+    def key(order):
+        hops = list(zip(order, order[1:] + order[:1], strict=True))
+        return (-min(topo.route_bandwidth(u, v) for u, v in hops),
+                max(topo.route_latency(u, v) for u, v in hops))  # fmt: skip
+
+    return min(((0, *rest) for rest in itertools.permutations(range(1, p))), key=key)
 
 
 def busbw(nbytes: float, p: int, seconds: float) -> float:

@@ -145,10 +145,8 @@ class Topology:
         """One line per device pair: route bandwidth (GB/s) and latency (us)."""
         rows = [f"{self.name}: {self.size} devices"]
         for (i, j), _ in sorted(self.routes.items()):
-            rows.append(
-                f"  {self.devices[i]}->{self.devices[j]}: "
-                f"{self.route_bandwidth(i, j) / GB:.0f} GB/s, {self.route_latency(i, j) / US:.1f} us"
-            )
+            bw, lat = self.route_bandwidth(i, j) / GB, self.route_latency(i, j) / US
+            rows.append(f"  {self.devices[i]}->{self.devices[j]}: {bw:.0f} GB/s, {lat:.1f} us")
         return "\n".join(rows)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from fiddlejax.collectives.topology import Topology
 
 Parents = tuple[int, ...]  # parent[d] of every device d, -1 at the root
+MAX_ROOTS_TRIED = 8  # pack_trees tries every root up to this many devices, else a spread
 
 
 @dataclass(frozen=True)
@@ -232,9 +233,7 @@ def broadcast_bound(topo: Topology, root: int, direct: bool | None = None) -> fl
     (over direct links only when `direct`; default: `direct_only(topo)`, as the packer)."""
     nodes, cap = _flow_graph(topo, direct_only(topo) if direct is None else direct)
     s = nodes.index(topo.devices[root])
-    return min(
-        max_flow(cap, s, nodes.index(d)) for i, d in enumerate(topo.devices) if i != root
-    )
+    return min(max_flow(cap, s, nodes.index(d)) for i, d in enumerate(topo.devices) if i != root)
 
 
 @functools.cache
@@ -348,8 +347,9 @@ def _pack_from(topo: Topology, root: int, direct: bool, max_iters: int = 200) ->
     # First column: the arborescence of fastest routes.
     pool = [min_arborescence(arc_cost(1.0 / caps_n), root)]
     x = np.ones(1)
+    columns = [_usage(topo, t) for t in pool]
     for _ in range(max_iters):
-        usage = np.stack([_usage(topo, t) for t in pool], axis=1)
+        usage = np.stack(columns, axis=1)
         res = linprog(
             -np.ones(len(pool)), A_ub=usage, b_ub=caps_n, bounds=(0, None), method="highs"
         )
@@ -362,6 +362,7 @@ def _pack_from(topo: Topology, root: int, direct: bool, max_iters: int = 200) ->
         if price >= 1 - 1e-9 or tree in pool:
             break
         pool.append(tree)
+        columns.append(_usage(topo, tree))
     keep = [i for i in range(len(pool)) if x[i] > 1e-9 * x.sum()]
     trees = tuple(pool[i] for i in keep)
     total = float(x[keep].sum())
@@ -384,7 +385,12 @@ def pack_trees(topo: Topology, root: int | None = None, direct: bool | None = No
         return Packing(0, ((-1,),), (1.0,), math.inf, math.inf)
     if root is not None and not 0 <= root < topo.size:
         raise ValueError(f"root={root} must be in [0, {topo.size}) for {topo.name!r}")
-    roots = range(topo.size) if root is None else [root]
+    if root is not None:
+        roots = [root]
+    elif topo.size <= MAX_ROOTS_TRIED:
+        roots = list(range(topo.size))
+    else:  # large topologies: four spread-out roots (the presets are symmetric anyway)
+        roots = sorted({i * topo.size // 4 for i in range(4)})
     direct = direct_only(topo) if direct is None else direct
     packs = [_pack_from(topo, r, direct) for r in roots]
     return max(packs, key=lambda pk: (round(pk.rate / 1e6), -pk.height, -pk.root))
