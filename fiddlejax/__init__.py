@@ -1,8 +1,39 @@
-"""fiddlejax: pipeline, tensor and data parallel training for Flax NNX models on JAX."""
+"""fiddlejax: pipeline, tensor and data parallel training for Flax NNX models on JAX.
 
-from fiddlejax.mesh import make_mesh
-from fiddlejax.plan import Plan
-from fiddlejax.train import Trainer, TrainState, parallelize
+Attributes load lazily, so pure-Python parts (``fiddlejax.pipeline.schedules``) import
+without JAX.
+"""
 
-__all__ = ["make_mesh", "Plan", "Trainer", "TrainState", "parallelize"]
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "make_mesh": "fiddlejax.mesh",
+    "Plan": "fiddlejax.plan",
+    "Trainer": "fiddlejax.train",
+    "TrainState": "fiddlejax.train",
+    "parallelize": "fiddlejax.train",
+    "CheckpointManager": "fiddlejax.checkpoint",
+}
+_MODULES = {
+    "schedules": "fiddlejax.pipeline.schedules",
+    "collectives": "fiddlejax.collectives",
+    "memory": "fiddlejax.memory",
+    "data": "fiddlejax.data",
+    "distributed": "fiddlejax.distributed",
+    "planner": "fiddlejax.planner",
+}
+__all__ = sorted([*_EXPORTS, *_MODULES])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
+    raise AttributeError(f"module 'fiddlejax' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

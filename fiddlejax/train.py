@@ -107,7 +107,8 @@ class Trainer:
             loss, grads = vg(params, mb)
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        zero_loss = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
+        zeros = (zero_loss, jax.tree.map(jnp.zeros_like, params))
         total = jax.lax.scan(body, zeros, mbs)[0]
         return jax.tree.map(lambda a: a / m, total)
 
@@ -155,7 +156,7 @@ class Trainer:
         grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     # -- public API --------------------------------------------------------------------------
@@ -292,6 +293,13 @@ def _add_data_axis(spec: P, shape: tuple[int, ...], data: int) -> P:
             parts[d] = "data"
             return P(*parts)
     return P(*parts)
+
+
+def match_varying(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` marked varying over the manual axes ``like`` varies over (scan carries must agree)."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    axes = tuple(sorted(getattr(mat, "varying", ()) or ()))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def flops_per_step(trainer: Trainer, state: TrainState, batch: dict) -> float:

@@ -14,7 +14,8 @@ backward pass, and that the backward needs much less than the full values:
 - ``sparse`` (``sparse:<capacity>``): a mostly-zero matmul/conv input (a ReLU output) stored as a
   1-bit occupancy mask plus its non-zeros packed into a fixed-capacity buffer of
   ``ceil(capacity * size)`` values. Static shapes force the fixed capacity: it is lossless while the
-  density is at most ``capacity`` and drops the non-zeros past it otherwise (opt-in).
+  density is at most ``capacity``; past it the weight gradient comes out NaN (loud, never silently
+  wrong). Opt-in per call: only inputs declared ``relu_input=True`` are stored sparsely.
 
 A model is written once against the model-facing functions :func:`relu`, :func:`relu_maxpool`,
 :func:`dense` and :func:`conv`; they use plain ops unless an encoding is selected by the trace-time
@@ -88,12 +89,16 @@ class Encodings:
             out.append(f"sparse:{self.sparse_capacity:g}")
         return tuple(out)
 
-    @property
-    def codec(self) -> StashCodec | None:
-        """How :func:`dense` / :func:`conv` store their input, or None for plain autodiff."""
-        if self.precision is None and self.sparse_capacity is None:
+    def codec_for(self, relu_input: bool) -> StashCodec | None:
+        """How :func:`dense` / :func:`conv` store their input, or None for plain autodiff.
+
+        Sparse storage applies only to inputs declared ReLU outputs: elsewhere the density is
+        unknown and a fixed capacity would silently drop values.
+        """
+        cap = self.sparse_capacity if relu_input else None
+        if self.precision is None and cap is None:
             return None
-        return StashCodec(self.precision, self.sparse_capacity)
+        return StashCodec(self.precision, cap)
 
 
 def parse(names: Iterable[str] | str | Encodings | None) -> Encodings:
@@ -359,7 +364,8 @@ class StashCodec:
         mask = flat != 0
         k = max(1, math.ceil(self.sparse_capacity * flat.size))
         pos = jnp.cumsum(mask, dtype=jnp.int32) - 1
-        # Non-zeros past the capacity are dropped (index k is out of range: mode="drop").
+        # Non-zeros past the capacity are dropped (index k is out of range: mode="drop"); decode
+        # notices from the mask's popcount.
         slot = jnp.where(mask, pos, k)
         vals = jnp.zeros((k,), x.dtype).at[slot].set(flat, mode="drop")
         return pack_bits(mask), _encode_values(vals, self.precision)
@@ -372,9 +378,11 @@ class StashCodec:
         k = vals.shape[0]
         mask = unpack_bits(packed, (math.prod(shape),))
         pos = jnp.cumsum(mask, dtype=jnp.int32) - 1
-        keep = mask & (pos < k)
-        out = jnp.where(keep, vals[jnp.clip(pos, 0, k - 1)], jnp.zeros((), dtype))
-        return out.reshape(shape)
+        out = jnp.where(mask, vals[jnp.clip(pos, 0, k - 1)], jnp.zeros((), dtype))
+        # Past capacity the stash lost values: decode to NaN so the weight gradient is loudly
+        # wrong rather than silently (input gradients never read the stash and stay exact).
+        overflow = pos[-1] >= k
+        return jnp.where(overflow, jnp.full((), jnp.nan, dtype), out).reshape(shape)
 
     def stash_bytes(self, shape: Sequence[int], itemsize: int = 4) -> int:
         """Bytes this codec stores for an array of ``shape`` (the analytic footprint)."""
@@ -448,9 +456,9 @@ def reduced_precision(fn: F, dtype: str = "bf16") -> F:
 def sparse_input(fn: F, capacity: float = DEFAULT_SPARSE_CAPACITY, precision: str | None = None):
     """``fn(x, params)`` with ``x`` stashed as mask + at most ``ceil(capacity * size)`` non-zeros.
 
-    Lossless while ``x`` has at most that many non-zeros; past it the extra ones are dropped from
-    the stash (the weight gradient loses their contribution). Pays when ``capacity < 1 - 1/32``
-    for f32 (the mask costs 1/32 of a dense f32 copy).
+    Lossless while ``x`` has at most that many non-zeros; past it the stash has lost values and
+    the gradients that read it (``fn``'s parameter gradients) come out NaN. Pays when
+    ``capacity < 1 - 1/32`` for f32 (the mask costs 1/32 of a dense f32 copy).
     """
     return encoded_input(fn, StashCodec(precision=precision, sparse_capacity=capacity))
 
@@ -488,10 +496,12 @@ def _matmul(x: jax.Array, params: tuple[jax.Array, jax.Array | None]) -> jax.Arr
     return y if bias is None else y + bias
 
 
-def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """``x[..., K] @ kernel[K, ...] (+ bias)``; with ``bf16``/``fp8``/``sparse`` selected the
-    stashed ``x`` is encoded."""
-    codec = active().codec
+def dense(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, relu_input: bool = False
+) -> jax.Array:
+    """``x[..., K] @ kernel[K, ...] (+ bias)``; with ``bf16``/``fp8`` selected the stashed ``x``
+    is encoded, and with ``sparse`` too when ``relu_input`` says ``x`` is a ReLU output."""
+    codec = active().codec_for(relu_input)
     if codec is None:
         return _matmul(x, (kernel, bias))
     return encoded_input(_matmul, codec)(x, (kernel, bias))
@@ -517,13 +527,16 @@ def conv(
     bias: jax.Array | None = None,
     strides: Sequence[int] | None = None,
     padding: str | Sequence[tuple[int, int]] = "SAME",
+    *,
+    relu_input: bool = False,
 ) -> jax.Array:
     """Convolution of ``x[N, *spatial, C_in]`` with ``kernel[*window, C_in, C_out]`` (+ bias);
-    with ``bf16``/``fp8``/``sparse`` selected the stashed ``x`` is encoded."""
+    with ``bf16``/``fp8`` selected the stashed ``x`` is encoded, and with ``sparse`` too when
+    ``relu_input`` says ``x`` is a ReLU output."""
     strides = tuple(strides) if strides is not None else (1,) * (x.ndim - 2)
     padding = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
     f = _conv_fn(strides, padding)
-    codec = active().codec
+    codec = active().codec_for(relu_input)
     if codec is None:
         return f(x, (kernel, bias))
     return encoded_input(f, codec)(x, (kernel, bias))

@@ -1,0 +1,64 @@
+"""Shared test helpers: single-device references and relative errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+
+def rel_err(a, b) -> float:
+    """``||a - b|| / ||b||`` over all leaves of two trees with the same structure."""
+    assert jax.tree.structure(a) == jax.tree.structure(b), (
+        f"{jax.tree.structure(a)} != {jax.tree.structure(b)}"
+    )
+    fa = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(a)])
+    fb = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(b)])
+    return float(np.linalg.norm(fa - fb) / np.linalg.norm(fb))
+
+
+def reference_loss_fn(model: nnx.Module):
+    """The plain single-device loss of ``model`` as a function of its parameters."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, batch):
+        m = nnx.merge(graphdef, p, rest, copy=True)
+        return m.loss(m.head(_scan(m, m.prologue(batch))), batch)
+
+    return loss, params
+
+
+def _scan(m, x):
+    from models.common import scan_layers
+
+    return scan_layers(getattr(m, m.stack), x)
+
+
+def reference_loss_and_grads(model: nnx.Module, batch: dict):
+    loss, params = reference_loss_fn(model)
+    return jax.jit(jax.value_and_grad(loss))(params, batch)
+
+
+def reference_train(model: nnx.Module, optimizer: optax.GradientTransformation, batches):
+    """Plain single-device optax training; returns the losses and final parameters."""
+    loss, params = reference_loss_fn(model)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+        l, g = jax.value_and_grad(loss)(p, b)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    losses = []
+    for b in batches:
+        params, opt_state, l = step(params, opt_state, b)
+        losses.append(float(l))
+    return losses, params
+
+
+def tokens(seed: int, batch: int, seq_len: int, vocab: int) -> dict:
+    t = jax.random.randint(jax.random.key(seed), (batch, seq_len + 1), 0, vocab, jnp.int32)
+    return {"tokens": np.asarray(t)}

@@ -1,0 +1,186 @@
+"""Data x tensor parallel training reproduces single-device float32 training."""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import reference_loss_and_grads, reference_train, rel_err, tokens
+
+import fiddlejax as fj
+from models.bert import BERT, BERTConfig, mlm_batch
+from models.cnn import CNN, CNNConfig
+from models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+OPT = optax.adamw(1e-2)
+
+
+def mesh(data, tensor, pipe=1):
+    return fj.make_mesh(
+        data=data, pipe=pipe, tensor=tensor, devices=jax.devices()[: data * tensor * pipe]
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    model = GPT(CFG, rngs=nnx.Rngs(0))
+    batches = [tokens(i, 8, CFG.seq_len, CFG.vocab_size) for i in range(3)]
+    loss, grads = reference_loss_and_grads(model, batches[0])
+    losses, params = reference_train(model, OPT, batches)
+    return model, batches, float(loss), grads, losses, params
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("data,tensor", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 1)])
+def test_gpt_matches_single_device(gpt_reference, data, tensor, zero):
+    model, batches, ref_loss, ref_grads, ref_losses, ref_params = gpt_reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(data, tensor), zero=zero))
+    state = trainer.init()
+    if not zero:  # ZeRO-1 changes only the optimizer state's layout, not loss_and_grads
+        loss, grads = trainer.loss_and_grads(state, batches[0])
+        assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
+        assert rel_err(grads, ref_grads) < 1e-5
+    losses = []
+    for b in batches:
+        state, metrics = trainer.step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_err(trainer.params(state), ref_params) < 1e-5
+
+
+def test_microbatch_accumulation_matches(gpt_reference):
+    model, batches, ref_loss, ref_grads, *_ = gpt_reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2), microbatches=2))
+    loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
+    assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.parametrize("vocab,tensor,tied", [(251, 4, False), (257, 2, True)])
+def test_odd_vocab_and_tied_embeddings(vocab, tensor, tied):
+    cfg = GPTConfig(
+        vocab_size=vocab, seq_len=8, d_model=32, n_heads=4, n_layers=2, d_ff=64, tie_embeddings=tied
+    )
+    model = GPT(cfg, rngs=nnx.Rngs(1))
+    batch = tokens(3, 8, cfg.seq_len, vocab)
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, tensor)))
+    state = trainer.init()
+    assert state.params["wte"][...].shape[0] % tensor == 0  # padded internally
+    loss, grads = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    assert trainer.params(state)["wte"][...].shape == (vocab, 32)  # canonical shape
+
+
+def test_bert_matches_single_device():
+    cfg = BERTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    model = BERT(cfg, rngs=nnx.Rngs(0))
+    batches = [mlm_batch(tokens(i, 8, 16, 256)["tokens"], cfg, seed=i) for i in range(3)]
+    ref_loss, ref_grads = reference_loss_and_grads(model, batches[0])
+    ref_losses, ref_params = reference_train(model, OPT, batches)
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2)))
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    losses = []
+    for b in batches:
+        state, m = trainer.step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_err(trainer.params(state), ref_params) < 1e-5
+
+
+def test_cnn_matches_single_device():
+    cfg = CNNConfig(channels=8, n_layers=2)
+    model = CNN(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "images": rng.random((8, 8, 8, 1), np.float32),
+            "labels": rng.integers(0, 10, 8).astype(np.int32),
+        }
+        for _ in range(3)
+    ]
+    ref_loss, ref_grads = reference_loss_and_grads(model, batches[0])
+    ref_losses, ref_params = reference_train(model, OPT, batches)
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2)))
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    losses = []
+    for b in batches:
+        state, m = trainer.step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_err(trainer.params(state), ref_params) < 1e-5
+
+
+def _collectives(hlo: str) -> dict[str, list[str]]:
+    ops = {}
+    for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"):
+        ops[op] = [ln for ln in hlo.splitlines() if re.search(rf" {op}(-start)?\(", ln)]
+    return ops
+
+
+def test_tensor_parallel_collectives_are_megatron(gpt_reference):
+    """Row-parallel outputs are all-reduced over `tensor`; no full weight is gathered."""
+    model, batches, *_ = gpt_reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 2)))
+    ops = _collectives(trainer.compiled_step(trainer.init(), batches[0]).as_text())
+    d, b, t = CFG.d_model, 8, CFG.seq_len
+    act = f"f32[{b},{t},{d}]"
+    # Forward: attention and MLP outputs (row-parallel), plus the vocab-parallel embedding.
+    assert sum(act in ln for ln in ops["all-reduce"]) >= 3
+    assert ops["all-gather"] == []  # no weight (or anything else) is all-gathered
+    for ln in ops["all-reduce"]:  # nothing weight-shaped is reduced before the update
+        assert f"f32[{d},{CFG.d_ff}]" not in ln.split("all-reduce")[0]
+
+
+def test_zero1_shards_optimizer_state(gpt_reference):
+    model, *_ = gpt_reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(4, 2), zero=1))
+    state = trainer.init()
+    mu = state.opt_state[0].mu["blocks"]["w1"][...]
+    assert mu.sharding.spec[:3] == (None, "data", "tensor")
+    assert state.params["blocks"]["w1"][...].sharding.spec[:3] == (None, None, "tensor")
+    # Each device holds 1/8 of mu but 1/2 of the parameter.
+    assert mu.addressable_shards[0].data.size * 8 == mu.size
+
+
+def test_errors_before_compile(gpt_reference):
+    model, batches, *_ = gpt_reference
+    with pytest.raises(ValueError, match="needs 16 devices but 8"):
+        fj.make_mesh(data=4, pipe=2, tensor=2)
+    with pytest.raises(ValueError, match="cannot infer data"):
+        fj.make_mesh(data=-1, tensor=3)
+    with pytest.raises(ValueError, match="n_heads=4 on dimension 2, not divisible by the tensor"):
+        fj.parallelize(
+            GPT(GPTConfig(n_heads=4, d_model=64, d_ff=64, n_layers=1), rngs=nnx.Rngs(0)),
+            OPT,
+            fj.Plan(mesh=mesh(1, 8)),
+        )
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(4, 2), microbatches=2))
+    state = trainer.init()
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by data=4 x micro"):
+        trainer.step(state, {"tokens": batches[0]["tokens"][:6]})
+    with pytest.raises(ValueError, match="pipe=2 but schedule=None"):
+        fj.Plan(mesh=mesh(2, 2, pipe=2), schedule=None)
+    with pytest.raises(ValueError, match="zero=2"):
+        fj.Plan(mesh=mesh(2, 2), zero=2)
+
+
+def test_wrong_batch_dtype_and_shape():
+    cfg = CNNConfig(channels=8, n_layers=1)
+    trainer = fj.parallelize(CNN(cfg, rngs=nnx.Rngs(0)), OPT, fj.Plan(mesh=mesh(2, 1)))
+    state = trainer.init()
+    good = {"images": np.zeros((4, 8, 8, 1), np.float32), "labels": np.zeros(4, np.int32)}
+    with pytest.raises(ValueError, match=r"batch\['labels'\] is float32\[4\], but CNN expects"):
+        trainer.step(state, {**good, "labels": good["labels"].astype(np.float32)})
+    with pytest.raises(ValueError, match="expects batch keys"):
+        trainer.step(state, {"images": good["images"], "label": good["labels"]})
