@@ -76,6 +76,7 @@ class Trainer:
         self._step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._loss_and_grads = jax.jit(self._loss_and_grads_impl)
+        self._loss = jax.jit(self._loss_impl)
         self._to_canonical_jit = jax.jit(self._to_canonical)
 
     # -- layouts -----------------------------------------------------------------------------
@@ -147,6 +148,12 @@ class Trainer:
                 axis_names={"data"},
             )(params, batch)
 
+    def _loss_impl(self, state: TrainState, batch: dict) -> jax.Array:
+        if self._pipeline is not None:  # the pipeline runs forward and backward together
+            return self._sharded_loss_and_grads(state.params, batch)[0]
+        with _encodings(self.plan.encodings):
+            return self._microbatch_loss(state.params, batch)
+
     def _loss_and_grads_impl(self, state: TrainState, batch: dict):
         loss, grads = self._sharded_loss_and_grads(state.params, batch)
         return loss, self._to_canonical(grads)
@@ -179,6 +186,10 @@ class Trainer:
     def loss_and_grads(self, state: TrainState, batch: dict) -> tuple[jax.Array, nnx.State]:
         """Mean loss and its gradients, in the canonical layout of the model's parameters."""
         return self._loss_and_grads(state, self.shard_batch(batch))
+
+    def loss(self, state: TrainState, batch: dict) -> jax.Array:
+        """Mean loss of ``batch`` without updating anything (for validation)."""
+        return self._loss(state, self.shard_batch(batch))
 
     def params(self, state: TrainState) -> nnx.State:
         """The parameters in the canonical layout of ``nnx.state(model, nnx.Param)``."""

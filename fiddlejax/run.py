@@ -1,0 +1,297 @@
+"""The job behind ``fiddlejax train``: build model, data and plan from a config, train, log.
+
+Logs go to the terminal (a rich progress bar on a TTY, one line per ``log_every`` steps
+otherwise), to ``metrics.jsonl`` and to TensorBoard events in the run directory. Throughput
+figures exclude step 0, which includes compilation. Only process 0 prints and writes logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from fiddlejax import config as config_lib
+
+
+def setup_devices(cfg: dict) -> None:
+    """Simulate ``run.cpu_devices`` CPU devices; must run before JAX starts its backends."""
+    n = int(cfg["run"]["cpu_devices"] or 0)
+    if n > 0:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def build_model(mcfg: dict, seed: int):
+    from flax import nnx
+
+    name = mcfg["name"]
+    rngs = nnx.Rngs(seed)
+    if name == "gpt":
+        from models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(**_pick(mcfg, GPTConfig)), rngs=rngs)
+    if name == "bert":
+        from models.bert import BERT, BERTConfig
+
+        fields = _pick(mcfg, BERTConfig)
+        fields["vocab_size"] = mcfg["vocab_size"] + 1  # + [MASK]
+        return BERT(BERTConfig(**fields), rngs=rngs)
+    if name == "cnn":
+        from models.cnn import CNN, CNNConfig
+
+        return CNN(CNNConfig(channels=mcfg["channels"], n_layers=mcfg["n_layers"]), rngs=rngs)
+    raise ValueError(f"model.name={name!r} must be one of gpt, bert, cnn")
+
+
+def _pick(mcfg: dict, cls) -> dict:
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in mcfg.items() if k in names}
+
+
+def build_data(cfg: dict, model, process_index: int, process_count: int):
+    """(train iterator, validation batch list, tokens-or-examples per step)."""
+    import numpy as np
+
+    from fiddlejax import data
+
+    name, b, seed = cfg["model"]["name"], cfg["data"]["batch_size"], cfg["data"]["seed"]
+    shard = {"process_index": process_index, "process_count": process_count}
+    if name == "cnn":
+        tr = data.digits("train")
+        va = data.digits("validation")
+        train = data.image_batches(*tr, b, seed=seed, **shard)
+        val = data.image_batches(*va, b, shuffle=False, repeat=True, **shard)
+        return iter(train), iter(val), b
+    seq = cfg["model"]["seq_len"]
+    need = seq + 1 if name == "gpt" else seq
+    train = data.token_batches(data.stdlib_corpus("train"), need - 1, b, seed=seed, **shard)
+    val = data.token_batches(data.stdlib_corpus("validation"), need - 1, b, shuffle=False,
+                             **shard)
+    train_it, val_it = iter(train), iter(val)
+    if name == "bert":
+        from models.bert import mlm_batch
+
+        counter = {"n": 0}
+
+        def to_mlm(it):
+            for batch in it:
+                counter["n"] += 1
+                yield mlm_batch(np.asarray(batch["tokens"]), model.config, seed + counter["n"])
+
+        return to_mlm(train_it), to_mlm(val_it), b * seq
+    return train_it, val_it, b * seq
+
+
+def model_flops_per_step(cfg: dict, model, batch_size: int) -> float:
+    """Analytic training FLOPs of one step (forward + backward, no remat), whole batch."""
+    m = cfg["model"]
+    if m["name"] == "cnn":
+        c, hw = m["channels"], 8 * 8
+        per_example = m["n_layers"] * 2 * (2 * 9 * c * c * hw)  # two 3x3 convs per layer
+        return 3.0 * per_example * batch_size
+    from flax import nnx
+
+    import jax
+
+    params = nnx.state(model, nnx.Param)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    n -= params["wte"][...].size + params["wpe"][...].size  # lookups, not matmuls
+    d, L, T = m["d_model"], m["n_layers"], m["seq_len"]
+    if m.get("tie_embeddings") and m["name"] == "gpt":
+        n += params["wte"][...].size  # the tied head is a matmul
+    tokens = batch_size * T
+    return 6.0 * n * tokens + 12.0 * L * T * d * tokens
+
+
+def make_plan(cfg: dict):
+    import fiddlejax as fj
+
+    mesh = fj.make_mesh(**cfg["mesh"])
+    p = cfg["plan"]
+    return fj.Plan(mesh=mesh, schedule=p["schedule"], microbatches=p["microbatches"],
+                   virtual_stages=p["virtual_stages"], remat=p["remat"],
+                   encodings=tuple(p["encodings"] or ()), grad_allreduce=p["grad_allreduce"],
+                   zero=p["zero"], partition=p["partition"])
+
+
+def make_optimizer(cfg: dict):
+    import optax
+
+    o, steps = cfg["optimizer"], cfg["train"]["steps"]
+    warm = min(o["warmup_steps"], max(steps - 1, 1))
+    sched = optax.warmup_cosine_decay_schedule(0.0, o["lr"], warm, max(steps, warm + 1),
+                                               o["lr"] * 0.1)
+    tx = optax.adamw(sched, b1=o["b1"], b2=o["b2"], weight_decay=o["weight_decay"])
+    return optax.chain(optax.clip_by_global_norm(o["clip"]), tx) if o["clip"] else tx
+
+
+class Logger:
+    """metrics.jsonl + TensorBoard + terminal; silent on processes other than 0."""
+
+    def __init__(self, run_dir: Path, enabled: bool, bar: bool, total: int):
+        self.enabled, self.bar = enabled, bar
+        self.file = self.tb = self.progress = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        from tensorboardX import SummaryWriter
+
+        self.tb = SummaryWriter(str(run_dir))
+        if bar:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"),
+                                     BarColumn(), TextColumn("{task.fields[info]}"),
+                                     TimeRemainingColumn())
+            self.task = self.progress.add_task("train", total=total, info="compiling")
+            self.progress.start()
+
+    def log(self, step: int, metrics: dict, line: str | None) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            if isinstance(v, int | float) and math.isfinite(v):
+                self.tb.add_scalar(k, v, step)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, info=line or "")
+        elif line:
+            print(line, flush=True)
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            (self.progress.console.print if self.progress else print)(text)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file:
+            self.file.close()
+            self.tb.close()
+
+
+def main(config_path: str | None, overrides: list[str]) -> int:
+    try:
+        cfg = config_lib.load(config_path, overrides)
+    except (ValueError, yaml.YAMLError) as e:
+        print(f"fiddlejax train: {e}", file=sys.stderr)
+        return 2
+    setup_devices(cfg)
+    import jax
+    import numpy as np
+
+    import fiddlejax as fj
+
+    is_main = jax.process_index() == 0
+    tcfg, rcfg = cfg["train"], cfg["run"]
+    if is_main:
+        print("# resolved config\n" + yaml.safe_dump(cfg, sort_keys=False), flush=True)
+    try:
+        model = build_model(cfg["model"], tcfg["seed"])
+        plan = make_plan(cfg)
+        trainer = fj.parallelize(model, make_optimizer(cfg), plan)
+    except (ValueError, TypeError) as e:
+        print(f"fiddlejax train: {e}", file=sys.stderr)
+        return 2
+    train_it, val_it, items_per_step = build_data(cfg, model, jax.process_index(),
+                                                  jax.process_count())
+    val_batches = [next(val_it) for _ in range(tcfg["eval_batches"])]
+    run_dir = Path(rcfg["dir"])
+    bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
+    log = Logger(run_dir, is_main, bar, tcfg["steps"])
+    if is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    n_dev = jax.device_count()
+    flops = model_flops_per_step(cfg, model, cfg["data"]["batch_size"])
+    peak = float(rcfg["peak_tflops"] or 0.0)
+
+    def evaluate(state) -> float:
+        return float(np.mean([float(trainer.loss(state, b)) for b in val_batches]))
+
+    state = trainer.init()
+    first_val = evaluate(state)
+    log.print(f"step 0: validation loss {first_val:.4f} (uniform guess: {math.log(256):.4f})")
+    times, losses, val = [], [], first_val
+    t_prev = time.perf_counter()
+    for step in range(1, tcfg["steps"] + 1):
+        state, metrics = trainer.step(state, next(train_it))
+        loss = float(metrics["loss"])  # syncs: step time is measured to completion
+        now = time.perf_counter()
+        dt, t_prev = now - t_prev, now
+        if step > 1:  # step 1 compiles
+            times.append(dt)
+        losses.append(loss)
+        rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt}
+        rec.update(_throughput(dt, items_per_step, flops, n_dev, peak))
+        if tcfg["eval_every"] and (step % tcfg["eval_every"] == 0 or step == tcfg["steps"]):
+            val = evaluate(state)
+            rec["val_loss"] = val
+            t_prev = time.perf_counter()  # evaluation is not step time
+        line = None
+        if step % tcfg["log_every"] == 0 or step == 1 or "val_loss" in rec:
+            line = _line(step, rec)
+        log.log(step, rec, line)
+    log.close()
+    if is_main:
+        _summary(cfg, losses, times, val, first_val, items_per_step, flops, n_dev, peak, run_dir)
+    return 0
+
+
+def _throughput(dt: float, items: int, flops: float, n_dev: int, peak: float) -> dict:
+    tflops = flops / dt / n_dev / 1e12
+    out = {"tokens_per_s": items / dt, "tflops_per_device": tflops}
+    if peak > 0:
+        out["mfu"] = tflops / peak
+    return out
+
+
+def _line(step: int, r: dict) -> str:
+    s = (f"step {step:5d} | loss {r['loss']:.4f} | {r['step_time_s'] * 1e3:7.1f} ms | "
+         f"{r['tokens_per_s']:9.0f} tok/s | {r['tflops_per_device']:.4f} TFLOP/s/dev")
+    if "mfu" in r:
+        s += f" | MFU {100 * r['mfu']:.1f}%"
+    if "val_loss" in r:
+        s += f" | val {r['val_loss']:.4f}"
+    return s
+
+
+def _summary(cfg, losses, times, val, first_val, items, flops, n_dev, peak, run_dir) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    med = statistics.median(times) if times else float("nan")
+    t = Table(title="fiddlejax train: summary")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    mesh = cfg["mesh"]
+    t.add_row("layout", f"data={mesh['data']} pipe={mesh['pipe']} tensor={mesh['tensor']} "
+                        f"schedule={cfg['plan']['schedule']}")
+    t.add_row("steps", str(len(losses)))
+    t.add_row("train loss (first -> last)", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+    t.add_row("validation loss (start -> end)", f"{first_val:.4f} -> {val:.4f}")
+    t.add_row("median step time (excl. step 1)", f"{med * 1e3:.1f} ms")
+    t.add_row("tokens/s" if cfg["model"]["name"] != "cnn" else "examples/s", f"{items / med:.0f}")
+    t.add_row("TFLOP/s per device", f"{flops / med / n_dev / 1e12:.4f}")
+    if peak > 0:
+        t.add_row("MFU", f"{100 * flops / med / n_dev / 1e12 / peak:.1f}%")
+    t.add_row("run directory", str(run_dir))
+    Console().print(t)
+    with open(run_dir / "summary.json", "w") as f:
+        json.dump({"final_loss": losses[-1], "final_val_loss": val, "initial_val_loss": first_val,
+                   "median_step_time_s": med, "steps": len(losses)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main(None, sys.argv[1:]))
