@@ -195,6 +195,30 @@ class Trainer:
         """The parameters in the canonical layout of ``nnx.state(model, nnx.Param)``."""
         return self._to_canonical_jit(state.params)
 
+    def to_canonical_state(self, state: TrainState) -> TrainState:
+        """``state`` with params and optimizer state in the canonical layout (for checkpoints).
+
+        optax states mirror the params, so every param-shaped subtree takes the same exact
+        conversion as the params (reshapes and vocabulary unpadding); counters pass through.
+        """
+        return self._state_converters()[0](state)
+
+    def from_canonical_state(self, canonical: TrainState) -> TrainState:
+        """The inverse of :meth:`to_canonical_state`, placed with this trainer's shardings."""
+        return self._state_converters()[1](canonical)
+
+    def _state_converters(self):
+        if not hasattr(self, "_converters"):  # built on first use: most trainers never need them
+            def convert(fn, s: TrainState) -> TrainState:
+                opt = optax.tree_map_params(self.optimizer, fn, s.opt_state,
+                                            is_leaf=lambda _: True)  # fn takes whole trees
+                return TrainState(s.step, fn(s.params), opt)
+
+            self._converters = (
+                jax.jit(partial(convert, self._to_canonical)),
+                jax.jit(partial(convert, self._to_internal), out_shardings=self.state_shardings))
+        return self._converters
+
     def shard_batch(self, batch: dict) -> dict:
         """Check a global batch and place it sharded over ``data``."""
         self.check_batch(batch)
