@@ -1,0 +1,471 @@
+"""The SPMD pipeline executor: any valid schedule, run as one ``jax.shard_map`` program.
+
+How it runs (DESIGN section 6):
+
+- The schedule's per-stage action lists become a lockstep tick table (``schedules.tick_table``).
+  A ``lax.scan`` walks the ticks; on each device a ``lax.switch`` on its own table entry runs
+  only that stage's action (idle, forward, backward, or the split input/weight backward), so no
+  device computes masked duplicate work.
+- A forward calls ``jax.vjp`` on the stage's chunk of layers (under the plan's remat policy) and
+  writes the residual leaves to slot ``stash_slots[(microbatch, chunk)]`` of fixed buffers, sized
+  by the schedule's peak held count: 1F1B's memory stays flat in the number of microbatches.
+  Residuals that are the chunk's own parameters are not copied: the backward passes them again.
+- After the switch, one ``ppermute`` each way moves activations forward and cotangents backward
+  (cyclically, so interleaved placements work); the receiver's table says which inbox slot, if
+  any, takes them. A result made at tick t is usable from tick t+1.
+- The prologue (embedding) runs inside the forward of chunk 0 and is differentiated again in its
+  backward; the epilogue (head and loss) runs inside the forward of the last chunk, whose
+  backward is seeded with the loss cotangent there and then. Gradients of the shared prologue and
+  epilogue parameters are summed over ``pipe`` (this also makes tied embeddings exact).
+- Weight gradients accumulate over microbatches in the scan carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from fiddlejax.pipeline import schedules
+from fiddlejax.pipeline.partition import partition
+from fiddlejax.sharding import DEFAULT_RULES, logical_to_spec
+
+# Branch indices of the per-tick switch.
+IDLE, F_MID, F_FIRST, F_LAST, F_ONLY, B_MID, B_FIRST, I_MID, I_FIRST, W = range(10)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """Static per-(tick, stage) integer tables the scan body indexes with its stage id."""
+
+    branch: np.ndarray      # [T, p] which switch branch
+    microbatch: np.ndarray  # [T, p]
+    local_chunk: np.ndarray  # [T, p] index among the stage's chunks
+    layers: np.ndarray      # [T, p] layers in the chunk being run
+    stash: np.ndarray       # [T, p] stash slot of (microbatch, chunk)
+    act_in: np.ndarray      # [T, p] inbox slot a forward reads
+    grad_in: np.ndarray     # [T, p] inbox slot a backward reads
+    act_recv: np.ndarray    # [T, p] inbox slot for the activation arriving after tick t (-1)
+    grad_recv: np.ndarray   # [T, p] inbox slot for the cotangent arriving after tick t (-1)
+    seed_slot: np.ndarray   # [T, p] grad inbox slot a last-chunk forward writes its dy into
+    num_stash: int
+    num_act: int
+    num_grad: int
+
+    def stacked(self) -> np.ndarray:
+        cols = [self.branch, self.microbatch, self.local_chunk, self.layers, self.stash,
+                self.act_in, self.grad_in, self.act_recv, self.grad_recv, self.seed_slot]
+        return np.stack(cols, axis=-1).astype(np.int32)  # [T, p, 10]
+
+
+def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Slots for [write tick, read tick] intervals; a slot read at t is free for writes at t."""
+    ends: list[int] = []
+    slots = {}
+    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for i, e in enumerate(ends):
+            if e <= start:
+                ends[i] = end
+                slots[key] = i
+                break
+        else:
+            slots[key] = len(ends)
+            ends.append(end)
+    return slots, max(len(ends), 1)
+
+
+def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
+    """Turn a validated schedule into the integer tables the scan executes."""
+    table = schedules.tick_table(s)
+    p, n_chunks = s.stages, s.num_chunks
+    place = s.placement
+    local = {c: s.chunks_of(place[c]).index(c) for c in range(n_chunks)}
+    for c in range(n_chunks - 1):
+        if place[c + 1] != (place[c] + 1) % p:
+            raise ValueError(
+                f"chunk {c + 1} is on stage {place[c + 1]} but the runtime moves activations to "
+                f"the next stage cyclically (stage {(place[c] + 1) % p}); use a placement where "
+                "chunk c+1 sits on stage (stage of c) + 1 mod stages")
+    T = table.num_ticks
+    tick = {}
+    for t, row in enumerate(table.ticks):
+        for st, a in enumerate(row):
+            if a is not None:
+                tick[(a.op, a.microbatch, a.chunk)] = t
+    split = s.split_backward
+    bwd = "I" if split else "B"
+    stash = schedules.stash_slots(s)
+    shape = (T, p)
+    t_ = {k: np.full(shape, -1 if k.endswith("recv") or k == "seed" else 0, np.int64)
+          for k in ("branch", "mb", "lc", "layers", "stash", "act_in", "grad_in", "act_recv",
+                    "grad_recv", "seed")}
+    # Inbox intervals per stage: activation for F(m, c>0) written after F(m, c-1); cotangent for
+    # the backward of (m, c < last) written after its backward of (m, c+1), and the last chunk's
+    # loss cotangent written during its own forward.
+    act_iv: list[list] = [[] for _ in range(p)]
+    grad_iv: list[list] = [[] for _ in range(p)]
+    for (op, m, c), t in tick.items():
+        st = place[c]
+        if op == "F" and c > 0:
+            act_iv[st].append((tick[("F", m, c - 1)], t, (m, c)))
+        if op == bwd:
+            if c < n_chunks - 1:
+                grad_iv[st].append((tick[(bwd, m, c + 1)], t, (m, c)))
+            else:
+                grad_iv[st].append((tick[("F", m, c)], t, (m, c)))
+    act_slots, grad_slots = [], []
+    num_act = num_grad = 1
+    for st in range(p):
+        a, na = _allocate(act_iv[st])
+        g, ng = _allocate(grad_iv[st])
+        act_slots.append(a)
+        grad_slots.append(g)
+        num_act, num_grad = max(num_act, na), max(num_grad, ng)
+    last = n_chunks - 1
+    for (op, m, c), t in tick.items():
+        st = place[c]
+        t_["mb"][t, st] = m
+        t_["lc"][t, st] = local[c]
+        t_["layers"][t, st] = counts[c]
+        t_["stash"][t, st] = stash[st][(m, c)]
+        if op == "F":
+            t_["branch"][t, st] = (F_ONLY if n_chunks == 1 else F_FIRST if c == 0
+                                   else F_LAST if c == last else F_MID)
+            if c > 0:
+                t_["act_in"][t, st] = act_slots[st][(m, c)]
+            if c == last:
+                t_["seed"][t, st] = grad_slots[st][(m, c)]
+            if c < last:  # arrives at the next chunk's stage at the end of this tick
+                t_["act_recv"][t, place[c + 1]] = act_slots[place[c + 1]][(m, c + 1)]
+        elif op in ("B", "I"):
+            first_branch, mid_branch = (B_FIRST, B_MID) if op == "B" else (I_FIRST, I_MID)
+            t_["branch"][t, st] = first_branch if c == 0 else mid_branch
+            t_["grad_in"][t, st] = grad_slots[st][(m, c)]
+            if c > 0:
+                t_["grad_recv"][t, place[c - 1]] = grad_slots[place[c - 1]][(m, c - 1)]
+        elif op == "W":
+            t_["branch"][t, st] = W
+    return Tables(t_["branch"], t_["mb"], t_["lc"], t_["layers"], t_["stash"], t_["act_in"],
+                  t_["grad_in"], t_["act_recv"], t_["grad_recv"], t_["seed"],
+                  num_stash=max(s.held_peak), num_act=num_act, num_grad=num_grad)
+
+
+class Pipeline:
+    """One model's pipeline layout and executor for one plan."""
+
+    def __init__(self, staged, plan, canonical_template: nnx.State):
+        self.staged, self.plan = staged, plan
+        p, v, m = plan.pipe, plan.virtual_stages, plan.microbatches
+        self.p, self.v, self.m = p, v, m
+        n_chunks = p * v
+        L = staged.num_layers
+        self.counts = partition(L, n_chunks, "uniform" if plan.partition == "uniform"
+                                else plan.partition)
+        kind = plan.schedule
+        self.schedule = schedules.build(kind, stages=p, microbatches=m,
+                                        virtual_stages=v if kind == "interleaved-1f1b" else None)
+        self.tables = build_tables(self.schedule, self.counts)
+        self.lmax = max(self.counts)
+        # Internal stack index [p, v, lmax] -> canonical layer (or L: a zero pad layer).
+        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+        index = np.full((p, v, self.lmax), L, np.int64)
+        for c in range(n_chunks):
+            st = self.schedule.placement[c]
+            j = self.schedule.chunks_of(st).index(c)
+            index[st, j, : self.counts[c]] = starts[c] + np.arange(self.counts[c])
+        self.index = index
+        flat = index.reshape(-1)
+        self.inverse = np.array([int(np.nonzero(flat == layer)[0][0]) for layer in range(L)])
+
+    # -- layouts -----------------------------------------------------------------------------
+    def _map_stack(self, f, params: nnx.State, g=lambda v: v) -> nnx.State:
+        """Apply ``f`` to the stack's variables and ``g`` to the others, keeping the tree."""
+        stack = self.staged.stack
+
+        def visit(path, v):
+            in_stack = getattr(path[0], "key", None) == stack
+            return f(v) if in_stack else g(v)
+
+        return jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_var)
+
+    def to_internal(self, params: nnx.State) -> nnx.State:
+        idx = jnp.asarray(self.index)
+
+        def regroup(v):
+            a = v[...]
+            padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+            return v.replace(jnp.take(padded, idx, axis=0))
+
+        return self._map_stack(regroup, params)
+
+    def to_canonical(self, internal: nnx.State) -> nnx.State:
+        inv = jnp.asarray(self.inverse)
+
+        def ungroup(v):
+            a = v[...]
+            return v.replace(jnp.take(a.reshape(-1, *a.shape[3:]), inv, axis=0))
+
+        return self._map_stack(ungroup, internal)
+
+    def param_specs(self, internal: nnx.State) -> nnx.State:
+        def names(v):
+            return tuple(v.get_metadata().get("out_sharding") or ())
+
+        def stacked(v):  # [p, v, lmax, ...]: stages over `pipe`, the "layers" name dropped
+            return v.replace(P("pipe", None, None, *logical_to_spec(names(v)[1:], DEFAULT_RULES)))
+
+        def other(v):
+            return v.replace(logical_to_spec(names(v), DEFAULT_RULES))
+
+        return self._map_stack(stacked, internal, other)
+
+    # -- execution ---------------------------------------------------------------------------
+    def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable):
+        plan = self.plan
+        manual = {"pipe"} | ({"data"} if plan.data > 1 else set())
+        spec_tree = self._map_stack(lambda v: P("pipe"), params, lambda v: P())
+        batch_spec = P("data") if plan.data > 1 else P()
+
+        def per_device(prm, b):
+            loss, grads = self._run(prm, b, remat, tuple(sorted(manual)))
+            return reduce(loss, grads)
+
+        return jax.shard_map(
+            per_device, mesh=plan.mesh, in_specs=(spec_tree, batch_spec),
+            out_specs=(P(), spec_tree), axis_names=manual,
+        )(params, batch)
+
+    def _chunk_fn(self, remat: Callable, uneven: bool) -> Callable:
+        layer = remat(self.staged.layer)
+
+        def chunk(cp, x, n):
+            def body(h, args):
+                i, lp = args
+                if uneven:
+                    return jax.lax.cond(i < n, lambda: layer(lp, h), lambda: h), None
+                return layer(lp, h), None
+
+            steps = jnp.arange(self.lmax)
+            return jax.lax.scan(body, x, (steps, cp))[0]
+
+        return chunk
+
+    def _run(self, params: nnx.State, batch: dict, remat: Callable, axes: tuple[str, ...]):
+        s = self.staged
+        tb = self.tables
+        m = self.m
+        stack = s.stack
+        varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
+        stage = jax.lax.axis_index("pipe")
+        # Split the parameters into the stage's own layers ("local", leaves [v, lmax, ...]) and
+        # the replicated rest ("outer"); `assemble` rebuilds the full tree for the model.
+        flat, param_def = jax.tree_util.tree_flatten_with_path(params)
+        in_stack = [getattr(path[0], "key", None) == stack for path, _ in flat]
+        stack_def = jax.tree.structure(params[stack])
+        leaves = [x for _, x in flat]
+        # Replicated parameters become per-device values so their gradients stay local until
+        # the explicit reductions at the end.
+        outer = [jax.lax.pcast(x, axes, to="varying")
+                 for x, st in zip(leaves, in_stack) if not st]
+        local_leaves = [x[0] for x, st in zip(leaves, in_stack) if st]
+        if len(axes) > 1:
+            local_leaves = [jax.lax.pcast(x, ("data",), to="varying") for x in local_leaves]
+        local = jax.tree.unflatten(stack_def, local_leaves)
+
+        def assemble(outer_list, stack_list):
+            o, k = iter(outer_list), iter(stack_list)
+            return jax.tree.unflatten(param_def, [next(k) if st else next(o) for st in in_stack])
+
+        mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+        uneven = len(set(self.counts)) > 1
+        chunk = self._chunk_fn(remat, uneven)
+
+        def prologue(o, mb):
+            return s.prologue(assemble(o, local_leaves), mb)
+
+        def epilogue(o, y, mb):
+            return s.epilogue(assemble(o, local_leaves), y, mb)
+
+        def get_mb(i):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), mbs)
+
+        def cparams(j):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), local)
+
+        # Shapes of activations and of the chunk's residuals, from a trace whose results are
+        # unused (XLA removes the dead code); eval_shape cannot see the manual-axis types.
+        act_abs = prologue(outer, get_mb(0))
+        info = {}
+
+        def probe(cp, x):
+            y, vjp = jax.vjp(lambda c, h: chunk(c, h, jnp.int32(self.lmax)), cp, x)
+            leaves, treedef = jax.tree.flatten(vjp)
+            cp_leaves = jax.tree.leaves(cp)
+            src = []
+            for leaf in leaves:
+                hit = [k for k, c in enumerate(cp_leaves) if leaf is c]
+                src.append(("param", hit[0]) if hit else ("stash", None))
+            info["treedef"], info["src"] = treedef, src
+            return [leaf for leaf, (kind, _) in zip(leaves, src) if kind == "stash"]
+
+        res_abs = probe(cparams(0), act_abs)
+        res_def, src = info["treedef"], info["src"]
+
+        def zeros(shape, dtype):
+            return varying(jnp.zeros(shape, dtype))
+
+        stash0 = [zeros((tb.num_stash, *r.shape), r.dtype) for r in res_abs]
+        act_box0 = zeros((tb.num_act, *act_abs.shape), act_abs.dtype)
+        grad_box0 = zeros((tb.num_grad, *act_abs.shape), act_abs.dtype)
+        wdy0 = zeros((tb.num_stash if self.schedule.split_backward else 1, *act_abs.shape),
+                     act_abs.dtype)
+        g_local0 = jax.tree.map(jnp.zeros_like, local)
+        g_outer0 = jax.tree.map(jnp.zeros_like, outer)
+        loss0 = zeros((), jnp.float32)
+        inv_m = 1.0 / m
+
+        def write(buf, i, x):
+            return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
+
+        def read(buf, i):
+            return jax.lax.dynamic_index_in_dim(buf, i, 0, False)
+
+        def add_at(tree, j, upd):
+            return jax.tree.map(
+                lambda g, u: jax.lax.dynamic_update_index_in_dim(
+                    g, read(g, j) + u, j, 0), tree, upd)
+
+        def vjp_from_stash(stash, slot, cp):
+            cp_leaves = jax.tree.leaves(cp)
+            it = iter(read(buf, slot) for buf in stash)
+            leaves = [cp_leaves[k] if kind == "param" else next(it) for kind, k in src]
+            return jax.tree.unflatten(res_def, leaves)
+
+        def forward(carry, row, x):
+            """Chunk forward on x; stash residuals. Returns (carry, y)."""
+            stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
+            cp = cparams(row[2])
+            y, vjp = jax.vjp(lambda c, h: chunk(c, h, row[3]), cp, x)
+            leaves = jax.tree.leaves(vjp)
+            kept = [leaf for leaf, (kind, _) in zip(leaves, src) if kind == "stash"]
+            stash = [write(buf, row[4], r) for buf, r in zip(stash, kept)]
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), y
+
+        def seed_loss(carry, row, y, mb):
+            """Last chunk: loss, epilogue grads, and the cotangent its backward will read."""
+            stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
+            l, (d_outer, dy) = jax.value_and_grad(epilogue, argnums=(0, 1))(outer, y, mb)
+            g_outer = jax.tree.map(lambda g, d: g + d * inv_m, g_outer, d_outer)
+            grad_box = write(grad_box, row[9], dy * inv_m)
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss + l)
+
+        zero_act = zeros(act_abs.shape, act_abs.dtype)
+
+        def br_idle(carry, row):
+            return carry, zero_act, zero_act
+
+        def br_f_mid(carry, row):
+            x = read(carry[1], row[5])
+            carry, y = forward(carry, row, x)
+            return carry, y, zero_act
+
+        def br_f_first(carry, row):
+            x = prologue(outer, get_mb(row[1]))
+            carry, y = forward(carry, row, x)
+            return carry, y, zero_act
+
+        def br_f_last(carry, row):
+            x = read(carry[1], row[5])
+            carry, y = forward(carry, row, x)
+            return seed_loss(carry, row, y, get_mb(row[1])), zero_act, zero_act
+
+        def br_f_only(carry, row):
+            mb = get_mb(row[1])
+            carry, y = forward(carry, row, prologue(outer, mb))
+            return seed_loss(carry, row, y, mb), zero_act, zero_act
+
+        def backward(carry, row, first: bool, weights: bool, inputs: bool):
+            stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
+            cp = cparams(row[2])
+            dy = read(grad_box, row[6])
+            dcp, dx = vjp_from_stash(stash, row[4], cp)(dy)
+            if weights:
+                g_local = add_at(g_local, row[2], dcp)
+            else:  # split backward: keep dy for the weight-gradient action
+                wdy = write(wdy, row[4], dy)
+            if first and inputs:
+                _, pro_vjp = jax.vjp(lambda o: prologue(o, get_mb(row[1])), outer)
+                (d_outer,) = pro_vjp(dx)
+                g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
+                dx = zero_act
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), zero_act, dx
+
+        def br_b_mid(carry, row):
+            return backward(carry, row, first=False, weights=True, inputs=True)
+
+        def br_b_first(carry, row):
+            return backward(carry, row, first=True, weights=True, inputs=True)
+
+        def br_i_mid(carry, row):
+            return backward(carry, row, first=False, weights=False, inputs=True)
+
+        def br_i_first(carry, row):
+            return backward(carry, row, first=True, weights=False, inputs=True)
+
+        def br_w(carry, row):
+            stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
+            cp = cparams(row[2])
+            dcp, _ = vjp_from_stash(stash, row[4], cp)(read(wdy, row[4]))
+            g_local = add_at(g_local, row[2], dcp)
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), zero_act, zero_act
+
+        branches = [br_idle, br_f_mid, br_f_first, br_f_last, br_f_only, br_b_mid, br_b_first,
+                    br_i_mid, br_i_first, br_w]
+        p = self.p
+        fwd_perm = [(i, (i + 1) % p) for i in range(p)]
+        bwd_perm = [(i, (i - 1) % p) for i in range(p)]
+
+        def deliver(box, slot, x):
+            ok = slot >= 0
+            i = jnp.maximum(slot, 0)
+            return write(box, i, jnp.where(ok, x, read(box, i)))
+
+        def tick(carry, rows):
+            row = jax.lax.dynamic_index_in_dim(rows, stage, 0, False)
+            carry, send_act, send_grad = jax.lax.switch(row[0], branches, carry, row)
+            stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
+            if p > 1:
+                recv_act = jax.lax.ppermute(send_act, "pipe", fwd_perm)
+                recv_grad = jax.lax.ppermute(send_grad, "pipe", bwd_perm)
+            else:
+                recv_act, recv_grad = send_act, send_grad
+            act_box = deliver(act_box, row[7], recv_act)
+            grad_box = deliver(grad_box, row[8], recv_grad)
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), None
+
+        carry0 = (stash0, act_box0, grad_box0, wdy0, g_local0, g_outer0, loss0)
+        table = jnp.asarray(tb.stacked())
+        carry, _ = jax.lax.scan(tick, carry0, table)
+        *_, g_local, g_outer, loss = carry
+        loss = jax.lax.psum(loss, "pipe") * inv_m
+        g_outer = jax.lax.psum(g_outer, "pipe")
+        grads = assemble(g_outer, [a[None] for a in jax.tree.leaves(g_local)])
+        return loss, grads
+
+
+def build(staged, plan, canonical_template: nnx.State) -> Pipeline:
+    """The pipeline for ``plan`` (validates layers, microbatches and schedule up front)."""
+    return Pipeline(staged, plan, canonical_template)
+
+
+__all__ = ["Pipeline", "Tables", "build", "build_tables"]
