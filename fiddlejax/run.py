@@ -189,6 +189,13 @@ def main(config_path: str | None, overrides: list[str]) -> int:
         print(f"fiddlejax train: {e}", file=sys.stderr)
         return 2
     setup_devices(cfg)
+    from fiddlejax import distributed
+
+    try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
+        distributed.initialize()
+    except (ValueError, RuntimeError) as e:
+        print(f"fiddlejax train: {e}", file=sys.stderr)
+        return 2
     import jax
     import numpy as np
 
@@ -205,8 +212,9 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     except (ValueError, TypeError) as e:
         print(f"fiddlejax train: {e}", file=sys.stderr)
         return 2
-    train_it, val_it, items_per_step = build_data(cfg, model, jax.process_index(),
-                                                  jax.process_count())
+    # Each process loads only the rows of the data-axis slice its devices own.
+    train_it, val_it, items_per_step = build_data(cfg, model,
+                                                  *distributed.data_shard(plan.mesh))
     val_batches = [next(val_it) for _ in range(tcfg["eval_batches"])]
     run_dir = Path(rcfg["dir"])
     bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
