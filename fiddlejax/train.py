@@ -220,9 +220,22 @@ class Trainer:
         return self._converters
 
     def shard_batch(self, batch: dict) -> dict:
-        """Check a global batch and place it sharded over ``data``."""
-        self.check_batch(batch)
-        return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
+        """Check a global batch and place it sharded over ``data``.
+
+        With several processes each passes only its own rows, the slice of the global batch its
+        devices own on ``data`` (``fiddlejax.distributed.data_shard(mesh)`` says which).
+        """
+        if jax.process_count() == 1 or not isinstance(batch, dict):
+            self.check_batch(batch)
+            return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
+        from fiddlejax import distributed
+
+        count = distributed.data_shard(self.mesh)[1]
+        self.check_batch({k: jax.ShapeDtypeStruct((np.shape(x)[0] * count, *np.shape(x)[1:]),
+                                                  x.dtype) for k, x in batch.items()})
+        return {k: jax.make_array_from_process_local_data(
+                    self.batch_sharding, np.asarray(x), (np.shape(x)[0] * count, *np.shape(x)[1:]))
+                for k, x in batch.items()}
 
     def check_batch(self, batch: dict) -> None:
         """Raise a clear error for a batch this trainer cannot take, before compiling."""
