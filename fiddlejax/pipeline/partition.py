@@ -1,0 +1,142 @@
+"""Layers -> pipeline chunks: how many consecutive layers each chunk (virtual stage) runs.
+
+A pipeline runs at the pace of its slowest stage, so the goal is the smallest maximum chunk
+cost. Chunk 0 also runs the prologue (embedding) and the last chunk the epilogue (final norm,
+head, loss), so those two carry extra cost.
+
+- ``uniform``: counts as even as possible; surplus layers go to the middle chunks first, then
+  the first chunk, and the last chunk (which runs the head) last.
+- ``params`` / ``cost``: PipeDream's dynamic program over per-layer costs (parameter counts, or
+  measured times), minimising the maximum chunk cost including ``first_extra`` / ``last_extra``.
+
+Pure Python: no JAX, so the planner and tests can call it anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+METHODS = ("uniform", "params", "cost")
+
+
+def partition(
+    num_layers: int,
+    num_chunks: int,
+    method: str = "uniform",
+    *,
+    layer_costs: Sequence[float] | None = None,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+) -> list[int]:
+    """Layer counts per chunk, in model order: ``len == num_chunks``, each >= 1, sum == layers.
+
+    ``layer_costs`` (one per layer) defaults to equal costs; it is used by ``params``/``cost``.
+    """
+    _check(num_layers, num_chunks, method)
+    if method == "uniform":
+        return uniform(num_layers, num_chunks)
+    costs = [1.0] * num_layers if layer_costs is None else [float(c) for c in layer_costs]
+    if len(costs) != num_layers:
+        raise ValueError(f"layer_costs has {len(costs)} entries but num_layers={num_layers}; "
+                         "give one cost per layer")
+    for name, value in [*((f"layer_costs[{i}]", c) for i, c in enumerate(costs)),
+                        ("first_extra", first_extra), ("last_extra", last_extra)]:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value} must be a finite cost >= 0")
+    return balanced(costs, num_chunks, first_extra=first_extra, last_extra=last_extra)
+
+
+def _check(num_layers: int, num_chunks: int, method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} must be one of {', '.join(METHODS)}")
+    for name, v in (("num_layers", num_layers), ("num_chunks", num_chunks)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if num_layers < num_chunks:
+        raise ValueError(
+            f"n_layers={num_layers} is fewer than stages x virtual_stages = {num_chunks}; use at "
+            f"most {num_layers} chunks or more layers")
+
+
+def uniform(num_layers: int, num_chunks: int) -> list[int]:
+    """As even as possible; the surplus goes to middle chunks, then the first, then the last."""
+    _check(num_layers, num_chunks, "uniform")
+    base, extra = divmod(num_layers, num_chunks)
+    counts = [base] * num_chunks
+    for c in _surplus_order(num_chunks)[:extra]:
+        counts[c] += 1
+    return counts
+
+
+def _surplus_order(k: int) -> list[int]:
+    """Chunk indices in the order they receive surplus layers: centre-out middles, first, last."""
+    centre = (k - 1) / 2
+    middles = sorted(range(1, k - 1), key=lambda c: (abs(c - centre), c))
+    return middles + [0] + ([k - 1] if k > 1 else [])
+
+
+def chunk_costs(counts: Sequence[int], layer_costs: Sequence[float], *, first_extra: float = 0.0,
+                last_extra: float = 0.0) -> list[float]:
+    """The cost of each chunk of a partition, prologue/epilogue extras included."""
+    out, start = [], 0
+    for c in counts:
+        out.append(float(sum(layer_costs[start:start + c])))
+        start += c
+    out[0] += first_extra
+    out[-1] += last_extra
+    return out
+
+
+def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: float = 0.0,
+             last_extra: float = 0.0) -> list[int]:
+    """The contiguous split minimising the maximum chunk cost (PipeDream's dynamic program).
+
+    Among the optimal splits it takes the one with the smallest sum of squared chunk costs (the
+    most even), then the one closest to :func:`uniform`, so equal costs give uniform's answer.
+    """
+    n, k = len(layer_costs), num_chunks
+    _check(n, k, "cost")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(j: int, a: int, b: int) -> float:  # chunk j holds layers a..b-1
+        return (prefix[b] - prefix[a] + (first_extra if j == 0 else 0.0)
+                + (last_extra if j == k - 1 else 0.0))
+
+    # Pass 1: best[j][i] = smallest possible max cost of layers 0..i-1 in chunks 0..j.
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(k)]
+    for i in range(1, n - k + 2):
+        best[0][i] = cost(0, 0, i)
+    for j in range(1, k):
+        for i in range(j + 1, n - (k - 1 - j) + 1):
+            best[j][i] = min(max(best[j - 1][a], cost(j, a, i)) for a in range(j, i))
+    bound = best[k - 1][n]
+    bound += 1e-9 * max(1.0, abs(bound))  # float slack: sums in another order may differ
+
+    # Pass 2: among splits whose every chunk is within the bound, lexicographically minimise
+    # (sum of squared costs, distance to the uniform counts); both add up chunk by chunk.
+    target = uniform(n, k)
+    score: list[list[tuple[float, int] | None]] = [[None] * (n + 1) for _ in range(k)]
+    back = [[0] * (n + 1) for _ in range(k)]
+    for i in range(1, n - k + 2):
+        if cost(0, 0, i) <= bound:
+            score[0][i] = (cost(0, 0, i) ** 2, abs(i - target[0]))
+    for j in range(1, k):
+        for i in range(j + 1, n - (k - 1 - j) + 1):
+            for a in range(j, i):
+                prev, c = score[j - 1][a], cost(j, a, i)
+                if prev is None or c > bound:
+                    continue
+                cand = (prev[0] + c * c, prev[1] + abs(i - a - target[j]))
+                if score[j][i] is None or cand < score[j][i]:
+                    score[j][i], back[j][i] = cand, a
+    counts, i = [], n
+    for j in range(k - 1, 0, -1):
+        a = back[j][i]
+        counts.append(i - a)
+        i = a
+    counts.append(i)
+    return counts[::-1]
