@@ -37,12 +37,12 @@ def block(x, p):
 def stacked_params(layers, seed=0):
     shapes = {"wq": (D, H, DH), "wk": (D, H, DH), "wv": (D, H, DH), "wo": (H, DH, D),
               "w1": (D, F), "w2": (F, D)}
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return {n: jax.random.normal(k, (layers, *s)) / np.sqrt(s[0])
-            for k, (n, s) in zip(keys, sorted(shapes.items()), strict=True)}
+    rng = np.random.default_rng(seed)  # numpy: eager jax.random compiles per shape
+    return {n: (rng.standard_normal((layers, *s)) / np.sqrt(s[0])).astype(np.float32)
+            for n, s in sorted(shapes.items())}
 
 
-X = jax.random.normal(jax.random.key(42), (B, T, D))
+X = np.random.default_rng(42).standard_normal((B, T, D)).astype(np.float32)
 
 
 def loss_fn(remat):
@@ -68,7 +68,7 @@ POLICIES = {name: name for name in policies.POLICY_NAMES} | {"custom": CUSTOM}
 @functools.cache
 def compiled(remat, layers):
     """The compiled gradient step (cached: XLA compiles dominate this file's run time)."""
-    params = jax.eval_shape(lambda: stacked_params(layers))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacked_params(layers))
     return jax.jit(jax.grad(loss_fn(POLICIES[remat]))).lower(params, X).compile()
 
 
