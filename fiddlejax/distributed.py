@@ -526,7 +526,7 @@ def _join(host: str, port: int, me: dict, timeout_s: float, coordinator: str) ->
 
 # -- data placement --------------------------------------------------------------------------------
 
-def data_shard(mesh, axis: str = "data") -> tuple[int, int]:
+def data_shard(mesh, axis: str = "data", *, process_index: int | None = None) -> tuple[int, int]:
     """``(index, count)``: this process loads share ``index`` of ``count`` of each global batch.
 
     The share is the slice of ``axis`` that this process's devices own. Processes whose devices
@@ -534,10 +534,13 @@ def data_shard(mesh, axis: str = "data") -> tuple[int, int]:
     Pass the result as ``process_index`` / ``process_count`` to the pipelines in
     :mod:`fiddlejax.data`.
     """
-    import jax
     import numpy as np
 
-    me = jax.process_index()
+    if process_index is None:
+        import jax
+
+        process_index = jax.process_index()
+    me = process_index
     ax = list(mesh.axis_names).index(axis)
     size = mesh.devices.shape[ax]
     mine = sorted({idx[ax] for idx, d in np.ndenumerate(mesh.devices) if d.process_index == me})
@@ -551,3 +554,18 @@ def data_shard(mesh, axis: str = "data") -> tuple[int, int]:
             f"block, so its rows of a batch are not contiguous; order the mesh's devices host "
             f"by host (fj.make_mesh(..., devices=jax.devices()) does)")
     return mine[0] // k, size // k
+
+
+def describe(mesh) -> str:
+    """One line for logs: processes, devices, and which process owns each mesh position.
+
+    The default order (``jax.devices()``, host-major, ``tensor`` innermost) keeps ``tensor``
+    inside a host and lets ``pipe`` and then ``data`` span hosts.
+    """
+    import numpy as np
+
+    owner = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    axes = " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))
+    n_proc = len(set(owner.flat))
+    return (f"{n_proc} processes x {mesh.devices.size // n_proc} devices; mesh {axes}; "
+            f"process of each position: {owner.tolist()}")
