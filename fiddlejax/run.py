@@ -212,6 +212,8 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     except (ValueError, TypeError) as e:
         print(f"fiddlejax train: {e}", file=sys.stderr)
         return 2
+    if is_main and jax.process_count() > 1:
+        print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)
     # Each process loads only the rows of the data-axis slice its devices own.
     train_it, val_it, items_per_step = build_data(cfg, model,
                                                   *distributed.data_shard(plan.mesh))
