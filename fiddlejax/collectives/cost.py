@@ -150,7 +150,21 @@ def schedule_time(topo: Topology, steps: Sequence[Sequence[Message]]) -> float:
 
 
 def _tree_time(topo: Topology, trees, weights, nbytes: float, chunks: int) -> float:
-    return schedule_time(topo, tree_schedule(trees, weights, chunks, nbytes))
+    """`schedule_time` of `tree_schedule`, without listing every chunk: the set of busy edges
+    only changes where some node's level (height or depth) + 0 or + chunks is crossed."""
+    size = [nbytes * w / chunks for w in weights]
+    total = 0.0
+    for levels, upward in (([tr.heights(t) for t in trees], True),
+                           ([tr.depths(t) for t in trees], False)):  # fmt: skip
+        edges = [(ti, v, u, lv[v] if upward else lv[u])
+                 for ti, (t, lv) in enumerate(zip(trees, levels, strict=True))
+                 for v, u in enumerate(t) if u >= 0]  # fmt: skip
+        cuts = sorted({c for *_, lv in edges for c in (lv, lv + chunks)})
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            step = [((v, u) if upward else (u, v)) + (size[ti],)
+                    for ti, v, u, lv in edges if 0 <= a - lv < chunks]  # fmt: skip
+            total += (b - a) * schedule_time(topo, [step])
+    return total
 
 
 def best_chunks(topo: Topology, trees, weights, nbytes: float, max_chunks: int = MAX_CHUNKS) -> int:
