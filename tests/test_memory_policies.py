@@ -161,3 +161,37 @@ def test_auto_raises_when_nothing_fits():
         memory.choose_policy(make_step, 1024, ("none", "full"))
     with pytest.raises(ValueError, match="positive int"):
         memory.choose_policy(make_step, 0)
+
+
+# --- inside the Trainer and the pipeline runtime ------------------------------------------------
+
+
+# The runtime stashes residual leaves in device buffers; offloaded leaves live in host memory
+# (dynamic_update_slice refuses mixed spaces). Fix in pipeline/runtime.py: allocate that leaf's
+# stash buffer with jax.device_put(buf, leaf.aval.memory_space).
+_HOST_STASH = pytest.mark.xfail(reason="pipeline runtime stash is device-only", strict=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "remat", ["full", "minimal", pytest.param("offload", marks=_HOST_STASH)]
+)  # a pipeline compile costs ~30 s here: the rest are covered by the scan tests above
+def test_policies_inside_pipeline_runtime(remat):
+    """Each policy under a 2-stage 1F1B pipeline gives the single-device gradients."""
+    import optax
+    from flax import nnx
+    from helpers import reference_loss_and_grads, rel_err, tokens
+
+    import fiddlejax as fj
+    from models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    batch = tokens(0, 4, cfg.seq_len, cfg.vocab_size)
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    mesh = fj.make_mesh(data=1, pipe=2, tensor=1, devices=jax.devices()[:2])
+    plan = fj.Plan(mesh=mesh, schedule="1f1b", microbatches=2, remat=POLICIES[remat])
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+    loss, grads = trainer.loss_and_grads(trainer.init(), batch)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
