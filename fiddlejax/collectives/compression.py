@@ -18,7 +18,9 @@ Pieces:
   device sent.
 
 Per leaf and device the all-gather moves (p - 1) * k * (itemsize + 4) bytes, against the
-2 (p - 1) / p * size * itemsize of a dense ring all-reduce.
+2 (p - 1) / p * size * itemsize of a dense ring all-reduce: a ratio of p * density for float32
+(values plus int32 indices), so the exchange pays off when density < 1/p; 1% on 8 devices sends
+8% of the dense bytes.
 """
 
 from __future__ import annotations
