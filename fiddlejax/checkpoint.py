@@ -271,12 +271,18 @@ class CheckpointManager:
             best_fn=best_fn, best_mode=best_mode,
             preservation_policy=cm.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._persisted),
+            async_options=(ocp.AsyncOptions(post_finalization_callback=self._persisted)
+                           if async_save else None),
         )
         self._ocp = ocp
+        # Replica-parallel writes slice every replicated shard on device first; on CPU that is
+        # ~200 tiny dispatches (and compiles) per save, 5x the whole snapshot. Orbax already
+        # turns it off on GPU; one replica writes each shard instead.
+        arrays = ocp.type_handlers.create_type_handler_registry(
+            (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
         self._mngr = ocp.CheckpointManager(
             self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=arrays),
                            "meta": ocp.JsonCheckpointHandler()})
         # timing, for CheckFreq and stats()
         self._lock = threading.Lock()
@@ -297,11 +303,22 @@ class CheckpointManager:
         if self.preemption is not None and self.preemption.reached(step):
             return True
         if self.checkfreq is not None:
-            k = self.checkfreq.interval()
             if self.checkfreq.step_time() is None:
                 return False
-            return self._last_saved is None or k is None or step - self._last_saved >= k
+            k = self.checkfreq.interval()
+            if k is None:  # profiling: the first, cold save is not a measurement; take another
+                return not self._persisting()
+            return step - self._last_saved >= k
         return bool(self.every) and step % self.every == 0
+
+    def _persisting(self) -> bool:
+        with self._lock:
+            return self._persist_start is not None and self._persist_end is None
+
+    def warm_up(self, state) -> None:
+        """Compile the save path now, so the first save (maybe a preemption's) is quick."""
+        _, leaves, _ = named_leaves(self.trainer.to_canonical_state(state))
+        np.asarray(_fingerprints(leaves))
 
     def save(self, step: int, state, force: bool = False, *, metrics: dict | None = None,
              data_state: Any = None, rng: jax.Array | None = None, extra: Any = None) -> bool:
@@ -332,19 +349,23 @@ class CheckpointManager:
         fps = np.asarray(_fingerprints(leaves))
         meta = self._meta(step, paths, leaves, fps, data_state, rng, extra, metrics)
         ocp = self._ocp
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_nest(paths, leaves)),
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(_nest(paths, leaves)),
                                   meta=ocp.args.JsonSave(meta))
-        self._persist_start, self._persist_end = time.perf_counter(), None
+        with self._lock:
+            self._persist_start = self._persist_end = None
         ranked = self.best_metric is not None and self.best_metric in (metrics or {})
         self._mngr.save(step, args=args, metrics=_jsonable(metrics) if ranked else None,
                         force=True)
         self._pending, self._last_saved, self._saves = step, step, self._saves + 1
         end = time.perf_counter()
-        if self.checkfreq is not None:
+        with self._lock:  # the background write runs from here (or is already done)
+            self._persist_start = end
+            if not self.async_save:
+                self._persist_end = end
+        if self.checkfreq is not None and self._saves > 1:  # the first save compiles things
             self.checkfreq.snapshots.append(end - now)
         self._stall += end - now
         if not self.async_save:
-            self._persist_end = end
             self._pending = None
             self._check_committed(step)
         self._window_extra = 0.0
@@ -392,7 +413,8 @@ class CheckpointManager:
             cf.persists.append(end - start)
             cf.interference.append(self._window_extra)
             self._window_extra = 0.0
-            self._persist_start = None
+            with self._lock:
+                self._persist_start = None
 
     def stats(self) -> dict:
         """Measured checkpoint costs: overhead share of wall time, interval, last phases."""
@@ -412,16 +434,22 @@ class CheckpointManager:
         if self._pending is None:
             return
         step, self._pending = self._pending, None
-        self._mngr.wait_until_finished()
-        self._check_committed(step)
+        try:
+            self._mngr.wait_until_finished()
+            error = None
+        except Exception as e:  # noqa: BLE001 - reported below with what it means for the user
+            error = e
+        self._check_committed(step, error)
 
-    def _check_committed(self, step: int) -> None:
-        if not (self.directory / str(step)).is_dir():
-            self._mngr.reload()
-            raise RuntimeError(
-                f"saving checkpoint step {step} to {self.directory} failed (see the Orbax error "
-                f"logged above); the previous checkpoint (step {self._mngr.latest_step()}) is "
-                "intact and is what a resume will use")
+    def _check_committed(self, step: int, error: Exception | None = None) -> None:
+        if error is None and (self.directory / str(step)).is_dir():
+            return
+        self._mngr.reload()
+        cause = f"{type(error).__name__}: {_first_line(error)}" if error else "see Orbax's log"
+        raise RuntimeError(
+            f"saving checkpoint step {step} to {self.directory} failed ({cause}); the previous "
+            f"checkpoint (step {self._mngr.latest_step()}) is intact and is what a resume "
+            "will use") from error
 
     def wait(self) -> None:
         """Block until the last save is on disk; raises if its background write failed."""
@@ -495,8 +523,9 @@ class CheckpointManager:
                   for a, s in zip(shapes, shardings)]
         abstract = _nest(paths, target)
         try:
-            arrays = self._mngr.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+            restore = ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+            arrays = self._mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
             leaves = [_lookup(arrays, p) for p in paths]
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{where} is truncated or corrupted: reading its arrays failed "
@@ -609,11 +638,12 @@ class JobCheckpoints:
                     f"checkpoint.dir={self.mgr.directory} already holds checkpoints (latest "
                     f"step {latest}); pass resume=auto to continue from them, or use an empty "
                     "directory")
-            return self.trainer.init(), 1
+            return self._fresh()
         if latest is None and self.resume == "auto":
             self.log(f"resume=auto: no checkpoint in {self.mgr.directory}, starting fresh")
-            return self.trainer.init(), 1
+            return self._fresh()
         r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
+        self.mgr.warm_up(r.state)
         if r.data_state is not None and hasattr(self.data_iter, "set_state"):
             self.data_iter.set_state(r.data_state)
         elif hasattr(self.data_iter, "set_state") is False:
@@ -621,6 +651,11 @@ class JobCheckpoints:
         self.log(f"resumed from {self.mgr.directory} at step {r.step} "
                  f"(saved with layout {r.plan['mesh'] if r.plan else '?'})")
         return r.state, r.step + 1
+
+    def _fresh(self):
+        state = self.trainer.init()
+        self.mgr.warm_up(state)
+        return state, 1
 
     def after_step(self, step: int, state, rec: dict) -> bool:
         """Save if due (interval, CheckFreq, preemption, last step); True when it must stop."""

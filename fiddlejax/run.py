@@ -230,17 +230,26 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     def evaluate(state) -> float:
         return float(np.mean([float(trainer.loss(state, b)) for b in val_batches]))
 
-    state = trainer.init()
+    from fiddlejax import checkpoint
+
+    try:  # checkpoint.dir and resume: saving, resuming, SIGTERM (see fiddlejax/checkpoint.py)
+        ckpt = checkpoint.for_run(cfg, trainer, train_it, log.print)
+        state, start = ckpt.start() if ckpt else (trainer.init(), 1)
+    except (ValueError, FileNotFoundError) as e:
+        log.close()
+        print(f"fiddlejax train: {e}", file=sys.stderr)
+        return 2
     first_val = evaluate(state)
-    log.print(f"step 0: validation loss {first_val:.4f} (uniform guess: {math.log(256):.4f})")
+    log.print(f"step {start - 1}: validation loss {first_val:.4f} "
+              f"(uniform guess: {math.log(256):.4f})")
     times, losses, val = [], [], first_val
     t_prev = time.perf_counter()
-    for step in range(1, tcfg["steps"] + 1):
+    for step in range(start, tcfg["steps"] + 1):
         state, metrics = trainer.step(state, next(train_it))
         loss = float(metrics["loss"])  # syncs: step time is measured to completion
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
-        if step > 1:  # step 1 compiles
+        if step > start:  # the first step compiles
             times.append(dt)
         losses.append(loss)
         rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt}
@@ -249,12 +258,17 @@ def main(config_path: str | None, overrides: list[str]) -> int:
             val = evaluate(state)
             rec["val_loss"] = val
             t_prev = time.perf_counter()  # evaluation is not step time
+        stop = ckpt is not None and ckpt.after_step(step, state, rec)  # True when preempted
         line = None
         if step % tcfg["log_every"] == 0 or step == 1 or "val_loss" in rec:
             line = _line(step, rec)
         log.log(step, rec, line)
+        if stop:
+            break
+    if ckpt is not None:
+        ckpt.close()
     log.close()
-    if is_main:
+    if is_main and losses:
         _summary(cfg, losses, times, val, first_val, items_per_step, flops, n_dev, peak, run_dir)
     return 0
 
