@@ -447,6 +447,10 @@ def _serve(port: int, me: dict, timeout_s: float) -> None:
                          "JOB_COMPLETION_INDEX, and FIDDLEJAX_PROCESSES_PER_JOB for JobSets)")
             else:
                 seen[pid] = hello
+                try:
+                    conn.sendall(b'{"wait": true}\n')
+                except OSError:
+                    pass
         reply = json.dumps({"error": error} if error else {"ok": True}).encode() + b"\n"
         for c in conns:
             try:
@@ -509,19 +513,34 @@ def _join(host: str, port: int, me: dict, timeout_s: float, coordinator: str) ->
         with conn:
             try:
                 conn.sendall(json.dumps(me).encode() + b"\n")
-                conn.settimeout(max(deadline - time.monotonic(), 1.0))
-                reply = conn.makefile("rb").readline()
-            except OSError as e:
+                lines = conn.makefile("rb")
+                # Our process 0 acknowledges at once; silence means something else holds the
+                # port (say, a previous job's JAX service that is still shutting down).
+                conn.settimeout(_ACK_TIMEOUT_S)
+                answer = _answer(lines.readline())
+                if answer.get("wait"):
+                    conn.settimeout(max(deadline - time.monotonic(), 1.0))
+                    answer = _answer(lines.readline())
+            except (OSError, ValueError) as e:
                 last = e
+                time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
                 continue
-        if not reply:  # closed without an answer: process 0 restarted or ignored us; try again
-            last = ConnectionError("the coordinator closed the connection without answering")
-            time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-            continue
-        answer = json.loads(reply)
         if "error" in answer:
             raise RuntimeError(answer["error"])
         return
+
+
+_ACK_TIMEOUT_S = 10.0
+
+
+def _answer(line: bytes) -> dict:
+    """A reply line from process 0, or ValueError for anything that is not one."""
+    if not line:
+        raise ValueError("the coordinator closed the connection without answering")
+    answer = json.loads(line)
+    if not isinstance(answer, dict) or not {"ok", "wait", "error"} & set(answer):
+        raise ValueError(f"unexpected reply from the coordinator port: {line[:80]!r}")
+    return answer
 
 
 # -- data placement --------------------------------------------------------------------------------
