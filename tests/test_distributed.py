@@ -224,6 +224,57 @@ def test_kubernetes_indexed_job_and_jobset():
     assert c == dist.Cluster("jobset", 8, 5, "llm-workers-0-0.llm:8476", None)
 
 
+def _container_env(pod_spec: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in pod_spec["containers"][0]["env"]}
+
+
+def _mesh_devices(pod_spec: dict) -> int:
+    args = dict(a.split("=", 1) for a in pod_spec["containers"][0]["args"])
+    return int(args["mesh.data"]) * int(args["mesh.pipe"]) * int(args["mesh.tensor"])
+
+
+def test_kubernetes_templates_agree_with_detection():
+    """The manifests' numbers fit together, and every pod finds the same coordinator."""
+    yaml = pytest.importorskip("yaml")
+    svc, job = yaml.safe_load_all((ROOT / "launch/k8s/indexed-job.yaml").read_text())
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    env = _container_env(pod)
+    n = spec["completions"]
+    assert spec["parallelism"] == n and int(env["FIDDLEJAX_NUM_PROCESSES"]) == n
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    pod0 = f"{job['metadata']['name']}-0.{pod['subdomain']}:"  # pod 0's DNS name
+    assert env["FIDDLEJAX_COORDINATOR"].startswith(pod0)
+    gpus = pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert _mesh_devices(pod) == n * gpus
+    for i in range(n):
+        c = dist.detect(dict(env, JOB_COMPLETION_INDEX=str(i)))
+        assert (c.process_id, c.num_processes) == (i, n)
+
+    (js,) = yaml.safe_load_all((ROOT / "launch/k8s/jobset.yaml").read_text())
+    (rj,) = js["spec"]["replicatedJobs"]
+    jspec, pod = rj["template"]["spec"], rj["template"]["spec"]["template"]["spec"]
+    env = _container_env(pod)
+    n = rj["replicas"] * jspec["parallelism"]
+    assert int(env["FIDDLEJAX_NUM_PROCESSES"]) == n
+    assert _mesh_devices(pod) == n * pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    ids = set()
+    for j in range(rj["replicas"]):
+        for i in range(jspec["parallelism"]):
+            c = dist.detect(dict(env, JOBSET_NAME=js["metadata"]["name"],
+                                 REPLICATED_JOB_NAME=rj["name"], JOB_INDEX=str(j),
+                                 JOB_COMPLETION_INDEX=str(i)))
+            assert c.coordinator == f"{js['metadata']['name']}-{rj['name']}-0-0." \
+                                    f"{js['metadata']['name']}:8476"
+            ids.add(c.process_id)
+    assert ids == set(range(n))
+
+
+def test_slurm_template_is_valid_bash():
+    r = subprocess.run(["bash", "-n", str(ROOT / "launch/slurm.sbatch")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_detection_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"process_id=4 is outside 0\.\.3"):
         dist.detect({"FIDDLEJAX_NUM_PROCESSES": "4", "FIDDLEJAX_PROCESS_ID": "4",
@@ -307,6 +358,16 @@ def test_unreachable_coordinator():
                                            r"127\.0\.0\.1:\d+ within 2s"):
         dist.rendezvous(f"127.0.0.1:{_free_port()}", 2, 1, timeout_s=1.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_train_with_unreachable_coordinator_exits_with_the_address():
+    env = clean_env(FIDDLEJAX_COORDINATOR=f"127.0.0.1:{_free_port()}",
+                    FIDDLEJAX_NUM_PROCESSES="2", FIDDLEJAX_PROCESS_ID="1",
+                    FIDDLEJAX_INIT_TIMEOUT_S="2")
+    r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "fiddlejax train: process 1 could not reach the coordinator at 127.0.0.1:" in r.stderr
 
 
 def test_silent_port_is_not_mistaken_for_the_coordinator(monkeypatch):
