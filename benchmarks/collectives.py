@@ -60,7 +60,7 @@ def fmt_size(n: int) -> str:
 def topology_table(presets: dict[str, T.Topology]) -> list[str]:
     rows = [
         "| preset | devices | tree links | packing rate (GB/s) | max-flow bound (GB/s) | "
-        "trees | max height | best ring order |",
+        "trees | max height | best ring order (axis indices) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, topo in presets.items():
