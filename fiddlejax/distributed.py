@@ -301,8 +301,8 @@ def initialize(
 
     cpu_devices = cpu_devices if cpu_devices is not None else _env_int(os.environ, ENV_CPU_DEVICES)
     if jax.distributed.is_initialized():
-        _current = Cluster("jax", jax.process_count(), jax.process_index(),
-                           _current.coordinator if _current else None)
+        if _current is None or not _current.is_multiprocess:  # the caller initialized JAX
+            _current = Cluster("jax", jax.process_count(), jax.process_index())
         if num_processes is not None and num_processes != _current.num_processes:
             raise RuntimeError(f"JAX is already initialized with {_current.num_processes} "
                                f"processes, not num_processes={num_processes}")
