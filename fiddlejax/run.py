@@ -228,6 +228,8 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     peak = float(rcfg["peak_tflops"] or 0.0)
 
     def evaluate(state) -> float:
+        if not val_batches:  # train.eval_batches=0: no validation, and nothing to compile
+            return math.nan
         return float(np.mean([float(trainer.loss(state, b)) for b in val_batches]))
 
     from fiddlejax import checkpoint
