@@ -7,7 +7,9 @@ recomputation) wins; ties go to the smaller footprint.
 
 ``cost_analysis`` counts a ``scan``/``while`` body once whatever its trip count, so compare
 policies on the same program structure (as ``make_step`` does: only the policy changes): the
-per-layer recomputation then ranks them exactly as the executed FLOPs would.
+per-layer recomputation then ranks them as the executed FLOPs do. Give it the scanned step, not
+an unrolled one: XLA on CPU merges straight-line recomputation back into the forward (despite
+``jax.checkpoint``'s CSE barrier), which hides both the recomputed FLOPs and the memory saved.
 """
 
 from __future__ import annotations
