@@ -28,7 +28,7 @@ from fiddlejax import distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch" / "local.py"
 TINY = ["model.seq_len=16", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
-        "model.d_ff=64", "data.batch_size=8", "train.eval_every=0", "train.eval_batches=1",
+        "model.d_ff=64", "data.batch_size=8", "train.eval_every=0", "train.eval_batches=0",
         "run.progress=lines", "train.log_every=1000"]
 CLUSTER_VARS = ("FIDDLEJAX_", "SLURM_", "OMPI_", "JOB_COMPLETION_INDEX", "JOBSET_", "JOB_INDEX",
                 "REPLICATED_JOB_", "JAX_COORDINATOR", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS")
