@@ -295,6 +295,7 @@ def initialize(
     Arguments override what :func:`detect` finds. ``cpu_devices`` (or ``FIDDLEJAX_CPU_DEVICES``)
     simulates that many CPU devices in this process. CPU runs get the gloo collectives. With one
     process this only applies ``cpu_devices``. Calling again is harmless and returns the layout.
+    ``preflight=False`` skips the start-up handshake (:func:`rendezvous`) and its clear errors.
     """
     global _current
     import jax
