@@ -234,3 +234,30 @@ def test_encodings_inside_remat_policies_keep_gradients():
             assert np.array_equal(grad(ws, x), ref)
         with gist.encodings(["bf16"]):
             assert rel(grad(ws, x), ref) < BOUND["bf16"]
+
+
+def _pool_per_layer(enc):
+    """Layers ``depth_to_space(relu_maxpool(h @ w))``: same shape in and out, so they scan."""
+
+    def layer(h, w):
+        y = gist.relu_maxpool(h @ w, (2, 2))  # [n, s/2, s/2, 4c]
+        n, s, _, c4 = y.shape
+        y = y.reshape(n, s, s, 2, 2, c4 // 4).transpose(0, 1, 3, 2, 4, 5)
+        return y.reshape(n, 2 * s, 2 * s, c4 // 4), None
+
+    def temp(layers):
+        ws = jax.ShapeDtypeStruct((layers, 8, 32), jnp.float32)
+        x = jax.ShapeDtypeStruct((2, 16, 16, 8), jnp.float32)
+        loss = lambda ws, x: jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)  # noqa: E731
+        f = gist.with_encodings(jax.grad(loss), enc)
+        return jax.jit(f).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+    return (temp(8) - temp(4)) / 4
+
+
+def test_binarize_cuts_measured_stash():
+    n = 2 * 16 * 16 * 8  # layer input elements; the pool sees 4n
+    # Plain: the matmul input (4 B per input element), the pool's f32 input and ReLU's pred mask.
+    assert _pool_per_layer([]) == pytest.approx(4 * n + 16 * n + 4 * n, rel=0.02)
+    # Binarize: the matmul input and 1 bit per pool input element.
+    assert _pool_per_layer(["binarize"]) == pytest.approx(4 * n + 4 * n / 8, rel=0.02)

@@ -294,16 +294,15 @@ def _binarize_fwd(x, window):
     w = _windows(x, window)
     y = jnp.maximum(w.max(-1), 0)
     # The first maximum of each window gets the gradient (as in XLA's select-and-scatter), and
-    # only when positive (ReLU). Windows do not overlap, so one bit per input element says it all;
-    # the cropped border (never in a window) is stored as zeros.
+    # only when positive (ReLU). Windows do not overlap, so one bit per element says it all;
+    # the bits stay in window order and the cropped border (never in a window) is not stored.
     first = jax.nn.one_hot(jnp.argmax(w, axis=-1), w.shape[-1], dtype=bool)
-    chosen = first & (y > 0)[..., None]
-    return y, (_Static(x.shape), pack_bits(_unwindows(chosen, window, x.shape)))
+    return y, (_Static(x.shape), pack_bits(first & (y > 0)[..., None]))
 
 
 def _binarize_bwd(window, res, g):
     shape, packed = res
-    chosen = _windows(unpack_bits(packed, shape.value), window)
+    chosen = unpack_bits(packed, (*g.shape, math.prod(window)))
     routed = jnp.where(chosen, g[..., None], jnp.zeros((), g.dtype))
     return (_unwindows(routed, window, shape.value),)
 
