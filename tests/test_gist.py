@@ -261,3 +261,30 @@ def test_binarize_cuts_measured_stash():
     assert _pool_per_layer([]) == pytest.approx(4 * n + 16 * n + 4 * n, rel=0.02)
     # Binarize: the matmul input and 1 bit per pool input element.
     assert _pool_per_layer(["binarize"]) == pytest.approx(4 * n + 4 * n / 8, rel=0.02)
+
+
+@pytest.mark.slow
+def test_plan_encodings_through_the_trainer():
+    """Plan(encodings=...) reaches the CNN's gist ops: same gradients, smaller compiled step."""
+    import optax
+    from flax import nnx
+    from helpers import reference_loss_and_grads, rel_err
+
+    import fiddlejax as fj
+    from models.cnn import CNN, CNNConfig
+
+    model = CNN(CNNConfig(channels=8, n_layers=2), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batch = {"images": rng.standard_normal((8, 8, 8, 1)).astype(np.float32),
+             "labels": rng.integers(0, 10, 8).astype(np.int32)}
+    _, ref = reference_loss_and_grads(model, batch)
+    mesh = fj.make_mesh(data=2, pipe=1, tensor=1, devices=jax.devices()[:2])
+    temps = {}
+    for enc, bound in (((), 1e-6), (("relu-1bit", "binarize"), 1e-6), (("bf16",), BOUND["bf16"])):
+        trainer = fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=mesh, encodings=enc))
+        state = trainer.init()
+        assert rel_err(trainer.loss_and_grads(state, batch)[1], ref) < bound
+        temps[enc] = trainer.lower_loss_and_grads(state, batch).compile().memory_analysis()
+    plain = temps[()].temp_size_in_bytes
+    assert temps[("relu-1bit", "binarize")].temp_size_in_bytes < plain
+    assert temps[("bf16",)].temp_size_in_bytes < plain
