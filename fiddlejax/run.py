@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -99,9 +98,8 @@ def model_flops_per_step(cfg: dict, model, batch_size: int) -> float:
         c, hw = m["channels"], 8 * 8
         per_example = m["n_layers"] * 2 * (2 * 9 * c * c * hw)  # two 3x3 convs per layer
         return 3.0 * per_example * batch_size
-    from flax import nnx
-
     import jax
+    from flax import nnx
 
     params = nnx.state(model, nnx.Param)
     n = sum(x.size for x in jax.tree.leaves(params))

@@ -48,14 +48,14 @@ def reference_train(model: nnx.Module, optimizer: optax.GradientTransformation, 
 
     @jax.jit
     def step(p, s, b):
-        l, g = jax.value_and_grad(loss)(p, b)
+        value, g = jax.value_and_grad(loss)(p, b)
         u, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, u), s, l
+        return optax.apply_updates(p, u), s, value
 
     losses = []
     for b in batches:
-        params, opt_state, l = step(params, opt_state, b)
-        losses.append(float(l))
+        params, opt_state, loss_value = step(params, opt_state, b)
+        losses.append(float(loss_value))
     return losses, params
 
 

@@ -99,7 +99,7 @@ def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
     T = table.num_ticks
     tick = {}
     for t, row in enumerate(table.ticks):
-        for st, a in enumerate(row):
+        for a in row:
             if a is not None:
                 tick[(a.op, a.microbatch, a.chunk)] = t
     split = s.split_backward
@@ -364,10 +364,10 @@ class Pipeline:
         def seed_loss(carry, row, y, mb):
             """Last chunk: loss, epilogue grads, and the cotangent its backward will read."""
             stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
-            l, (d_outer, dy) = jax.value_and_grad(epilogue, argnums=(0, 1))(outer, y, mb)
+            mb_loss, (d_outer, dy) = jax.value_and_grad(epilogue, argnums=(0, 1))(outer, y, mb)
             g_outer = jax.tree.map(lambda g, d: g + d * inv_m, g_outer, d_outer)
             grad_box = write(grad_box, row[9], dy * inv_m)
-            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss + l)
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss + mb_loss)
 
         zero_act = zeros(act_abs.shape, act_abs.dtype)
 
