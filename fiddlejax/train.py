@@ -60,7 +60,8 @@ class Trainer:
         if plan.schedule is not None:
             from fiddlejax.pipeline import runtime
 
-            self._pipeline = runtime.build(self.staged, plan, self._canonical_template)
+            example = self._batch_spec(1) if self._batch_spec is not None else None
+            self._pipeline = runtime.build(self.staged, plan, self._canonical_template, example)
         else:
             self._pipeline = None
         internal = jax.eval_shape(self._to_internal, canonical)

@@ -80,6 +80,9 @@ class GPT(nnx.Module):
     def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
         return cross_entropy(logits, batch["tokens"][:, 1:], self.config.vocab_size).mean()
 
+    def batch_spec(self, batch_size: int) -> dict:
+        return {"tokens": jax.ShapeDtypeStruct((batch_size, self.config.seq_len + 1), jnp.int32)}
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits ``[B, T, vocab]`` for ``tokens[B, T]``."""
         return self.head(scan_layers(self.blocks, self.embed(tokens)))

@@ -127,3 +127,17 @@ def test_errors_before_compile():
         trainer.step(trainer.init(), tokens(0, 12, 16, 256))
     with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved-1f1b'"):
         plan(1, 2, 1, schedule="1f1b", virtual_stages=2)
+
+
+def test_cost_and_params_partitions_balance_the_head():
+    """A large vocabulary makes the last stage's head expensive: it gets fewer layers."""
+    cfg = GPTConfig(vocab_size=8192, seq_len=16, d_model=32, n_heads=4, n_layers=10, d_ff=64)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    counts = {}
+    for method in ("uniform", "params", "cost"):
+        trainer = fj.parallelize(model, optax.sgd(0.1), plan(2, 4, 1, schedule="1f1b",
+                                                            microbatches=4, partition=method))
+        counts[method] = trainer._pipeline.counts
+    assert counts["uniform"] == [2, 3, 3, 2]
+    assert counts["params"] == [1, 4, 4, 1]  # embedding and head each weigh ~31 layers
+    assert counts["cost"][-1] == 1 and sum(counts["cost"]) == 10  # the head's FLOPs dominate

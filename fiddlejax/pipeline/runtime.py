@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax.pipeline import schedules
+from fiddlejax.pipeline import costs, schedules
 from fiddlejax.pipeline.partition import partition
 from fiddlejax.sharding import DEFAULT_RULES, logical_to_spec
 
@@ -163,14 +163,13 @@ def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
 class Pipeline:
     """One model's pipeline layout and executor for one plan."""
 
-    def __init__(self, staged, plan, canonical_template: nnx.State):
+    def __init__(self, staged, plan, canonical_template: nnx.State, example: dict | None = None):
         self.staged, self.plan = staged, plan
         p, v, m = plan.pipe, plan.virtual_stages, plan.microbatches
         self.p, self.v, self.m = p, v, m
         n_chunks = p * v
         L = staged.num_layers
-        self.counts = partition(L, n_chunks, "uniform" if plan.partition == "uniform"
-                                else plan.partition)
+        self.counts = self._partition(canonical_template, example)
         kind = plan.schedule
         self.schedule = schedules.build(kind, stages=p, microbatches=m,
                                         virtual_stages=v if kind == "interleaved-1f1b" else None)
@@ -186,6 +185,18 @@ class Pipeline:
         self.index = index
         flat = index.reshape(-1)
         self.inverse = np.array([int(np.nonzero(flat == layer)[0][0]) for layer in range(L)])
+
+    def _partition(self, params: nnx.State, example: dict | None) -> list[int]:
+        """Layers per chunk: uniform, or balanced by parameters / measured FLOPs (PipeDream)."""
+        L, n_chunks, method = self.staged.num_layers, self.p * self.v, self.plan.partition
+        if method == "uniform" or L == n_chunks:
+            return partition(L, n_chunks, "uniform")
+        if example is None:
+            raise ValueError(f"partition={method!r} needs the model's batch_spec() to measure "
+                             "costs; add batch_spec to the model or use partition='uniform'")
+        layer, first, last = costs.measure(self.staged, params, example, method)
+        return partition(L, n_chunks, method, layer_costs=[layer] * L, first_extra=first,
+                         last_extra=last)
 
     # -- layouts -----------------------------------------------------------------------------
     def _map_stack(self, f, params: nnx.State, g=lambda v: v) -> nnx.State:
@@ -463,9 +474,12 @@ class Pipeline:
         return loss, grads
 
 
-def build(staged, plan, canonical_template: nnx.State) -> Pipeline:
-    """The pipeline for ``plan`` (validates layers, microbatches and schedule up front)."""
-    return Pipeline(staged, plan, canonical_template)
+def build(staged, plan, canonical_template: nnx.State, example: dict | None = None) -> Pipeline:
+    """The pipeline for ``plan`` (validates layers, microbatches and schedule up front).
+
+    ``example``: abstract inputs of one example (``batch_spec(1)``), for cost-based partitions.
+    """
+    return Pipeline(staged, plan, canonical_template, example)
 
 
 __all__ = ["Pipeline", "Tables", "build", "build_tables"]
