@@ -344,6 +344,7 @@ class CheckpointManager:
             raise ValueError(f"step={step} is not after the latest checkpoint step {latest} in "
                              f"{self.directory}; steps must increase")
         self._finish_pending()  # Orbax would wait for it anyway; we also check it committed
+        self._book_persist()
         canonical = self.trainer.to_canonical_state(state)
         paths, leaves, _ = named_leaves(canonical)
         fps = np.asarray(_fingerprints(leaves))
@@ -368,7 +369,6 @@ class CheckpointManager:
         if not self.async_save:
             self._pending = None
             self._check_committed(step)
-        self._window_extra = 0.0
         self._last_return = end
         return True
 
@@ -392,36 +392,48 @@ class CheckpointManager:
             self._persist_end = time.perf_counter()
 
     def _account_step(self, now: float) -> None:
-        """Book the time since the last save() returned as one step (CheckFreq mode)."""
+        """Book the time since the last save() returned as one step (CheckFreq mode).
+
+        A step that overlapped a background write books its excess over the median step time,
+        at most the overlap, as that write's interference (signed, so noise averages out).
+        """
         if self._t0 is None:
             self._t0 = now
         if self._last_return is None or self.checkfreq is None:
             return
-        gap = now - self._last_return
-        cf = self.checkfreq
+        gap, cf = now - self._last_return, self.checkfreq
         with self._lock:
             start, end = self._persist_start, self._persist_end
-        overlapped = start is not None and (end is None or end > self._last_return)
-        if not overlapped:
+        overlap = 0.0
+        if start is not None:
+            overlap = (now if end is None else min(end, now)) - max(start, self._last_return)
+        if overlap <= 0:
             cf.steps.append(gap)
-            return
-        t = cf.step_time()
-        extra = max(0.0, gap - t) if t is not None else 0.0
+        elif (t := cf.step_time()) is not None:
+            self._window_extra += min(gap - t, overlap)
+        self._book_persist()
+
+    def _book_persist(self) -> None:
+        """Once a background write is over, book its duration and interference (CheckFreq)."""
+        with self._lock:
+            start, end = self._persist_start, self._persist_end
+            if start is None or end is None:
+                return
+            self._persist_start = None
+        extra = max(0.0, self._window_extra)
+        self._window_extra = 0.0
         self._interfered += extra
-        self._window_extra += extra
-        if end is not None:  # this persist is over: book its cost
-            cf.persists.append(end - start)
-            cf.interference.append(self._window_extra)
-            self._window_extra = 0.0
-            with self._lock:
-                self._persist_start = None
+        if self.checkfreq is not None:
+            self.checkfreq.persists.append(max(0.0, end - start))
+            self.checkfreq.interference.append(extra)
 
     def stats(self) -> dict:
         """Measured checkpoint costs: overhead share of wall time, interval, last phases."""
         elapsed = (time.perf_counter() - self._t0) if self._t0 is not None else 0.0
         cf = self.checkfreq
         out = {"ckpt_saves": self._saves,
-               "ckpt_overhead": (self._stall + self._interfered) / elapsed if elapsed else 0.0}
+               "ckpt_overhead": (self._stall + self._interfered) / elapsed if elapsed else 0.0,
+               "ckpt_stall_s": self._stall, "ckpt_interference_s": self._interfered}
         if cf is not None:
             out["ckpt_every"] = cf.interval() or 0
             if cf.snapshots:
@@ -439,6 +451,8 @@ class CheckpointManager:
             error = None
         except Exception as e:  # noqa: BLE001 - reported below with what it means for the user
             error = e
+        if self._last_return is not None:  # time spent waiting here is not a training step
+            self._last_return = time.perf_counter()
         self._check_committed(step, error)
 
     def _check_committed(self, step: int, error: Exception | None = None) -> None:
@@ -619,12 +633,13 @@ class JobCheckpoints:
         self.trainer, self.data_iter, self.log = trainer, data_iter, log
         self.resume, self.steps = cfg.get("resume"), cfg["train"]["steps"]
         every = c["every"]
-        self.preemption = Preemption().install()
+        self.preemption = Preemption()
         self.mgr = CheckpointManager(
             c["dir"], trainer, every=every if every == "auto" else int(every or 0),
             max_to_keep=c["max_to_keep"], best_metric=c["best_metric"], best_mode=c["best_mode"],
             async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
             config=cfg, preemption=self.preemption)
+        self.preemption.install()  # after the manager exists: a failure leaves no handler
         self.stopped = False
 
     def start(self):
