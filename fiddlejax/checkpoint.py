@@ -149,9 +149,7 @@ class Preemption:
 
     @staticmethod
     def _distributed() -> bool:
-        from jax._src import distributed
-
-        return distributed.global_state.client is not None
+        return jax.process_count() > 1
 
     def install(self) -> Preemption:
         if not self._distributed() and threading.current_thread() is threading.main_thread():
@@ -659,10 +657,10 @@ class JobCheckpoints:
             return self._fresh()
         r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
         self.mgr.warm_up(r.state)
-        if r.data_state is not None and hasattr(self.data_iter, "set_state"):
-            self.data_iter.set_state(r.data_state)
-        elif hasattr(self.data_iter, "set_state") is False:
+        if not hasattr(self.data_iter, "set_state"):
             self.log("warning: this data pipeline cannot be checkpointed; it restarts")
+        elif r.data_state is not None:
+            self.data_iter.set_state(r.data_state)
         self.log(f"resumed from {self.mgr.directory} at step {r.step} "
                  f"(saved with layout {r.plan['mesh'] if r.plan else '?'})")
         return r.state, r.step + 1
