@@ -169,12 +169,9 @@ def test_auto_raises_when_nothing_fits():
 # The runtime stashes residual leaves in device buffers; offloaded leaves live in host memory
 # (dynamic_update_slice refuses mixed spaces). Fix in pipeline/runtime.py: allocate that leaf's
 # stash buffer with jax.device_put(buf, leaf.aval.memory_space).
-_HOST_STASH = pytest.mark.xfail(reason="pipeline runtime stash is device-only", strict=False)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "remat", ["full", "minimal", pytest.param("offload", marks=_HOST_STASH)]
+    "remat", ["full", "minimal", "offload"]
 )  # a pipeline compile costs ~30 s here: the rest are covered by the scan tests above
 def test_policies_inside_pipeline_runtime(remat):
     """Each policy under a 2-stage 1F1B pipeline gives the single-device gradients."""

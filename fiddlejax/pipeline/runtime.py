@@ -335,7 +335,14 @@ class Pipeline:
         def zeros(shape, dtype):
             return varying(jnp.zeros(shape, dtype))
 
-        stash0 = [zeros((tb.num_stash, *r.shape), r.dtype) for r in res_abs]
+        def stash_buffer(r):
+            buf = zeros((tb.num_stash, *r.shape), r.dtype)
+            space = getattr(jax.typeof(r), "memory_space", None)
+            if space is not None and "host" in str(space).lower():  # an offloaded residual
+                buf = jax.device_put(buf, space)
+            return buf
+
+        stash0 = [stash_buffer(r) for r in res_abs]
         act_box0 = zeros((tb.num_act, *act_abs.shape), act_abs.dtype)
         grad_box0 = zeros((tb.num_grad, *act_abs.shape), act_abs.dtype)
         wdy0 = zeros((tb.num_stash if self.schedule.split_backward else 1, *act_abs.shape),
