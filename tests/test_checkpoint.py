@@ -341,9 +341,10 @@ def test_job_refuses_to_overwrite_and_to_resume_a_mismatch(saved, tmp_path):
 STEPS = 30
 TINY = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
         "model.n_layers=2", "model.d_ff=64", "data.batch_size=8", "run.cpu_devices=2",
-        "mesh.data=2", "mesh.tensor=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.log_every=1", "run.progress=lines", "optimizer.warmup_steps=5",
-        f"train.steps={STEPS}", "checkpoint.every=4"]
+        "mesh.data=2", "mesh.pipe=1", "mesh.tensor=1", "plan.schedule=null",
+        "plan.microbatches=1", "plan.virtual_stages=1", "train.eval_every=0",
+        "train.eval_batches=0", "train.log_every=1", "run.progress=lines",
+        "optimizer.warmup_steps=5", f"train.steps={STEPS}", "checkpoint.every=4"]
 
 
 def train_cmd(run_dir: Path, *extra: str) -> list[str]:
