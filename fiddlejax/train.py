@@ -56,7 +56,11 @@ class Trainer:
         self._canonical_template = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
         self._init_params = canonical
-        self._remat = _resolve_remat(plan.remat)
+        if plan.remat == "auto" and not plan.memory_budget:
+            raise ValueError("remat='auto' needs Plan(memory_budget=<bytes per device>)")
+        # remat="auto" is resolved on the first batch, when the step's shapes are known.
+        self._remat = None if plan.remat == "auto" else _resolve_remat(plan.remat)
+        self.remat_policy = None if plan.remat == "auto" else plan.remat
         if plan.schedule is not None:
             from fiddlejax.pipeline import runtime
 
@@ -182,15 +186,15 @@ class Trainer:
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch; returns the new state and metrics."""
-        return self._step(state, self.shard_batch(batch))
+        return self._step(state, self._prepare(state, batch))
 
     def loss_and_grads(self, state: TrainState, batch: dict) -> tuple[jax.Array, nnx.State]:
         """Mean loss and its gradients, in the canonical layout of the model's parameters."""
-        return self._loss_and_grads(state, self.shard_batch(batch))
+        return self._loss_and_grads(state, self._prepare(state, batch))
 
     def loss(self, state: TrainState, batch: dict) -> jax.Array:
         """Mean loss of ``batch`` without updating anything (for validation)."""
-        return self._loss(state, self.shard_batch(batch))
+        return self._loss(state, self._prepare(state, batch))
 
     def params(self, state: TrainState) -> nnx.State:
         """The parameters in the canonical layout of ``nnx.state(model, nnx.Param)``."""
@@ -219,6 +223,23 @@ class Trainer:
                 jax.jit(partial(convert, self._to_canonical)),
                 jax.jit(partial(convert, self._to_internal), out_shardings=self.state_shardings))
         return self._converters
+
+    def _choose_remat(self, state: TrainState, batch: dict) -> None:
+        """``remat="auto"``: the policy with the fewest FLOPs whose compiled step fits."""
+        from fiddlejax.memory import choose_policy
+
+        def make_step(policy):
+            self._remat = _resolve_remat(policy)
+            return jax.jit(self._step_impl).lower(state, batch)
+
+        policy = choose_policy(make_step, int(self.plan.memory_budget))
+        self._remat, self.remat_policy = _resolve_remat(policy), policy
+
+    def _prepare(self, state: TrainState, batch: dict) -> dict:
+        batch = self.shard_batch(batch)
+        if self._remat is None:
+            self._choose_remat(state, batch)
+        return batch
 
     def shard_batch(self, batch: dict) -> dict:
         """Check a global batch and place it sharded over ``data``.
@@ -275,7 +296,7 @@ class Trainer:
 
     def compiled_step(self, state: TrainState, batch: dict):
         """The compiled step, for ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``."""
-        return self._step.lower(state, self.shard_batch(batch)).compile()
+        return self._step.lower(state, self._prepare(state, batch)).compile()
 
     def lower_loss_and_grads(self, state: TrainState, batch: dict):
         return self._loss_and_grads.lower(state, self.shard_batch(batch))

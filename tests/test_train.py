@@ -206,3 +206,18 @@ def test_grad_allreduce_algorithms_train_like_xla(gpt_reference, algorithm):
 
 
 _XLA_LOSSES: dict = {}
+
+
+def test_remat_auto_picks_a_fitting_policy(gpt_reference):
+    """A roomy budget keeps everything (no recompute); a tiny one fails with the smallest size."""
+    model, batches, ref_loss, ref_grads, *_ = gpt_reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 1), remat="auto",
+                                                 memory_budget=1 << 34))
+    loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
+    assert trainer.remat_policy.name == "none"
+    assert rel_err(grads, ref_grads) < 1e-5
+    tight = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 1), remat="auto", memory_budget=1024))
+    with pytest.raises(ValueError, match="no remat policy fits memory_budget=1024"):
+        tight.step(tight.init(), batches[0])
+    with pytest.raises(ValueError, match="needs Plan\\(memory_budget"):
+        fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 1), remat="auto"))
