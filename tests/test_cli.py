@@ -31,7 +31,7 @@ def test_cli_rejects_bad_layout():
     r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train", "mesh.data=3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "needs 6 devices but 8 are available" in r.stderr
+    assert "needs 12 devices but 8 are available" in r.stderr  # default pipe=2, tensor=2
 
 
 @pytest.mark.slow
@@ -39,6 +39,8 @@ def test_short_training_run_learns(tmp_path):
     """40 steps of a small GPT on the stdlib corpus beat the uniform guess by a wide margin."""
     r = subprocess.run(
         [sys.executable, "-m", "fiddlejax.cli", "train", "train.steps=40", "train.eval_every=40",
+         "mesh.data=4", "mesh.pipe=1", "plan.schedule=null", "plan.virtual_stages=1",
+         "plan.microbatches=1",
          "train.eval_batches=4", "model.seq_len=64", "model.n_layers=2", "data.batch_size=16",
          f"run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=600)
