@@ -75,7 +75,7 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> float:
 def test_pipe_axis_across_processes_equals_single_process(tmp_path):
     """pipe=2 across the two processes (tensor=2 inside each): same losses as one process."""
     layout = ["mesh.data=1", "mesh.pipe=2", "mesh.tensor=2", "plan.schedule=1f1b",
-              "plan.microbatches=2", "train.steps=3"]
+              "plan.virtual_stages=1", "plan.microbatches=2", "train.steps=3"]
     want = single_process(tmp_path / "one", *layout)
     r = subprocess.run(
         [sys.executable, str(LAUNCH), "--nproc", "2", "--devices-per-process", "2", "--",
@@ -93,7 +93,8 @@ def test_data_axis_across_processes_kill_and_resume(tmp_path):
     """data=4 over two processes: losses equal one process; a killed peer ends the job within
     60 s with a clear message; a restart with resume=auto continues with nothing lost."""
     steps = 16
-    layout = ["mesh.data=4", "mesh.tensor=1", f"train.steps={steps}"]
+    layout = ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=1", "plan.schedule=null",
+              "plan.virtual_stages=1", "plan.microbatches=1", f"train.steps={steps}"]
     want = single_process(tmp_path / "one", *layout)
     run_dir, ckpt = tmp_path / "two", tmp_path / "ckpt"
     cmd = train_cmd(run_dir, *layout, f"checkpoint.dir={ckpt}", "checkpoint.every=2",
