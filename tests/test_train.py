@@ -7,7 +7,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import reference_loss_and_grads, reference_train, rel_err, tokens
+from helpers import (
+    assert_trains_like_single_device,
+    reference_loss_and_grads,
+    reference_train,
+    rel_err,
+    tokens,
+)
 
 import fiddlejax as fj
 from models.bert import BERT, BERTConfig, mlm_batch
@@ -80,45 +86,17 @@ def test_bert_matches_single_device():
     cfg = BERTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
     model = BERT(cfg, rngs=nnx.Rngs(0))
     batches = [mlm_batch(tokens(i, 8, 16, 256)["tokens"], cfg, seed=i) for i in range(3)]
-    ref_loss, ref_grads = reference_loss_and_grads(model, batches[0])
-    ref_losses, ref_params = reference_train(model, OPT, batches)
     trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2)))
-    state = trainer.init()
-    loss, grads = trainer.loss_and_grads(state, batches[0])
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
-    losses = []
-    for b in batches:
-        state, m = trainer.step(state, b)
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_err(trainer.params(state), ref_params) < 1e-5
+    assert_trains_like_single_device(trainer, model, OPT, batches)
 
 
 def test_cnn_matches_single_device():
-    cfg = CNNConfig(channels=8, n_layers=2)
-    model = CNN(cfg, rngs=nnx.Rngs(0))
+    model = CNN(CNNConfig(channels=8, n_layers=2), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    batches = [
-        {
-            "images": rng.random((8, 8, 8, 1), np.float32),
-            "labels": rng.integers(0, 10, 8).astype(np.int32),
-        }
-        for _ in range(3)
-    ]
-    ref_loss, ref_grads = reference_loss_and_grads(model, batches[0])
-    ref_losses, ref_params = reference_train(model, OPT, batches)
+    batches = [{"images": rng.random((8, 8, 8, 1), np.float32),
+                "labels": rng.integers(0, 10, 8).astype(np.int32)} for _ in range(3)]
     trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2)))
-    state = trainer.init()
-    loss, grads = trainer.loss_and_grads(state, batches[0])
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
-    losses = []
-    for b in batches:
-        state, m = trainer.step(state, b)
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_err(trainer.params(state), ref_params) < 1e-5
+    assert_trains_like_single_device(trainer, model, OPT, batches)
 
 
 def _collectives(hlo: str) -> dict[str, list[str]]:
