@@ -5,7 +5,7 @@ recomputes from the layer input. The Trainer and the pipeline runtime wrap their
 with :func:`remat_layer` inside their ``lax.scan`` over layers, so the choice is per layer and the
 stash grows by exactly the policy's bytes per layer.
 
-Names (see ``docs/memory.md`` for bytes per layer of the GPT block):
+Names (see the README's memory section for bytes per layer of the GPT block):
 
 - ``none``: no remat; autodiff keeps every residual it wants.
 - ``full``: keep nothing but the layer input (``nothing_saveable``).
