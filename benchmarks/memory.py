@@ -45,7 +45,7 @@ CNN_DIMS = dict(N=8, S=16, C=32)
 
 
 # ----------------------------------------------------------------------------------------------
-# Analytic bytes per layer (float32). the README's memory section derives each term.
+# Analytic bytes per layer (float32); the README's memory section derives each term.
 
 
 def gpt_analytic(policy: str, B: int, T: int, D: int, H: int, F: int) -> int:

@@ -87,7 +87,7 @@ def test_every_policy_matches_no_remat(remat):
     assert rel(compiled(remat, 4)(params, X), reference) < 1e-6
 
 
-# Analytic stash per layer (float32) of this block; the README's memory section derives them for GPT.
+# Analytic stash per layer (float32) of this block (derived in the README's memory section).
 ANALYTIC = {
     "full": 4 * B * T * D,                        # the layer input
     "minimal": 4 * B * T * (5 * D + F),           # input, Q, K, V, attn_out, mlp_hidden
