@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -36,10 +35,6 @@ class TrainState:
     step: jax.Array
     params: nnx.State
     opt_state: Any
-
-
-def _rel(x: int, what: str) -> str:
-    return f"{what}={x}"
 
 
 class Trainer:
@@ -370,9 +365,3 @@ def match_varying(x: jax.Array, like: jax.Array) -> jax.Array:
     mat = getattr(jax.typeof(like), "manual_axis_type", None)
     axes = tuple(sorted(getattr(mat, "varying", ()) or ()))
     return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
-def flops_per_step(trainer: Trainer, state: TrainState, batch: dict) -> float:
-    """Compiled FLOPs of one step on one device (``cost_analysis``), for throughput reports."""
-    cost = trainer.compiled_step(state, batch).cost_analysis()
-    return float(cost.get("flops", math.nan)) if cost else math.nan
