@@ -108,8 +108,8 @@ def test_memory_flat_in_microbatches_for_1f1b():
         state = jax.eval_shape(trainer.init)
         return trainer._step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp("1f1b", 8) == temp("1f1b", 2)
-    assert temp("gpipe", 8) > 2 * temp("gpipe", 2)
+    assert temp("1f1b", 4) == temp("1f1b", 2)  # the stash holds at most p microbatches
+    assert temp("gpipe", 4) > 1.5 * temp("gpipe", 2)  # GPipe holds all m
 
 
 def test_errors_before_compile():
