@@ -24,6 +24,10 @@ class Plan:
     - ``encodings``: Gist-style activation encodings (``fiddlejax.memory.gist``).
     - ``grad_allreduce``: algorithm for the data-parallel gradient reduction
       (``fiddlejax.collectives``); ``bucket_bytes`` groups small gradients into one reduction.
+      ``"topk"`` exchanges only the ``topk_density`` fraction of largest entries of each gradient
+      leaf (``all_gather`` of values and indices) and keeps the rest in a per-replica residual
+      added to the next step's gradient (error feedback, ``TrainState.residual``).
+    - ``topk_density``: fraction of each gradient leaf sent with ``grad_allreduce="topk"``.
     - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1).
     - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
     - ``memory_budget``: bytes per device, for ``remat="auto"``.
@@ -36,6 +40,7 @@ class Plan:
     remat: object = "none"
     encodings: Sequence[str] = ()
     grad_allreduce: str = "xla"
+    topk_density: float = 0.01
     bucket_bytes: int = 4 << 20
     zero: int = 0
     partition: str = "uniform"
@@ -74,6 +79,19 @@ class Plan:
         if self.partition not in ("uniform", "params", "cost"):
             raise ValueError(
                 f"partition={self.partition!r} must be 'uniform', 'params' or 'cost'"
+            )
+        d = self.topk_density
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < d <= 1:
+            raise ValueError(
+                f"topk_density={d!r} must be a number in (0, 1], the fraction of each gradient "
+                "leaf sent per step; e.g. topk_density=0.01 for 1%"
+            )
+        if self.grad_allreduce == "topk" and self.schedule is not None:
+            raise ValueError(
+                f"grad_allreduce='topk' is not supported with a pipeline (schedule="
+                f"{self.schedule!r}): its per-replica residual cannot pass through the pipeline "
+                "runtime yet; use schedule=None (pipe=1) with data and tensor parallelism, or "
+                "another grad_allreduce"
             )
         if isinstance(self.encodings, str):
             object.__setattr__(self, "encodings", (self.encodings,))

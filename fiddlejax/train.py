@@ -30,11 +30,17 @@ from fiddlejax.plan import Plan
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything a step updates: the step counter, internal-layout parameters, optimizer state."""
+    """Everything a step updates: the step counter, internal-layout parameters, optimizer state.
+
+    ``residual`` is the top-k error-feedback memory (``Plan(grad_allreduce="topk")``): per data
+    replica, what its gradient exchange has not sent yet, leaves ``[data, *param.shape]`` sharded
+    over ``data``. ``None`` (no leaves) for every other plan.
+    """
 
     step: jax.Array
     params: nnx.State
     opt_state: Any
+    residual: Any = None
 
 
 class Trainer:
@@ -70,8 +76,14 @@ class Trainer:
         self.param_shardings = layout.shardings(self.mesh, spec_tree)
         opt_abstract = jax.eval_shape(optimizer.init, internal)
         self.opt_shardings = _opt_shardings(optimizer, opt_abstract, spec_tree, plan)
+        self._topk = plan.grad_allreduce == "topk"
+        # The top-k residual is per data replica: a leading `data` dimension on each leaf.
+        self.residual_shardings = (jax.tree.map(
+            lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.param_shardings)
+            if self._topk else None)
         self.state_shardings = TrainState(
-            NamedSharding(self.mesh, P()), self.param_shardings, self.opt_shardings)
+            NamedSharding(self.mesh, P()), self.param_shardings, self.opt_shardings,
+            self.residual_shardings)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self._step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
@@ -118,7 +130,7 @@ class Trainer:
         if n == 1:  # no data parallelism: nothing to reduce
             return loss, grads
         loss = jax.lax.pmean(loss, "data")
-        if self.plan.grad_allreduce == "xla":
+        if self.plan.grad_allreduce in ("xla", "topk"):  # topk: the exact mean (no residual)
             grads = jax.lax.pmean(grads, "data")
         else:
             from fiddlejax import collectives
@@ -128,7 +140,14 @@ class Trainer:
             grads = jax.tree.map(lambda g: g / n, grads)
         return loss, grads
 
-    def _sharded_loss_and_grads(self, params: nnx.State, batch: dict):
+    def _sharded_loss_and_grads(self, params: nnx.State, batch: dict, residual: Any = None):
+        """Replica-mean loss and gradients; with a top-k ``residual`` also the new residual.
+
+        Without a residual the gradients are the exact mean (``pmean``) even for a top-k plan:
+        that is what ``loss_and_grads`` reports; only ``step`` exchanges sparsified gradients.
+        """
+        if residual is not None:
+            return self._topk_loss_and_grads(params, batch, residual)
         with _encodings(self.plan.encodings):
             if self._pipeline is not None:
                 return self._pipeline.loss_and_grads(params, batch, self._reduce, self._remat)
@@ -148,6 +167,38 @@ class Trainer:
                 axis_names={"data"},
             )(params, batch)
 
+    def _topk_loss_and_grads(self, params: nnx.State, batch: dict, residual: Any):
+        """Top-k exchange with error feedback: each replica sends the largest ``topk_density``
+        fraction of (its gradient + its residual) per leaf, keeps the rest as its new residual;
+        the step's gradient is the mean over replicas of what was sent."""
+        from fiddlejax.collectives import compression
+
+        n, density = self.plan.data, self.plan.topk_density
+
+        def per_replica(p, b, r):
+            if n > 1:  # local gradients, as in the dense path
+                p = jax.lax.pcast(p, ("data",), to="varying")
+            loss, grads = self._local_loss_and_grads(p, b)
+            r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
+            if n > 1:
+                loss = jax.lax.pmean(loss, "data")
+                summed, r, _ = compression.topk_allreduce(grads, r, "data", density)
+                grads = jax.tree.map(lambda g: g / n, summed)
+            else:  # one replica: nothing to exchange, but train exactly as sparsely
+                pairs = jax.tree.map(lambda g, x: compression._sparse_step(g, x, density),
+                                     grads, r)
+                grads = jax.tree.map(lambda _, pr: pr[0], grads, pairs)
+                r = jax.tree.map(lambda _, pr: pr[1], grads, pairs)
+            return loss, grads, jax.tree.map(lambda x: x[None], r)
+
+        with _encodings(self.plan.encodings):
+            if n == 1:
+                return per_replica(params, batch, residual)
+            return jax.shard_map(
+                per_replica, mesh=self.mesh, in_specs=(P(), P("data"), P("data")),
+                out_specs=(P(), P(), P("data")), axis_names={"data"},
+            )(params, batch, residual)
+
     def _loss_impl(self, state: TrainState, batch: dict) -> jax.Array:
         if self._pipeline is not None:  # the pipeline runs forward and backward together
             return self._sharded_loss_and_grads(state.params, batch)[0]
@@ -159,12 +210,18 @@ class Trainer:
         return loss, self._to_canonical(grads)
 
     def _step_impl(self, state: TrainState, batch: dict):
-        loss, grads = self._sharded_loss_and_grads(state.params, batch)
+        residual = None
+        if self._topk:
+            loss, grads, residual = self._sharded_loss_and_grads(state.params, batch,
+                                                                 state.residual)
+            residual = jax.lax.with_sharding_constraint(residual, self.residual_shardings)
+        else:
+            loss, grads = self._sharded_loss_and_grads(state.params, batch)
         grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, residual), metrics
 
     # -- public API --------------------------------------------------------------------------
     def init(self, params: nnx.State | None = None) -> TrainState:
@@ -175,7 +232,10 @@ class Trainer:
         @partial(jax.jit, out_shardings=self.state_shardings)
         def init(c):
             internal = self._to_internal(c)
-            return TrainState(jnp.zeros((), jnp.int32), internal, self.optimizer.init(internal))
+            residual = (jax.tree.map(lambda x: jnp.zeros((self.plan.data, *x.shape), x.dtype),
+                                     internal) if self._topk else None)
+            return TrainState(jnp.zeros((), jnp.int32), internal, self.optimizer.init(internal),
+                              residual)
 
         return init(canonical)
 
@@ -200,6 +260,8 @@ class Trainer:
 
         optax states mirror the params, so every param-shaped subtree takes the same exact
         conversion as the params (reshapes and vocabulary unpadding); counters pass through.
+        A top-k residual converts per replica and keeps its leading ``data`` dimension (resuming
+        is exact; restoring it onto a different ``data`` size is refused by its shape).
         """
         return self._state_converters()[0](state)
 
@@ -212,7 +274,8 @@ class Trainer:
             def convert(fn, s: TrainState) -> TrainState:
                 opt = optax.tree_map_params(self.optimizer, fn, s.opt_state,
                                             is_leaf=lambda _: True)  # fn takes whole trees
-                return TrainState(s.step, fn(s.params), opt)
+                residual = None if s.residual is None else jax.vmap(fn)(s.residual)
+                return TrainState(s.step, fn(s.params), opt, residual)
 
             self._converters = (
                 jax.jit(partial(convert, self._to_canonical)),
