@@ -1,0 +1,133 @@
+"""A parallel layout to predict: mesh sizes, pipeline schedule, batch split, remat, ZeRO.
+
+Validated against the model and the cluster before any prediction, with errors that name the bad
+value and a fix (DESIGN section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fiddlejax.planner.cluster import ClusterSpec
+from fiddlejax.planner.model import ModelSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """``tensor x pipe x data`` GPUs; ``global_batch`` samples per step split into
+    ``data`` replicas x ``microbatches`` x ``microbatch_size``.
+
+    ``precision``: ``fp32`` is what fiddlejax trains in today (4-byte parameters, gradients,
+    Adam moments and activations); ``bf16-mixed`` is Megatron's mixed precision (2-byte
+    parameters and activations, fp32 gradients, fp32 master weights and moments: 18 bytes per
+    parameter). ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under
+    the backward (0 for fiddlejax, which reduces after the last microbatch).
+    """
+
+    tensor: int = 1
+    pipe: int = 1
+    data: int = 1
+    virtual_stages: int = 1
+    microbatch_size: int = 1
+    global_batch: int = 1
+    schedule: str | None = None
+    remat: str = "none"
+    zero: int = 0
+    precision: str = "fp32"
+    optimizer: str = "adam"
+    dp_overlap: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipe * self.data
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.data * self.microbatch_size)
+
+    @property
+    def kind(self) -> str | None:
+        """The schedule actually run (``1f1b`` by default when pipe > 1)."""
+        if self.pipe == 1:
+            return None
+        return self.schedule or ("interleaved-1f1b" if self.virtual_stages > 1 else "1f1b")
+
+    def short(self) -> str:
+        s = f"t{self.tensor} p{self.pipe} d{self.data} mb{self.microbatch_size}"
+        if self.pipe > 1:
+            s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        s += f" remat={self.remat}" + (" zero1" if self.zero else "")
+        return s
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["schedule"] = self.kind
+        d["microbatches"] = self.microbatches
+        d["gpus"] = self.gpus
+        return d
+
+
+def _positive(name: str, v: object) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+
+
+def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> Layout:
+    """Raise ``ValueError`` naming the first thing that cannot run, and how to fix it."""
+    lo = layout
+    for f in ("tensor", "pipe", "data", "virtual_stages", "microbatch_size", "global_batch"):
+        _positive(f, getattr(lo, f))
+    if cluster is not None and lo.gpus != cluster.num_gpus:
+        raise ValueError(
+            f"tensor x pipe x data = {lo.tensor} x {lo.pipe} x {lo.data} = {lo.gpus} but the "
+            f"cluster has {cluster.num_gpus} GPUs ({cluster.nodes} nodes x "
+            f"{cluster.gpus_per_node}); make the product {cluster.num_gpus} or use "
+            f"--nodes {max(1, lo.gpus // cluster.gpus_per_node)}")
+    if model.heads is not None and model.heads % lo.tensor:
+        raise ValueError(f"heads={model.heads} is not divisible by tensor={lo.tensor}; use a "
+                         f"tensor size that divides {model.heads}")
+    if model.num_layers < lo.pipe * lo.virtual_stages:
+        raise ValueError(
+            f"layers={model.num_layers} < pipe x virtual_stages = {lo.pipe} x "
+            f"{lo.virtual_stages}; every chunk needs a layer: use pipe x virtual <= "
+            f"{model.num_layers}")
+    per = lo.data * lo.microbatch_size
+    if lo.global_batch % per:
+        raise ValueError(
+            f"global_batch={lo.global_batch} is not a multiple of data x microbatch_size = "
+            f"{lo.data} x {lo.microbatch_size} = {per}; use e.g. "
+            f"{max(per, lo.global_batch // per * per)}")
+    if lo.schedule is not None and lo.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={lo.schedule!r} is unknown; use one of {SCHEDULES}")
+    if lo.virtual_stages > 1 and lo.kind != "interleaved-1f1b":
+        raise ValueError(f"virtual_stages={lo.virtual_stages} needs schedule "
+                         f"'interleaved-1f1b' (got {lo.kind!r}); set virtual_stages=1")
+    if lo.pipe > 1:
+        from fiddlejax.pipeline.schedules import build
+
+        if lo.kind == "interleaved-1f1b" and lo.microbatches % lo.pipe:
+            raise ValueError(
+                f"microbatches={lo.microbatches} must be a multiple of pipe={lo.pipe} for "
+                f"interleaved-1f1b; change global_batch or microbatch_size")
+        if lo.microbatches < lo.pipe:
+            raise ValueError(
+                f"microbatches={lo.microbatches} < pipe={lo.pipe}: the pipeline never fills; "
+                f"use global_batch >= {lo.pipe * per}")
+        if lo.pipe * lo.microbatches * lo.virtual_stages <= 4096:
+            build(lo.kind, stages=lo.pipe, microbatches=lo.microbatches,
+                  virtual_stages=lo.virtual_stages)
+    if lo.remat not in model.act:
+        raise ValueError(f"remat={lo.remat!r} is not described for {model.name}; use one of "
+                         f"{sorted(model.act)}")
+    if lo.zero not in (0, 1):
+        raise ValueError(f"zero={lo.zero!r} must be 0 or 1 (ZeRO stage 1)")
+    if lo.precision not in PRECISIONS:
+        raise ValueError(f"precision={lo.precision!r} must be one of {PRECISIONS}")
+    if lo.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer={lo.optimizer!r} must be 'adam' or 'sgd'")
+    if not 0.0 <= lo.dp_overlap <= 1.0:
+        raise ValueError(f"dp_overlap={lo.dp_overlap} must be in [0, 1]")
+    return lo

@@ -1,0 +1,246 @@
+"""Model descriptions for the planner: what one layer costs in parameters, FLOPs and activations.
+
+A ``ModelSpec`` describes a staged model the way fiddlejax runs it (DESIGN section 1): a
+prologue (embedding), ``num_layers`` identical layers, an epilogue (head and loss). Two sources:
+
+- :func:`gpt`: analytic, for GPT-style transformers given layers, hidden size, heads, sequence
+  length and vocabulary (no JAX). Parameter counts are exact for ``models.gpt.GPT``; activation
+  counts per policy follow what JAX's autodiff keeps for ``models.common.Block`` (checked against
+  ``saved_residuals`` in the tests).
+- :func:`from_flax`: measured from a Flax model with ``staged`` structure: parameter shapes,
+  per-layer and prologue/epilogue FLOPs from ``cost_analysis`` (``fiddlejax.pipeline.costs``) and
+  the residual bytes each remat policy keeps (``jax.ad_checkpoint.saved_residuals``).
+
+Activations are counted in elements per sample; arrays shaped like the layer input stay whole on
+every tensor-parallel rank (Megatron's layer norms and residual stream), the rest is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Per-layer costs of a staged model. Counts are per sample (one sequence) unless noted.
+
+    - ``layer_params``: (split over tensor, replicated) parameter counts of one layer.
+    - ``prologue_params`` / ``epilogue_params``: the same for the embedding and the head.
+    - ``layer_flops``: forward FLOPs of one layer on one sample (training is ~3x, recompute +1x).
+    - ``act``: policy -> (split, replicated) activation elements one layer keeps for its backward.
+    - ``act_none_full``: elements of one layer's full residual set on one rank (the transient
+      working set of a backward or a recomputation).
+    - ``boundary``: elements passed between layers (and between pipeline stages) per sample.
+    - ``tp_allreduces``: forward all-reduces of a ``boundary``-sized tensor per layer under
+      Megatron tensor parallelism (backward repeats them).
+    - ``layer_costs``: relative cost of each layer when layers differ (PipeDream's partition).
+    """
+
+    name: str
+    num_layers: int
+    seq_len: int
+    hidden: int
+    layer_params: tuple[int, int]
+    prologue_params: tuple[int, int]
+    epilogue_params: tuple[int, int]
+    layer_flops: float
+    prologue_flops: float
+    epilogue_flops: float
+    act: Mapping[str, tuple[float, float]]
+    act_none_full: float
+    boundary: int
+    logits: int = 0  # head output elements per sample (split over tensor)
+    tp_allreduces: int = 2
+    heads: int | None = None
+    vocab: int | None = None
+    ffn: int | None = None
+    layer_costs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers={self.num_layers} must be >= 1")
+        missing = [p for p in ("none", "full") if p not in self.act]
+        if missing:
+            raise ValueError(f"ModelSpec.act needs entries for {missing}")
+        if self.layer_costs is not None and len(self.layer_costs) != self.num_layers:
+            raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for "
+                             f"num_layers={self.num_layers}; give one per layer")
+
+    @property
+    def params(self) -> int:
+        """Total parameters."""
+        return (self.num_layers * sum(self.layer_params) + sum(self.prologue_params)
+                + sum(self.epilogue_params))
+
+    def act_elems(self, policy: str, tensor: int) -> float:
+        """Elements one layer keeps per sample on one tensor rank under ``policy``."""
+        if policy not in self.act:
+            raise ValueError(f"remat={policy!r} is not described for {self.name}; "
+                             f"use one of {sorted(self.act)}")
+        split, rep = self.act[policy]
+        return split / tensor + rep
+
+    def train_flops(self, samples: int, remat: str = "none") -> float:
+        """Executed FLOPs of forward + backward on ``samples`` samples (recomputation included:
+        ``full`` re-runs each layer's forward)."""
+        layer = 3.0 + (1.0 if remat == "full" else 0.0)
+        return samples * (self.num_layers * layer * self.layer_flops
+                          + 3.0 * (self.prologue_flops + self.epilogue_flops))
+
+    def model_flops(self, samples: int) -> float:
+        """FLOPs of forward + backward without recomputation (the MFU numerator)."""
+        return self.train_flops(samples, "none")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["act"] = {k: list(v) for k, v in self.act.items()}
+        d["params"] = self.params
+        return d
+
+
+def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int | None = None,
+        tied: bool = False, name: str | None = None) -> ModelSpec:
+    """Analytic ``models.gpt.GPT`` (pre-LN, learned positions, GELU MLP of width ``ffn``=4h).
+
+    FLOPs per layer and sample: 2s(4h^2 + 2h*ffn) for the projections and MLP, 4s^2h for
+    attention's QK^T and PV (Megatron's 24sh^2 + 4s^2h when ffn = 4h); the head adds 2shV.
+    """
+    for n, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq", seq),
+                 ("vocab", vocab)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{n}={v!r} must be a positive int")
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} must be divisible by heads={heads}; e.g. "
+                         f"hidden={heads * max(1, round(hidden / heads))}")
+    h, a, s, v = hidden, heads, seq, vocab
+    f = 4 * h if ffn is None else ffn
+    layer_split = 4 * h * h + 2 * h * f + f  # q,k,v,o; w1,w2; b1
+    layer_rep = 6 * h  # bo, b2, two layer norms
+    pro = (v * h, s * h)  # token embedding (vocab-parallel), positions
+    epi = (0 if tied else h * v, 2 * h)  # head (vocab-parallel), final layer norm
+    # What JAX's autodiff keeps per token for models.common.Block, by policy (split, whole):
+    # none: q,k,v (3h), masked scores, exp and probabilities (4as), the MLP pre-activation and
+    #       GELU intermediates (5f); layer-norm outputs and centred inputs (4h) stay whole.
+    act = {
+        "none": (3 * h + 4 * a * s + 5 * f + 2 * a, 4 * h + 4),
+        "full": (0.0, h),  # the layer input only
+        "dots": (3 * h + a * s + f, 3 * h),  # matmul outputs and the input
+        "dots_no_batch": (3 * h + f, 2 * h),
+        "minimal": (3 * h + f, 2 * h),  # named projections and the input
+    }
+    act = {k: (sp * s, rp * s) for k, (sp, rp) in act.items()}
+    return ModelSpec(
+        name=name or f"gpt-l{layers}-h{hidden}",
+        num_layers=layers, seq_len=s, hidden=h,
+        layer_params=(layer_split, layer_rep),
+        prologue_params=pro, epilogue_params=epi,
+        layer_flops=2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h,
+        prologue_flops=0.0,
+        epilogue_flops=2.0 * s * h * v,
+        act=act, act_none_full=float(sum(act["none"])), boundary=s * h, logits=s * v,
+        heads=a, vocab=v, ffn=f,
+    )
+
+
+# name: (layers, hidden, heads, seq, vocab)
+PRESETS: dict[str, tuple[int, int, int, int, int]] = {
+    "gpt2-small": (12, 768, 12, 1024, 50257),
+    "gpt2-xl": (48, 1600, 25, 1024, 50257),
+    "gpt3-1.3b": (24, 2048, 16, 2048, 51200),
+    "gpt3-6.7b": (32, 4096, 32, 2048, 51200),
+    "gpt3-13b": (40, 5120, 40, 2048, 51200),
+    "gpt3-175b": (96, 12288, 96, 2048, 51200),
+    "megatron-1t": (128, 25600, 160, 2048, 51200),
+    "tiny": (8, 64, 4, 64, 256),  # the calibration model of tests/test_planner.py
+}
+
+
+def preset(name: str) -> ModelSpec:
+    """An analytic GPT by preset name (see ``PRESETS``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} "
+                         "(or --model gpt with --layers/--hidden/--heads/--seq/--vocab)")
+    layers, hidden, heads, seq, vocab = PRESETS[name]
+    return gpt(layers, hidden, heads, seq, vocab, name=name)
+
+
+def from_flax(model: Any, example: dict, *, name: str | None = None,
+              policies: Sequence[str] = POLICIES) -> ModelSpec:
+    """Measure a staged Flax NNX model (``stack``/``prologue``/``head``/``loss``).
+
+    ``example`` is a batch of ONE sample (e.g. ``{"tokens": int32[1, seq + 1]}``). FLOPs come
+    from ``cost_analysis`` of the prologue, one layer and the epilogue; activation elements from
+    ``saved_residuals`` of one layer under each remat policy. Needs JAX (the only planner path
+    that does).
+    """
+    import jax
+    import numpy as np
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from fiddlejax import staged
+    from fiddlejax.memory import remat_layer
+    from fiddlejax.pipeline import costs
+    from fiddlejax.sharding import param_specs
+
+    sm, params = staged.split(model)
+    specs = param_specs(params)
+    flat_p = jax.tree_util.tree_leaves_with_path(params)
+    flat_s = jax.tree.leaves(specs, is_leaf=lambda x: x.__class__.__name__ == "PartitionSpec")
+
+    def split_count(path_filter):
+        sp = rp = 0
+        for (path, leaf), spec in zip(flat_p, flat_s, strict=True):
+            if not path_filter(path):
+                continue
+            n = int(np.prod(leaf.shape))
+            if "tensor" in tuple(spec):
+                sp += n
+            else:
+                rp += n
+        return sp, rp
+
+    in_stack = lambda path: getattr(path[0], "key", None) == sm.stack  # noqa: E731
+    n_layers = int(jax.tree.leaves(params[sm.stack])[0].shape[0])
+    ls, lr = split_count(in_stack)
+    outer_s, outer_r = split_count(lambda p: not in_stack(p))
+    layer_cost, pro_cost, epi_cost = costs.measure(sm, params, example, "cost")
+    _, pro_n, epi_n = costs.measure(sm, params, example, "params")
+    # Shared parameters: attribute them by use (prologue first); replicated/split as measured.
+    frac_pro = pro_n / max(pro_n + epi_n, 1)
+    pro = (int(outer_s * frac_pro), int(outer_r * frac_pro))
+    epi = (outer_s - pro[0], outer_r - pro[1])
+
+    layer = jax.tree.map(lambda a: a[0], params[sm.stack])
+    x = jax.eval_shape(lambda p, e: sm.prologue(p, e), params, example)
+    x = jax.numpy.zeros(x.shape, x.dtype)
+    act = {}
+    for pol in policies:
+        f = remat_layer(sm.layer, pol)
+        res = saved_residuals(lambda h, f=f: f(layer, h), x)
+        sp = rp = 0.0
+        for r, why in res:
+            if why.startswith("from a constant") or why.startswith("from a literal"):
+                continue  # parameters and constants: not activations
+            n = float(np.prod(r.shape))
+            if tuple(r.shape) == tuple(x.shape) or n < np.prod(x.shape) / max(x.shape[-1], 1) + 1:
+                rp += n
+            else:
+                sp += n
+        act[pol] = (sp, rp)
+    seq = int(x.shape[1]) if x.ndim > 1 else 1
+    # cost_analysis FLOPs are forward + backward (~3x forward) of one sample.
+    return ModelSpec(
+        name=name or type(model).__name__.lower(),
+        num_layers=n_layers, seq_len=seq, hidden=int(x.shape[-1]),
+        layer_params=(ls // n_layers, lr // n_layers), prologue_params=pro, epilogue_params=epi,
+        layer_flops=layer_cost / 3.0, prologue_flops=pro_cost / 3.0,
+        epilogue_flops=epi_cost / 3.0,
+        act=act, act_none_full=float(sum(act["none"])), boundary=int(math.prod(x.shape[1:])),
+        logits=0, heads=getattr(getattr(model, "config", None), "n_heads", None),
+        vocab=getattr(getattr(model, "config", None), "vocab_size", None),
+    )

@@ -1,0 +1,326 @@
+"""Daydream-style what-if prediction: step time and memory per GPU of a layout, before running.
+
+Time. One microbatch through one chunk (``layers / (pipe x virtual)`` layers) costs
+  forward  = matmul FLOPs / (tensor x peak x gemm_efficiency)
+           + elementwise bytes / HBM bandwidth           (a roofline: every residual written and
+                                                           read once)
+           + tensor-parallel all-reduces                  (``collectives.cost``, on NVLink or NICs)
+  backward = 2 x forward compute + the same all-reduces, plus the recomputation the remat policy
+             implies (``full`` re-runs the forward; ``dots``/``minimal`` its elementwise part).
+The schedule simulator (``pipeline.schedules.simulate``) runs the real action lists with those
+F/B (or F/I/W) costs and the stage-to-stage transfer time as latency: its makespan minus the
+stage's busy time is the bubble. The data-parallel gradient all-reduce follows (exposed, except
+``dp_overlap``), then the optimizer update (HBM bound). The last stage's head is charged to every
+stage (conservative: a pipeline runs at its slowest stage's pace).
+
+Memory per GPU. Parameters, gradients and optimizer state from the parameter counts, with what
+each rank holds: layer weights split over ``tensor`` (biases and norms whole), the stage's
+``virtual x ceil(layers / chunks)`` layers (the runtime pads chunks to equal length), and the
+embedding and head on every stage (fiddlejax replicates them over ``pipe``). Gradients are held
+twice when they accumulate over microbatches (accumulator + result). Activations: the stash of
+``held`` (schedule's peak held chunk activations) x layers per chunk x the remat policy's
+residuals per layer, held ``STASH_COPIES`` times plus one in flight (fiddlejax's runtime keeps the
+stash in the scan carry and a new copy leaves the per-tick switch; measured, see the README), and
+a working set of one layer's full residuals and the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from fiddlejax.planner.cluster import ClusterSpec
+from fiddlejax.planner.layout import Layout, validate
+from fiddlejax.planner.model import ModelSpec
+
+STASH_COPIES = 2  # fiddlejax's pipeline runtime: stash in the scan carry + the switch's output
+MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU, by what they hold."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # stash of held microbatches
+    working: float  # transient: one layer's residuals, logits
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.working
+
+    def to_dict(self) -> dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds per training step, split by cause; ``total`` is the predicted step time."""
+
+    compute: float  # matmuls + elementwise + recomputation on the slowest stage
+    tensor_comm: float  # tensor-parallel all-reduces (exposed: they sit on the critical path)
+    bubble: float  # pipeline fill/drain idle time, stage-to-stage transfers included
+    data_comm: float  # the whole gradient reduction
+    data_comm_exposed: float  # the part not hidden under the backward
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tensor_comm + self.bubble + self.data_comm_exposed
+                + self.optimizer)
+
+    @property
+    def overlapped(self) -> float:
+        return self.data_comm - self.data_comm_exposed
+
+    def to_dict(self) -> dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        d["overlapped"] = self.overlapped
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step time, throughput and memory on a cluster."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    time: StepTime
+    memory: Memory
+    bubble_fraction: float
+    held: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.cluster.memory_budget
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.layout.global_batch * self.model.seq_len / self.time.total
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        """Model FLOPs (no recomputation) per second per GPU, in TFLOP/s."""
+        flops = self.model.model_flops(self.layout.global_batch)
+        return flops / self.time.total / self.layout.gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """Executed FLOPs (recomputation included) per second per GPU, in TFLOP/s."""
+        flops = self.model.train_flops(self.layout.global_batch, self.layout.remat)
+        return flops / self.time.total / self.layout.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu * 1e12 / self.cluster.gpu.peak_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name, "cluster": self.cluster.name,
+            "gpus": self.layout.gpus, "layout": self.layout.to_dict(),
+            "step_time_s": self.time.total, "time": self.time.to_dict(),
+            "bubble_fraction": self.bubble_fraction, "held_microbatches": self.held,
+            "memory": self.memory.to_dict(),
+            "memory_budget": self.cluster.memory_budget, "fits": self.fits,
+            "tokens_per_s": self.tokens_per_second,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu,
+        }
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _bytes(layout: Layout) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter."""
+    if layout.precision == "fp32":
+        return 4, 4, (8 if layout.optimizer == "adam" else 0)
+    return 2, 4, (12 if layout.optimizer == "adam" else 4)  # fp32 master (+ Adam moments)
+
+
+def _act_bytes(layout: Layout) -> int:
+    return 4 if layout.precision == "fp32" else 2
+
+
+def chunk_layers(model: ModelSpec, layout: Layout) -> int:
+    """Layers in the largest chunk; with per-layer costs, PipeDream's balanced partition."""
+    chunks = layout.pipe * layout.virtual_stages
+    if model.layer_costs is None:
+        return math.ceil(model.num_layers / chunks)
+    from fiddlejax.pipeline.partition import balanced
+
+    counts = balanced(list(model.layer_costs), chunks)
+    return max(counts)
+
+
+def _chunk_cost_scale(model: ModelSpec, layout: Layout) -> float:
+    """The slowest chunk's cost in units of an average layer (uneven layers)."""
+    if model.layer_costs is None:
+        return float(chunk_layers(model, layout))
+    from fiddlejax.pipeline.partition import balanced, chunk_costs
+
+    costs = list(model.layer_costs)
+    counts = balanced(costs, layout.pipe * layout.virtual_stages)
+    mean = sum(costs) / len(costs)
+    return max(chunk_costs(counts, costs)) / mean
+
+
+def held_microbatches(layout: Layout) -> int:
+    """Peak (microbatch, chunk) activations a stage holds, from the schedule itself."""
+    if layout.pipe == 1:
+        return 1
+    p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
+    if p * m * v <= MAX_SIMULATED_ACTIONS:
+        return _schedule(layout.kind, p, m, v).max_held
+    if layout.kind == "gpipe":
+        return m * v
+    if layout.kind == "interleaved-1f1b":
+        return min(m * v, (v - 1) * p + 2 * (p - 1) + 1)
+    return min(m, p)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(kind: str, p: int, m: int, v: int):
+    from fiddlejax.pipeline.schedules import build
+
+    return build(kind, stages=p, microbatches=m, virtual_stages=v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _makespan(kind: str, p: int, m: int, v: int, f: float, b: float, lat: float,
+              simulate: bool = True) -> float:
+    """Pipeline makespan for per-chunk costs F=f, B=b (I=W=b/2 when split) and transfer lat:
+    the schedule simulator's, or the closed form (fill + drain) when too large or not asked."""
+    if simulate and p * m * v <= MAX_SIMULATED_ACTIONS:
+        from fiddlejax.pipeline.schedules import simulate
+
+        s = _schedule(kind, p, m, v)
+        return simulate(s, {"F": f, "B": b, "I": b / 2, "W": b / 2}, latency=lat).makespan
+    busy = m * v * (f + b)
+    if kind == "zb-h1":
+        return busy + (p - 1) * (f + b / 2 + 2 * lat)
+    return busy + (p - 1) * (f + b + 2 * lat)
+
+
+@functools.lru_cache(maxsize=4096)
+def _allreduce(size: int, per_node: int, nbytes: float, nvlink: float, nic: float,
+               nvlat: float) -> float:
+    """All-reduce seconds for a group of ``size`` GPUs, ``per_node`` of them per node."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    from fiddlejax.collectives import cost, topology
+
+    if size <= per_node:
+        topo = topology.switch(size, nvlink, nvlat / 2)
+        return cost.predict("ring", topo, nbytes)
+    nodes = size // per_node
+    topo = topology.multi_node(nodes, per_node, nic_bandwidth=nic, nvlink_bandwidth=nvlink)
+    best = cost.predict("ring", topo, nbytes)
+    if per_node > 1:
+        best = min(best, cost.predict("hierarchical", topo, nbytes))
+    return best
+
+
+def allreduce_seconds(cluster: ClusterSpec, size: int, stride: int, nbytes: float) -> float:
+    """Predicted all-reduce time of ``nbytes`` over ``size`` GPUs ``stride`` apart (mesh order
+    is data-major, tensor innermost, so tensor groups are contiguous and data groups strided)."""
+    if size <= 1:
+        return 0.0
+    per_node = max(1, cluster.gpus_per_node // stride) if stride < cluster.gpus_per_node else 1
+    per_node = min(per_node, size)
+    if size % per_node:
+        per_node = 1
+    return _allreduce(size, per_node, float(nbytes), cluster.nvlink_bandwidth,
+                      cluster.nic_bandwidth, cluster.nvlink_latency)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory(model: ModelSpec, layout: Layout) -> Memory:
+    """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
+    t, p, d = layout.tensor, layout.pipe, layout.data
+    pb, gb, ob = _bytes(layout)
+    ab = _act_bytes(layout)
+    lmax = chunk_layers(model, layout)
+    stage_layers = layout.virtual_stages * lmax if p > 1 else model.num_layers
+    ls, lr = model.layer_params
+    (ps, pr), (es, er) = model.prologue_params, model.epilogue_params
+    n = stage_layers * (ls / t + lr) + (ps + es) / t + pr + er
+    grads_copies = 2 if (layout.microbatches > 1 or p > 1) else 1
+    opt = n * ob / (d if layout.zero else 1)
+    mb = layout.microbatch_size
+    per_layer = model.act_elems(layout.remat, t) * mb * ab
+    held = held_microbatches(layout)
+    if p > 1:
+        stash = (STASH_COPIES * held + 1) * lmax * per_layer
+    else:
+        stash = model.num_layers * per_layer
+    working = mb * model.act_none_full * ab + 2 * mb * model.logits / t * 4
+    return Memory(params=n * pb, grads=n * gb * grads_copies, optimizer=opt,
+                  activations=stash, working=working)
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+              simulate: bool = True) -> tuple[StepTime, float]:
+    """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
+    the schedules' closed-form bubbles (fast, for searching)."""
+    gpu = cluster.gpu
+    t, p, d, v, mb, m = (layout.tensor, layout.pipe, layout.data, layout.virtual_stages,
+                         layout.microbatch_size, layout.microbatches)
+    ab = _act_bytes(layout)
+    flop_rate = gpu.peak_flops * gpu.gemm_efficiency
+    layers = _chunk_cost_scale(model, layout)
+    # One layer, one microbatch, one tensor rank.
+    mm = mb * model.layer_flops / t / flop_rate
+    split, rep = model.act["none"]
+    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_bandwidth
+    ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab) * model.tp_allreduces
+    recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
+    recompute_ar = ar if layout.remat == "full" else 0.0
+    head = mb * (model.epilogue_flops + model.prologue_flops) / t / flop_rate
+    f_comp = layers * (mm + ew) + head
+    b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
+    f_ar = layers * ar
+    b_ar = layers * (ar + recompute_ar)
+    f, b = f_comp + f_ar, b_comp + b_ar
+    busy = m * v * (f + b)
+    if p > 1:
+        bw, lat = cluster.group_bandwidth(p, t)
+        xfer = lat + mb * model.boundary * ab / bw
+        makespan = _makespan(layout.kind, p, m, v, f, b, xfer, simulate)
+    else:
+        makespan = busy
+    bubble = max(0.0, makespan - busy)
+    pb, gb, ob = _bytes(layout)
+    mem = memory(model, layout)
+    n_params = mem.params / pb
+    dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
+    opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
+    opt = opt_bytes / gpu.hbm_bandwidth
+    time = StepTime(
+        compute=m * v * (f_comp + b_comp), tensor_comm=m * v * (f_ar + b_ar), bubble=bubble,
+        data_comm=dp, data_comm_exposed=dp * (1.0 - layout.dp_overlap), optimizer=opt)
+    return time, (bubble / makespan if makespan else 0.0)
+
+
+def predict(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+            simulate: bool = True) -> Prediction:
+    """Predict ``layout`` for ``model`` on ``cluster`` (validates first)."""
+    validate(layout, model, cluster)
+    time, bubble = step_time(model, cluster, layout, simulate)
+    return Prediction(model=model, cluster=cluster, layout=layout, time=time,
+                      memory=memory(model, layout), bubble_fraction=bubble,
+                      held=held_microbatches(layout))

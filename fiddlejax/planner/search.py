@@ -1,0 +1,84 @@
+"""Layout search: every layout that fits memory, ranked by predicted throughput.
+
+Enumerates tensor x pipe x data factorizations of the cluster (tensor dividing the heads),
+microbatch sizes, schedules (with 2 and 4 virtual stages for interleaving), remat policies and
+ZeRO-1; drops what fails validation or memory; ranks by the closed-form bubble (fast), then
+re-predicts the best with the schedule simulator and re-ranks. Uneven layers are split by
+PipeDream's dynamic program (``pipeline.partition.balanced``) inside the prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from fiddlejax.planner.cluster import ClusterSpec
+from fiddlejax.planner.layout import Layout, validate
+from fiddlejax.planner.model import ModelSpec
+from fiddlejax.planner.predict import Prediction, memory, predict
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
+               schedules: Sequence[str] = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe"),
+               remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1),
+               microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+               precision: str = "fp32", max_tensor: int | None = None) -> Iterator[Layout]:
+    """Every layout worth predicting (unvalidated)."""
+    n = cluster.num_gpus
+    max_tensor = max_tensor or cluster.gpus_per_node
+    for t in _divisors(n):
+        if t > max_tensor or (model.heads is not None and model.heads % t):
+            continue
+        for p in _divisors(n // t):
+            if p > model.num_layers:
+                continue
+            d = n // (t * p)
+            if global_batch % d:
+                continue
+            for mb in microbatch_sizes:
+                if (global_batch // d) % mb:
+                    continue
+                scheds: list[tuple[str | None, int]] = [(None, 1)]
+                if p > 1:
+                    scheds = [(s, 1) for s in schedules if s != "interleaved-1f1b"]
+                    if "interleaved-1f1b" in schedules:
+                        scheds += [("interleaved-1f1b", v) for v in (2, 4)]
+                for sched, v in scheds:
+                    for remat in remats:
+                        for z in zero if d > 1 else (0,):
+                            yield Layout(tensor=t, pipe=p, data=d, virtual_stages=v,
+                                         microbatch_size=mb, global_batch=global_batch,
+                                         schedule=sched, remat=remat, zero=z,
+                                         precision=precision)
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: int | None = None,
+           refine: int = 20, **kw) -> list[Prediction]:
+    """Predictions of every layout that fits, fastest first (tokens/s; ties: less memory)."""
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be a positive int")
+    fits: list[Prediction] = []
+    for lo in candidates(model, cluster, global_batch, **kw):
+        try:
+            validate(lo, model, cluster)
+        except ValueError:
+            continue
+        if memory(model, lo).total > cluster.memory_budget:
+            continue
+        fits.append(predict(model, cluster, lo, simulate=False))
+    if not fits:
+        raise ValueError(
+            f"no layout of {model.name} fits {cluster.memory_budget / 2**30:.1f} GiB per GPU on "
+            f"{cluster.num_gpus} GPUs with global_batch={global_batch}; add nodes, use a GPU with "
+            "more memory, or allow remat='full' and ZeRO-1")
+
+    def key(pr: Prediction):
+        return (-pr.tokens_per_second, pr.memory.total)
+
+    fits.sort(key=key)
+    head = [predict(model, cluster, pr.layout) for pr in fits[:refine]]
+    ranked = sorted(head, key=key) + fits[refine:]
+    return ranked[:top] if top else ranked
