@@ -7,12 +7,22 @@ value and a fix (DESIGN section 4).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.model import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 PRECISIONS = ("fp32", "bf16-mixed")
+MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
+
+
+@functools.lru_cache(maxsize=512)
+def schedule_for(kind: str, p: int, m: int, v: int):
+    """The validated schedule (cached: searches ask for the same one many times)."""
+    from fiddlejax.pipeline.schedules import build
+
+    return build(kind, stages=p, microbatches=m, virtual_stages=v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +116,6 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
         raise ValueError(f"virtual_stages={lo.virtual_stages} needs schedule "
                          f"'interleaved-1f1b' (got {lo.kind!r}); set virtual_stages=1")
     if lo.pipe > 1:
-        from fiddlejax.pipeline.schedules import build
-
         if lo.kind == "interleaved-1f1b" and lo.microbatches % lo.pipe:
             raise ValueError(
                 f"microbatches={lo.microbatches} must be a multiple of pipe={lo.pipe} for "
@@ -116,9 +124,8 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
             raise ValueError(
                 f"microbatches={lo.microbatches} < pipe={lo.pipe}: the pipeline never fills; "
                 f"use global_batch >= {lo.pipe * per}")
-        if lo.pipe * lo.microbatches * lo.virtual_stages <= 4096:
-            build(lo.kind, stages=lo.pipe, microbatches=lo.microbatches,
-                  virtual_stages=lo.virtual_stages)
+        if lo.pipe * lo.microbatches * lo.virtual_stages <= MAX_BUILT_ACTIONS:
+            schedule_for(lo.kind, lo.pipe, lo.microbatches, lo.virtual_stages)
     if lo.remat not in model.act:
         raise ValueError(f"remat={lo.remat!r} is not described for {model.name}; use one of "
                          f"{sorted(model.act)}")

@@ -32,11 +32,14 @@ import math
 from typing import Any
 
 from fiddlejax.planner.cluster import ClusterSpec
-from fiddlejax.planner.layout import Layout, validate
+from fiddlejax.planner.layout import MAX_BUILT_ACTIONS, Layout, schedule_for, validate
 from fiddlejax.planner.model import ModelSpec
 
 STASH_COPIES = 2  # fiddlejax's pipeline runtime: stash in the scan carry + the switch's output
-MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
+MAX_SIMULATED_ACTIONS = 20_000
+# fiddlejax's zb-h1 W action re-runs the chunk's vjp (only the output cotangent is kept between
+# I and W, see the README), so I and W each cost a whole backward, not half of one.
+ZB_W_RECOMPUTES = True  # beyond this the bubble uses the schedule's closed form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +182,8 @@ def held_microbatches(layout: Layout) -> int:
     if layout.pipe == 1:
         return 1
     p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
-    if p * m * v <= MAX_SIMULATED_ACTIONS:
-        return _schedule(layout.kind, p, m, v).max_held
+    if p * m * v <= MAX_BUILT_ACTIONS:
+        return schedule_for(layout.kind, p, m, v).max_held
     if layout.kind == "gpipe":
         return m * v
     if layout.kind == "interleaved-1f1b":
@@ -188,27 +191,20 @@ def held_microbatches(layout: Layout) -> int:
     return min(m, p)
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(kind: str, p: int, m: int, v: int):
-    from fiddlejax.pipeline.schedules import build
-
-    return build(kind, stages=p, microbatches=m, virtual_stages=v)
-
-
 @functools.lru_cache(maxsize=4096)
 def _makespan(kind: str, p: int, m: int, v: int, f: float, b: float, lat: float,
               simulate: bool = True) -> float:
     """Pipeline makespan for per-chunk costs F=f, B=b (I=W=b/2 when split) and transfer lat:
     the schedule simulator's, or the closed form (fill + drain) when too large or not asked."""
+    i = w = b / 2  # a split backward: b is the whole of I + W
     if simulate and p * m * v <= MAX_SIMULATED_ACTIONS:
         from fiddlejax.pipeline.schedules import simulate
 
-        s = _schedule(kind, p, m, v)
-        return simulate(s, {"F": f, "B": b, "I": b / 2, "W": b / 2}, latency=lat).makespan
-    busy = m * v * (f + b)
+        s = schedule_for(kind, p, m, v)
+        return simulate(s, {"F": f, "B": b, "I": i, "W": w}, latency=lat).makespan
     if kind == "zb-h1":
-        return busy + (p - 1) * (f + b / 2 + 2 * lat)
-    return busy + (p - 1) * (f + b + 2 * lat)
+        return m * v * (f + i + w) + (p - 1) * (f + i + 2 * lat)
+    return m * v * (f + b) + (p - 1) * (f + b + 2 * lat)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -296,6 +292,9 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     f_ar = layers * ar
     b_ar = layers * (ar + recompute_ar)
     f, b = f_comp + f_ar, b_comp + b_ar
+    if layout.kind == "zb-h1" and ZB_W_RECOMPUTES:  # the extra backward is executed work
+        b_comp, b_ar = 2 * b_comp, 2 * b_ar
+        b = b_comp + b_ar
     busy = m * v * (f + b)
     if p > 1:
         bw, lat = cluster.group_bandwidth(p, t)

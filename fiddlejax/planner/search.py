@@ -56,7 +56,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: int | None = None,
-           refine: int = 20, **kw) -> list[Prediction]:
+           refine: int = 10, **kw) -> list[Prediction]:
     """Predictions of every layout that fits, fastest first (tokens/s; ties: less memory)."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int")

@@ -1,0 +1,182 @@
+"""``fiddlejax plan``: predict one layout, search all layouts, or validate against publications.
+
+    fiddlejax plan predict --model gpt3-175b --cluster h100 --nodes 64 --tensor 8 --pipe 8 \\
+        --microbatch-size 1 --global-batch 1536 --schedule 1f1b --remat full [--json]
+    fiddlejax plan search --model gpt3-175b --cluster h100 --nodes 64 --global-batch 1536 \\
+        [--top 10] [--json]
+    fiddlejax plan validate [--json]       # Megatron-LM 2021 Table 1: predicted vs published
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fiddlejax.planner import model as model_mod
+from fiddlejax.planner.cluster import PRESETS as CLUSTERS
+from fiddlejax.planner.cluster import cluster
+from fiddlejax.planner.layout import PRECISIONS, SCHEDULES, Layout
+from fiddlejax.planner.predict import Prediction, predict
+from fiddlejax.planner.search import search
+
+GIB = 2**30
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="gpt",
+                   help=f"'gpt' (with the flags below) or a preset: {', '.join(model_mod.PRESETS)}")
+    for f in ("layers", "hidden", "heads", "seq", "vocab", "ffn"):
+        g.add_argument(f"--{f}", type=int)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", default="h100", choices=sorted(CLUSTERS))
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--global-batch", type=int, required=True, help="samples per step")
+    c.add_argument("--precision", choices=PRECISIONS,
+                   help="default: bf16-mixed on GPUs, fp32 on cpu-sim")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _model(a: argparse.Namespace) -> model_mod.ModelSpec:
+    if a.model != "gpt":
+        return model_mod.preset(a.model)
+    missing = [f"--{f}" for f in ("layers", "hidden", "heads", "seq", "vocab")
+               if getattr(a, f) is None]
+    if missing:
+        raise ValueError(f"--model gpt needs {' '.join(missing)} (or a preset such as "
+                         "--model gpt3-175b)")
+    return model_mod.gpt(a.layers, a.hidden, a.heads, a.seq, a.vocab, ffn=a.ffn)
+
+
+def _precision(a: argparse.Namespace) -> str:
+    return a.precision or ("fp32" if a.cluster == "cpu-sim" else "bf16-mixed")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fiddlejax plan", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("predict", help="predict one layout's step time and memory")
+    _common(pp)
+    pp.add_argument("--tensor", type=int, default=1)
+    pp.add_argument("--pipe", type=int, default=1)
+    pp.add_argument("--data", type=int, help="default: GPUs / (tensor x pipe)")
+    pp.add_argument("--virtual-stages", type=int, default=1)
+    pp.add_argument("--microbatch-size", type=int, default=1)
+    pp.add_argument("--schedule", choices=SCHEDULES)
+    pp.add_argument("--remat", default="none", choices=model_mod.POLICIES)
+    pp.add_argument("--zero", type=int, default=0, choices=(0, 1))
+    pp.add_argument("--dp-overlap", type=float, default=0.0,
+                    help="share of the gradient all-reduce hidden under the backward")
+    ps = sub.add_parser("search", help="rank every layout that fits memory")
+    _common(ps)
+    ps.add_argument("--top", type=int, default=10)
+    ps.add_argument("--remat", nargs="+", default=["none", "full"], choices=model_mod.POLICIES)
+    pv = sub.add_parser("validate", help="predicted vs published (Megatron-LM 2021 Table 1)")
+    pv.add_argument("--json", action="store_true")
+    return ap
+
+
+def _row(pr: Prediction) -> dict:
+    return pr.to_dict()
+
+
+def _print_predict(pr: Prediction) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    lo, tm, mem = pr.layout, pr.time, pr.memory
+    con.print(f"[bold]{pr.model.name}[/] ({pr.model.params / 1e9:.2f}B params) on "
+              f"{pr.cluster.describe()}")
+    con.print(f"layout: {lo.short()}  microbatches={lo.microbatches}  "
+              f"global_batch={lo.global_batch}  precision={lo.precision}")
+    t = Table(title="step time")
+    for c in ("part", "seconds", "share"):
+        t.add_column(c, justify="right" if c != "part" else "left")
+    for name, v in (("compute", tm.compute), ("tensor-parallel comm", tm.tensor_comm),
+                    ("pipeline bubble", tm.bubble), ("data-parallel comm (exposed)",
+                                                     tm.data_comm_exposed),
+                    ("data-parallel comm (overlapped)", tm.overlapped),
+                    ("optimizer", tm.optimizer), ("step", tm.total)):
+        share = "" if name.endswith("(overlapped)") else f"{v / tm.total:.1%}"
+        t.add_row(name, f"{v:.4f}", share)
+    con.print(t)
+    m = Table(title="memory per GPU")
+    m.add_column("part")
+    m.add_column("GiB", justify="right")
+    for name, v in (("parameters", mem.params), ("gradients", mem.grads),
+                    ("optimizer state", mem.optimizer), ("activations (stash)", mem.activations),
+                    ("working set", mem.working), ("total", mem.total),
+                    ("budget", pr.cluster.memory_budget)):
+        m.add_row(name, f"{v / GIB:.2f}")
+    con.print(m)
+    con.print(f"tokens/s {pr.tokens_per_second:,.0f}   model TFLOP/s per GPU "
+              f"{pr.model_tflops_per_gpu:.1f}   hardware TFLOP/s per GPU "
+              f"{pr.hardware_tflops_per_gpu:.1f}   MFU {pr.mfu:.1%}   bubble "
+              f"{pr.bubble_fraction:.1%}   fits: {'yes' if pr.fits else '[red]NO[/]'}")
+
+
+def _print_search(model, clus, ranked: list[Prediction]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(Console().width, 130))
+    con.print(f"[bold]{model.name}[/] ({model.params / 1e9:.2f}B params) on {clus.describe()}")
+    t = Table(title=f"best {len(ranked)} layouts that fit")
+    for c in ("#", "layout", "m", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
+              "memory GiB"):
+        t.add_column(c, justify="left" if c == "layout" else "right", no_wrap=True)
+    for i, pr in enumerate(ranked, 1):
+        t.add_row(str(i), pr.layout.short(), str(pr.layout.microbatches),
+                  f"{pr.time.total:.3f}", f"{pr.tokens_per_second:,.0f}",
+                  f"{pr.model_tflops_per_gpu:.1f}", f"{pr.mfu:.1%}",
+                  f"{pr.bubble_fraction:.1%}", f"{pr.memory.total / GIB:.1f}")
+    con.print(t)
+
+
+def plan_command(argv: list[str]) -> int:
+    """Entry point of ``fiddlejax plan``; returns the exit status."""
+    ap = _parser()
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "validate":
+            from fiddlejax.planner import published
+
+            rows = published.compare()
+            print(json.dumps(rows, indent=2) if a.json else published.markdown(rows))
+            return 0
+        model = _model(a)
+        clus = cluster(a.cluster, nodes=a.nodes, gpus_per_node=a.gpus_per_node)
+        if a.cmd == "predict":
+            tp = a.tensor * a.pipe
+            data = a.data
+            if data is None:
+                if clus.num_gpus % tp:
+                    raise ValueError(f"tensor x pipe = {tp} does not divide the cluster's "
+                                     f"{clus.num_gpus} GPUs; pick sizes that divide it")
+                data = clus.num_gpus // tp
+            lo = Layout(tensor=a.tensor, pipe=a.pipe, data=data,
+                        virtual_stages=a.virtual_stages, microbatch_size=a.microbatch_size,
+                        global_batch=a.global_batch, schedule=a.schedule, remat=a.remat,
+                        zero=a.zero, precision=_precision(a), dp_overlap=a.dp_overlap)
+            pr = predict(model, clus, lo)
+            if a.json:
+                print(json.dumps(_row(pr), indent=2))
+            else:
+                _print_predict(pr)
+            return 0
+        if a.top < 1:
+            raise ValueError(f"--top {a.top} must be >= 1")
+        ranked = search(model, clus, a.global_batch, top=a.top, remats=tuple(a.remat),
+                        precision=_precision(a))
+        if a.json:
+            print(json.dumps({"model": model.name, "cluster": clus.name, "gpus": clus.num_gpus,
+                              "layouts": [_row(p) for p in ranked]}, indent=2))
+        else:
+            _print_search(model, clus, ranked)
+        return 0
+    except ValueError as e:
+        print(f"fiddlejax plan {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
