@@ -156,7 +156,7 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "gpt3-13b": (40, 5120, 40, 2048, 51200),
     "gpt3-175b": (96, 12288, 96, 2048, 51200),
     "megatron-1t": (128, 25600, 160, 2048, 51200),
-    "tiny": (8, 64, 4, 64, 256),  # the calibration model of tests/test_planner.py
+    "tiny": (4, 64, 4, 64, 256),  # the calibration model of tests/test_planner.py
 }
 
 

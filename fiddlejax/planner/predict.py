@@ -21,7 +21,7 @@ twice when they accumulate over microbatches (accumulator + result). Activations
 ``held`` (schedule's peak held chunk activations) x layers per chunk x the remat policy's
 residuals per layer, held ``STASH_COPIES`` times plus one in flight (fiddlejax's runtime keeps the
 stash in the scan carry and a new copy leaves the per-tick switch; measured, see the README), and
-a working set of one layer's full residuals and the logits.
+a working set: one layer's full residuals on this rank, the logits, the pipeline inboxes.
 """
 
 from __future__ import annotations
@@ -191,6 +191,18 @@ def held_microbatches(layout: Layout) -> int:
     return min(m, p)
 
 
+def inbox_slots(layout: Layout) -> int:
+    """Boundary-sized buffers a stage keeps for received activations and cotangents (the tick
+    table's inbox peaks) plus the split backward's saved cotangent."""
+    p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
+    if p == 1:
+        return 0
+    if p * m * v > MAX_BUILT_ACTIONS:
+        return 3
+    peaks = schedule_for(layout.kind, p, m, v).ticks.inbox_peak
+    return max(a for a, _ in peaks) + max(g for _, g in peaks) + 1
+
+
 @functools.lru_cache(maxsize=4096)
 def _makespan(kind: str, p: int, m: int, v: int, f: float, b: float, lat: float,
               simulate: bool = True) -> float:
@@ -261,7 +273,12 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
         stash = (STASH_COPIES * held + 1) * lmax * per_layer
     else:
         stash = model.num_layers * per_layer
-    working = mb * model.act_none_full * ab + 2 * mb * model.logits / t * 4
+    # Transients: one layer's full residuals on this rank (a backward or a recomputation
+    # materialises them), the fp32 logits and their gradient, and (pipelines) the inboxes that
+    # receive activations and cotangents (sized by the schedule's tick table).
+    working = mb * model.act_elems("none", t) * ab + 2 * mb * model.logits / t * 4
+    if p > 1:
+        working += inbox_slots(layout) * mb * model.boundary * ab
     return Memory(params=n * pb, grads=n * gb * grads_copies, optimizer=opt,
                   activations=stash, working=working)
 

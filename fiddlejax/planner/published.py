@@ -88,13 +88,15 @@ def markdown(rows: list[dict]) -> str:
            "bubble | TP comm | DP comm |", "|" + "---|" * 12]
     for r in rows:
         tm = r["time"]
+        tp, dp = tm["tensor_comm"] / tm["total"], tm["data_comm_exposed"] / tm["total"]
         out.append(
             f"| {r['params_b']}B | {r['tensor']} | {r['pipe']} | {r['data']} | {r['gpus']} | "
             f"{r['batch']} | {r['published_tflops']:.0f} | {r['predicted_tflops']:.0f} | "
             f"{r['error']:+.1%} | {r['bubble_fraction']:.1%} | "
-            f"{tm['tensor_comm'] / tm['total']:.1%} | {tm['data_comm_exposed'] / tm['total']:.1%} |")
+            f"{tp:.1%} | {dp:.1%} |")
     mae = sum(abs(r["error"]) for r in rows) / len(rows)
     out.append("")
-    out.append(f"Mean absolute error {mae:.1%}; worst {max(rows, key=lambda r: abs(r['error']))['params_b']}B "
-               f"at {max(abs(r['error']) for r in rows):.1%}.")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    out.append(f"Mean absolute error {mae:.1%}; worst {worst['params_b']}B at "
+               f"{worst['error']:+.1%}.")
     return "\n".join(out)
