@@ -28,6 +28,13 @@ class Plan:
       leaf (``all_gather`` of values and indices) and keeps the rest in a per-replica residual
       added to the next step's gradient (error feedback, ``TrainState.residual``).
     - ``topk_density``: fraction of each gradient leaf sent with ``grad_allreduce="topk"``.
+    - ``topk_on``: what top-k sparsifies. ``"gradients"``: the replicas' gradients; one optimizer
+      (state replicated) steps on their sparse mean. ``"updates"``: each replica runs the
+      optimizer on its own gradient (optimizer state per replica, ``data`` times its memory) and
+      the optimizer's *updates* are sparsified with error feedback: DGC's momentum correction
+      (Lin et al. 2018) carried over to adaptive optimizers, whose per-coordinate scaling
+      otherwise shrinks the delayed bursts error feedback releases (Adam's second moment grows
+      with their square).
     - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1).
     - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
     - ``memory_budget``: bytes per device, for ``remat="auto"``.
@@ -41,6 +48,7 @@ class Plan:
     encodings: Sequence[str] = ()
     grad_allreduce: str = "xla"
     topk_density: float = 0.01
+    topk_on: str = "gradients"
     bucket_bytes: int = 4 << 20
     zero: int = 0
     partition: str = "uniform"
@@ -85,6 +93,13 @@ class Plan:
             raise ValueError(
                 f"topk_density={d!r} must be a number in (0, 1], the fraction of each gradient "
                 "leaf sent per step; e.g. topk_density=0.01 for 1%"
+            )
+        if self.topk_on not in ("gradients", "updates"):
+            raise ValueError(f"topk_on={self.topk_on!r} must be 'gradients' or 'updates'")
+        if self.grad_allreduce == "topk" and self.topk_on == "updates" and self.zero:
+            raise ValueError(
+                "zero=1 shards one replicated optimizer state, but topk_on='updates' keeps one "
+                "per data replica; use zero=0 or topk_on='gradients'"
             )
         if self.grad_allreduce == "topk" and self.schedule is not None:
             raise ValueError(

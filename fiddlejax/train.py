@@ -76,6 +76,11 @@ class Trainer:
         self.param_shardings = layout.shardings(self.mesh, spec_tree)
         opt_abstract = jax.eval_shape(optimizer.init, internal)
         self.opt_shardings = _opt_shardings(optimizer, opt_abstract, spec_tree, plan)
+        # topk_on="updates": one optimizer state per data replica (leading `data` dimension).
+        self._local_opt = plan.grad_allreduce == "topk" and plan.topk_on == "updates"
+        if self._local_opt:
+            self.opt_shardings = jax.tree.map(
+                lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.opt_shardings)
         self._topk = plan.grad_allreduce == "topk"
         # The top-k residual is per data replica: a leading `data` dimension on each leaf.
         self.residual_shardings = (jax.tree.map(
@@ -167,19 +172,30 @@ class Trainer:
                 axis_names={"data"},
             )(params, batch)
 
-    def _topk_loss_and_grads(self, params: nnx.State, batch: dict, residual: Any):
+    def _topk_loss_and_grads(self, params: nnx.State, batch: dict, residual: Any,
+                             opt_state: Any = None):
         """Top-k exchange with error feedback: each replica sends the largest ``topk_density``
         fraction of (its gradient + its residual) per leaf, keeps the rest as its new residual;
-        the step's gradient is the mean over replicas of what was sent."""
+        the step's gradient is the mean over replicas of what was sent.
+
+        With a per-replica ``opt_state`` (``topk_on="updates"``) each replica first turns its
+        gradient into its optimizer's update, and the updates are what is sparsified and
+        exchanged; returns (loss, mean sent update, residual, opt_state, gradient norm)."""
         from fiddlejax.collectives import compression
 
         n, density = self.plan.data, self.plan.topk_density
+        local_opt = opt_state is not None
 
-        def per_replica(p, b, r):
+        def per_replica(p, b, r, *o):
             if n > 1:  # local gradients, as in the dense path
                 p = jax.lax.pcast(p, ("data",), to="varying")
             loss, grads = self._local_loss_and_grads(p, b)
             r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
+            if local_opt:
+                norm = optax.tree.norm(grads)
+                grads, o = self.optimizer.update(grads, jax.tree.map(lambda x: x[0], o[0]), p)
+                o = (jax.tree.map(lambda x: x[None], o),
+                     jax.lax.pmean(norm, "data") if n > 1 else norm)
             if n > 1:
                 loss = jax.lax.pmean(loss, "data")
                 summed, r, _ = compression.topk_allreduce(grads, r, "data", density)
@@ -189,15 +205,18 @@ class Trainer:
                                      grads, r)
                 grads = jax.tree.map(lambda _, pr: pr[0], grads, pairs)
                 r = jax.tree.map(lambda _, pr: pr[1], grads, pairs)
-            return loss, grads, jax.tree.map(lambda x: x[None], r)
+            return (loss, grads, jax.tree.map(lambda x: x[None], r), *o)
 
+        args = (params, batch, residual) + ((opt_state,) if local_opt else ())
         with _encodings(self.plan.encodings):
             if n == 1:
-                return per_replica(params, batch, residual)
+                return per_replica(*args)
             return jax.shard_map(
-                per_replica, mesh=self.mesh, in_specs=(P(), P("data"), P("data")),
-                out_specs=(P(), P(), P("data")), axis_names={"data"},
-            )(params, batch, residual)
+                per_replica, mesh=self.mesh, in_specs=(P(), P("data"), P("data"))
+                + ((P("data"),) if local_opt else ()),
+                out_specs=(P(), P(), P("data")) + ((P("data"), P()) if local_opt else ()),
+                axis_names={"data"},
+            )(*args)
 
     def _loss_impl(self, state: TrainState, batch: dict) -> jax.Array:
         if self._pipeline is not None:  # the pipeline runs forward and backward together
@@ -211,6 +230,14 @@ class Trainer:
 
     def _step_impl(self, state: TrainState, batch: dict):
         residual = None
+        if self._local_opt:  # the replicas' optimizers ran inside; apply the exchanged update
+            loss, updates, residual, opt_state, norm = self._topk_loss_and_grads(
+                state.params, batch, state.residual, state.opt_state)
+            updates = jax.lax.with_sharding_constraint(updates, self.param_shardings)
+            residual = jax.lax.with_sharding_constraint(residual, self.residual_shardings)
+            params = optax.apply_updates(state.params, updates)
+            metrics = {"loss": loss, "grad_norm": norm}  # replica mean of local gradient norms
+            return TrainState(state.step + 1, params, opt_state, residual), metrics
         if self._topk:
             loss, grads, residual = self._sharded_loss_and_grads(state.params, batch,
                                                                  state.residual)
@@ -234,8 +261,11 @@ class Trainer:
             internal = self._to_internal(c)
             residual = (jax.tree.map(lambda x: jnp.zeros((self.plan.data, *x.shape), x.dtype),
                                      internal) if self._topk else None)
-            return TrainState(jnp.zeros((), jnp.int32), internal, self.optimizer.init(internal),
-                              residual)
+            opt_state = self.optimizer.init(internal)
+            if self._local_opt:  # every replica starts from the same optimizer state
+                opt_state = jax.tree.map(
+                    lambda x: jnp.broadcast_to(x, (self.plan.data, *jnp.shape(x))), opt_state)
+            return TrainState(jnp.zeros((), jnp.int32), internal, opt_state, residual)
 
         return init(canonical)
 
@@ -272,8 +302,12 @@ class Trainer:
     def _state_converters(self):
         if not hasattr(self, "_converters"):  # built on first use: most trainers never need them
             def convert(fn, s: TrainState) -> TrainState:
-                opt = optax.tree_map_params(self.optimizer, fn, s.opt_state,
-                                            is_leaf=lambda _: True)  # fn takes whole trees
+                def opt_convert(o):
+                    return optax.tree_map_params(self.optimizer, fn, o,
+                                                 is_leaf=lambda _: True)  # fn takes whole trees
+
+                # topk_on="updates": per-replica optimizer states convert replica by replica
+                opt = (jax.vmap(opt_convert) if self._local_opt else opt_convert)(s.opt_state)
                 residual = None if s.residual is None else jax.vmap(fn)(s.residual)
                 return TrainState(s.step, fn(s.params), opt, residual)
 
