@@ -138,7 +138,9 @@ def markdown(rows: list[dict], quick: bool, wall: float) -> str:
            "CPU devices. Step and tokens/s are ratios to the model's baseline (data=8, no "
            "pipeline, no remat), alternating, median. Memory = argument + temp bytes of the "
            "compiled step; predicted = `fiddlejax.planner.memory` (GPT only). Bubble measured: "
-           "not measured (simulated devices share the CPU cores; stages never overlap).", "",
+           "not measured (simulated devices share the CPU cores; stages never overlap). GFLOPs: "
+           "`cost_analysis` counts a scan body once, so pipelined and unpipelined programs are "
+           "not comparable on it.", "",
            "| model | d,p,t | schedule | v | remat | m | compile s | temp MiB | device MiB | "
            "predicted MiB | error | GFLOPs | bubble (sim) | step ratio | tokens/s ratio |",
            "|" + "---|" * 15]
