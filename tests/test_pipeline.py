@@ -136,3 +136,21 @@ def test_cost_and_params_partitions_balance_the_head():
     assert counts["uniform"] == [2, 3, 3, 2]
     assert counts["params"] == [1, 4, 4, 1]  # embedding and head each weigh ~31 layers
     assert counts["cost"][-1] == 1 and sum(counts["cost"]) == 10  # the head's FLOPs dominate
+
+
+@pytest.mark.parametrize("kind,m,v,remat", [("1f1b", 2, 1, "none"), ("interleaved-1f1b", 2, 2,
+                                            "full"), ("zb-h1", 2, 1, "none")])
+def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
+    """No stage repeats or masks work: matmul FLOPs over all stages = the unpipelined step's."""
+    from fiddlejax.pipeline import costs
+
+    model = gpt(4)
+    batch = tokens(3, 2 * m, 16, 256)
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan(1, 2, 1, schedule=kind,
+                                                        microbatches=m, virtual_stages=v,
+                                                        remat=remat))
+    per_stage = trainer._pipeline.stage_flops(trainer.init().params, batch, trainer._remat)
+    ref = costs.unpipelined_flops(trainer.staged, trainer._init_params, batch, trainer._remat)
+    ratio = sum(s["dot_flops"] for s in per_stage) / ref["dot_flops"]
+    assert abs(ratio - 1) < 0.02, ratio
+    assert all(s["dot_flops"] > 0 for s in per_stage)

@@ -8,11 +8,15 @@ example. Layers in a stack are identical, so one layer's cost stands for all.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
 
 import jax
 import numpy as np
 from flax import nnx
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [a-z0-9]+\[([0-9,]*)\]")
 
 
 def _used_inputs(fn: Callable, *args) -> list[bool]:
@@ -26,6 +30,50 @@ def _used_inputs(fn: Callable, *args) -> list[bool]:
 def _flops(fn: Callable, *args) -> float:
     cost = jax.jit(fn).lower(*args).compile().cost_analysis()
     return float((cost or {}).get("flops", 0.0))
+
+
+def hlo_dot_flops(hlo_text: str) -> float:
+    """Matrix-multiply FLOPs (2 x output elements x contracted size) of a compiled HLO module.
+
+    Counts every ``dot`` in every computation once, fused or not. Unlike ``cost_analysis()``
+    it leaves out elementwise work, whose count moves with XLA's fusion choices: this is the
+    number to compare between two programs that should do the same model math. Loops must be
+    unrolled to be counted in full.
+    """
+    shapes = {}
+    for line in hlo_text.splitlines():
+        m = _DEF.match(line)
+        if m:  # instruction names are unique within an HLO module
+            shapes[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+    total = 0
+    for line in hlo_text.splitlines():
+        if " dot(" not in line:
+            continue
+        out = shapes[_DEF.match(line).group(1)]
+        lhs = shapes[re.search(r" dot\(%?([\w.\-]+)", line).group(1)]
+        dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+        k = math.prod(lhs[int(i)] for i in dims.group(1).split(",") if i) if dims else 1
+        total += 2 * math.prod(out) * k
+    return float(total)
+
+
+def unpipelined_flops(staged, params: nnx.State, batch: dict, remat: Callable) -> dict:
+    """``{"flops", "dot_flops"}`` of one device's whole training step without a pipeline.
+
+    The reference for :meth:`Pipeline.stage_flops`: prologue, every layer (``remat`` applied,
+    the loop unrolled so that every layer is counted), epilogue, and their gradients.
+    """
+    layer = remat(staged.layer)
+
+    def loss(p, b):
+        x = staged.prologue(p, b)
+        for i in range(staged.num_layers):
+            x = layer(jax.tree.map(lambda a, i=i: a[i], p[staged.stack]), x)
+        return staged.epilogue(p, x, b)
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
+    return {"flops": float(compiled.cost_analysis()["flops"]),
+            "dot_flops": hlo_dot_flops(compiled.as_text())}
 
 
 def _split(params: nnx.State, stack: str):

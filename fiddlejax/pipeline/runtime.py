@@ -256,10 +256,15 @@ class Pipeline:
             out_specs=(P(), spec_tree), axis_names=manual,
         )(params, batch)
 
-    def _chunk_fn(self, remat: Callable, uneven: bool) -> Callable:
+    def _chunk_fn(self, remat: Callable, uneven: bool, static: bool = False) -> Callable:
         layer = remat(self.staged.layer)
 
         def chunk(cp, x, n):
+            if static:  # measurement: exactly the chunk's n layers, unrolled (n is an int)
+                for i in range(n):
+                    x = layer(jax.tree.map(lambda a, i=i: a[i], cp), x)
+                return x
+
             def body(h, args):
                 i, lp = args
                 if uneven:
@@ -271,7 +276,89 @@ class Pipeline:
 
         return chunk
 
-    def _run(self, params: nnx.State, batch: dict, remat: Callable, axes: tuple[str, ...]):
+    def _layerwise_fns(self, remat: Callable, uneven: bool, example_lp, example_x):
+        """Forward / input-gradient / weight-gradient of a chunk, one layer at a time.
+
+        The split backward of zero-bubble schedules needs the cotangent at every layer's
+        output: the input-gradient pass (I) keeps them, and the weight-gradient pass (W) turns
+        each into its layer's weight gradient independently, so W never re-runs the chain of
+        input gradients. Residuals are per layer (leaves stacked ``[lmax, ...]``), with the
+        layer's own parameters left out of them as for whole chunks.
+        """
+        layer = remat(self.staged.layer)
+
+        def one(lp, h, i, n):
+            if uneven:
+                return jax.lax.cond(i < n, lambda: layer(lp, h), lambda: h)
+            return layer(lp, h)
+
+        y, vjp = jax.vjp(lambda lp, h: one(lp, h, 0, self.lmax), example_lp, example_x)
+        leaves, treedef = jax.tree.flatten(vjp)
+        lp_leaves = jax.tree.leaves(example_lp)
+        src = [next((k for k, c in enumerate(lp_leaves) if leaf is c), None) for leaf in leaves]
+
+        def rebuild(lp, res):
+            lp_leaves, it = jax.tree.leaves(lp), iter(res)
+            return jax.tree.unflatten(treedef, [next(it) if k is None else lp_leaves[k]
+                                                for k in src])
+
+        steps = jnp.arange(self.lmax)
+
+        def forward(cp, x, n):  # -> y, residual leaves [lmax, ...]
+            def body(h, args):
+                i, lp = args
+                h, vjp = jax.vjp(lambda l_, h_: one(l_, h_, i, n), lp, h)
+                return h, [r for r, k in zip(jax.tree.leaves(vjp), src) if k is None]
+
+            return jax.lax.scan(body, x, (steps, cp))
+
+        def inputs(cp, res, dy):  # -> dx, cotangents at each layer's output [lmax, ...]
+            def body(dh, args):
+                lp, r = args
+                return rebuild(lp, r)(dh)[1], dh
+
+            return jax.lax.scan(body, dy, (cp, res), reverse=True)
+
+        def weights(cp, res, douts):  # -> the chunk's weight gradients
+            def body(_, args):
+                lp, r, d = args
+                return None, rebuild(lp, r)(d)[0]
+
+            return jax.lax.scan(body, None, (cp, res, douts))[1]
+
+        return forward, inputs, weights
+
+    def stage_flops(self, params: nnx.State, batch: dict, remat: Callable) -> list[dict]:
+        """Compiled FLOPs of each stage's whole step: ``{"flops", "dot_flops"}`` per stage.
+
+        XLA counts a ``while`` body once and a ``conditional`` as its costliest branch, so the
+        real step (a scan over ticks around a switch) cannot be measured directly. Here each
+        stage's program is built from the same branch functions, dispatched statically tick by
+        tick with every layer loop unrolled: the count is the work that stage does.
+        ``flops`` is ``cost_analysis()``'s, ``dot_flops`` the matrix multiplies alone
+        (:func:`costs.hlo_dot_flops`). Needs ``data == tensor == 1``.
+        """
+        if self.plan.data != 1 or self.plan.tensor != 1:
+            raise ValueError("stage_flops needs a mesh with data=1 and tensor=1")
+        spec_tree = self._map_stack(lambda v: P("pipe"), params, lambda v: P())
+        mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.m, *x.shape[1:]),
+                                                         x.dtype), batch)
+        act = jax.eval_shape(self.staged.prologue, params, mb)
+        feed = jax.ShapeDtypeStruct((2 * self.tables.branch.shape[0], *act.shape), act.dtype)
+        out = []
+        for st in range(self.p):
+            def per_device(prm, b, f, st=st):
+                return self._run(prm, b, remat, ("pipe",), static_stage=st, feed=f)
+
+            f = jax.shard_map(per_device, mesh=self.plan.mesh, in_specs=(spec_tree, P(), P()),
+                              out_specs=(P(), spec_tree, P("pipe")), axis_names={"pipe"})
+            compiled = jax.jit(f).lower(params, batch, feed).compile()
+            out.append({"flops": float(compiled.cost_analysis()["flops"]),
+                        "dot_flops": costs.hlo_dot_flops(compiled.as_text())})
+        return out
+
+    def _run(self, params: nnx.State, batch: dict, remat: Callable, axes: tuple[str, ...],
+             static_stage: int | None = None, feed: jax.Array | None = None):
         s = self.staged
         tb = self.tables
         m = self.m
@@ -299,7 +386,8 @@ class Pipeline:
 
         mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
         uneven = len(set(self.counts)) > 1
-        chunk = self._chunk_fn(remat, uneven)
+        static = static_stage is not None
+        chunk = self._chunk_fn(remat, uneven, static)
 
         def prologue(o, mb):
             return s.prologue(assemble(o, local_leaves), mb)
@@ -319,7 +407,7 @@ class Pipeline:
         info = {}
 
         def probe(cp, x):
-            y, vjp = jax.vjp(lambda c, h: chunk(c, h, jnp.int32(self.lmax)), cp, x)
+            y, vjp = jax.vjp(lambda c, h: chunk(c, h, self.lmax), cp, x)
             leaves, treedef = jax.tree.flatten(vjp)
             cp_leaves = jax.tree.leaves(cp)
             src = []
@@ -329,8 +417,14 @@ class Pipeline:
             info["treedef"], info["src"] = treedef, src
             return [leaf for leaf, (kind, _) in zip(leaves, src) if kind == "stash"]
 
-        res_abs = probe(cparams(0), act_abs)
-        res_def, src = info["treedef"], info["src"]
+        split = self.schedule.split_backward
+        if split:
+            lw_forward, lw_inputs, lw_weights = self._layerwise_fns(
+                remat, uneven, jax.tree.map(lambda a: a[0], cparams(0)), act_abs)
+            res_abs = lw_forward(cparams(0), act_abs, self.lmax)[1]
+        else:
+            res_abs = probe(cparams(0), act_abs)
+            res_def, src = info["treedef"], info["src"]
 
         def zeros(shape, dtype):
             return varying(jnp.zeros(shape, dtype))
@@ -345,7 +439,8 @@ class Pipeline:
         stash0 = [stash_buffer(r) for r in res_abs]
         act_box0 = zeros((tb.num_act, *act_abs.shape), act_abs.dtype)
         grad_box0 = zeros((tb.num_grad, *act_abs.shape), act_abs.dtype)
-        wdy0 = zeros((tb.num_stash if self.schedule.split_backward else 1, *act_abs.shape),
+        # Split backward: the cotangent at every layer's output, from I until W.
+        wdy0 = zeros((tb.num_stash, self.lmax, *act_abs.shape) if split else (1,),
                      act_abs.dtype)
         g_local0 = jax.tree.map(jnp.zeros_like, local)
         g_outer0 = jax.tree.map(jnp.zeros_like, outer)
@@ -363,7 +458,22 @@ class Pipeline:
                 lambda g, u: jax.lax.dynamic_update_index_in_dim(
                     g, read(g, j) + u, j, 0), tree, upd)
 
+        # Static (measurement) mode keeps each chunk's vjp as a Python value instead of in
+        # the stash: the same computations, with chunks of any length.
+        static_vjps, static_douts = {}, {}
+
+        def layerwise_static(cp, x, n):
+            """[(input, vjp) per layer] + [(output, None)]: the split backward, measured."""
+            layer, out = remat(s.layer), []
+            for i in range(n):
+                y, vjp = jax.vjp(layer, jax.tree.map(lambda a, i=i: a[i], cp), x)
+                out.append((x, vjp))
+                x = y
+            return out + [(x, None)]
+
         def vjp_from_stash(stash, slot, cp):
+            if static:
+                return static_vjps[slot]
             cp_leaves = jax.tree.leaves(cp)
             it = iter(read(buf, slot) for buf in stash)
             leaves = [cp_leaves[k] if kind == "param" else next(it) for kind, k in src]
@@ -373,7 +483,17 @@ class Pipeline:
             """Chunk forward on x; stash residuals. Returns (carry, y)."""
             stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
             cp = cparams(row[2])
+            if split:
+                if static:
+                    static_vjps[row[4]] = layerwise_static(cp, x, row[3])
+                    return carry, static_vjps[row[4]][-1][0]
+                y, res = lw_forward(cp, x, row[3])
+                stash = [write(buf, row[4], r) for buf, r in zip(stash, res)]
+                return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), y
             y, vjp = jax.vjp(lambda c, h: chunk(c, h, row[3]), cp, x)
+            if static:
+                static_vjps[row[4]] = vjp
+                return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), y
             leaves = jax.tree.leaves(vjp)
             kept = [leaf for leaf, (kind, _) in zip(leaves, src) if kind == "stash"]
             stash = [write(buf, row[4], r) for buf, r in zip(stash, kept)]
@@ -416,11 +536,19 @@ class Pipeline:
             stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
             cp = cparams(row[2])
             dy = read(grad_box, row[6])
-            dcp, dx = vjp_from_stash(stash, row[4], cp)(dy)
             if weights:
+                dcp, dx = vjp_from_stash(stash, row[4], cp)(dy)
                 g_local = add_at(g_local, row[2], dcp)
-            else:  # split backward: keep dy for the weight-gradient action
-                wdy = write(wdy, row[4], dy)
+            elif static:  # split backward, measured: the layers' vjps in reverse
+                douts = []
+                for _, vjp in reversed(static_vjps[row[4]][:-1]):
+                    douts.insert(0, dy)
+                    dy = vjp(dy)[1]
+                static_douts[row[4]] = douts
+                dx = dy
+            else:  # split backward: keep every layer's output cotangent for W
+                dx, douts = lw_inputs(cp, [read(buf, row[4]) for buf in stash], dy)
+                wdy = write(wdy, row[4], douts)
             if first and inputs:
                 _, pro_vjp = jax.vjp(lambda o: prologue(o, get_mb(row[1])), outer)
                 (d_outer,) = pro_vjp(dx)
@@ -443,12 +571,21 @@ class Pipeline:
         def br_w(carry, row):
             stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
             cp = cparams(row[2])
-            dcp, _ = vjp_from_stash(stash, row[4], cp)(read(wdy, row[4]))
+            if static:
+                dlps = [vjp(d)[0] for (_, vjp), d in zip(static_vjps[row[4]][:-1],
+                                                          static_douts[row[4]])]
+                pad = [jax.tree.map(jnp.zeros_like, dlps[0])] * (self.lmax - len(dlps))
+                dcp = jax.tree.map(lambda *a: jnp.stack(a), *dlps, *pad)
+            else:
+                dcp = lw_weights(cp, [read(buf, row[4]) for buf in stash], read(wdy, row[4]))
             g_local = add_at(g_local, row[2], dcp)
             return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), zero_act, zero_act
 
-        branches = [br_idle, br_f_mid, br_f_first, br_f_last, br_f_only, br_b_mid, br_b_first,
-                    br_i_mid, br_i_first, br_w]
+        # A schedule uses whole or split backwards, never both: the other kind is never
+        # selected, so it is not built (lax.switch traces every branch).
+        whole = [br_idle] * 2 if split else [br_b_mid, br_b_first]
+        parts = [br_i_mid, br_i_first, br_w] if split else [br_idle] * 3
+        branches = [br_idle, br_f_mid, br_f_first, br_f_last, br_f_only, *whole, *parts]
         p = self.p
         fwd_perm = [(i, (i + 1) % p) for i in range(p)]
         bwd_perm = [(i, (i - 1) % p) for i in range(p)]
@@ -458,26 +595,45 @@ class Pipeline:
             i = jnp.maximum(slot, 0)
             return write(box, i, jnp.where(ok, x, read(box, i)))
 
-        def tick(carry, rows):
-            row = jax.lax.dynamic_index_in_dim(rows, stage, 0, False)
-            carry, send_act, send_grad = jax.lax.switch(row[0], branches, carry, row)
+        def receive(carry, row, send_act, send_grad, direct=False):
             stash, act_box, grad_box, wdy, g_local, g_outer, loss = carry
-            if p > 1:
+            if direct:
+                recv_act, recv_grad = send_act, send_grad
+            elif p > 1:
                 recv_act = jax.lax.ppermute(send_act, "pipe", fwd_perm)
                 recv_grad = jax.lax.ppermute(send_grad, "pipe", bwd_perm)
             else:
                 recv_act, recv_grad = send_act, send_grad
             act_box = deliver(act_box, row[7], recv_act)
             grad_box = deliver(grad_box, row[8], recv_grad)
-            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss), None
+            return (stash, act_box, grad_box, wdy, g_local, g_outer, loss)
+
+        def tick(carry, rows):
+            row = jax.lax.dynamic_index_in_dim(rows, stage, 0, False)
+            carry, send_act, send_grad = jax.lax.switch(row[0], branches, carry, row)
+            return receive(carry, row, send_act, send_grad), None
 
         carry0 = (stash0, act_box0, grad_box0, wdy0, g_local0, g_outer0, loss0)
-        table = jnp.asarray(tb.stacked())
-        carry, _ = jax.lax.scan(tick, carry0, table)
+        sent = []
+        if static:  # measurement only: this stage's actions, dispatched in Python
+            carry = carry0
+            for t, r in enumerate(tb.stacked()[:, static_stage]):
+                row = tuple(int(x) for x in r)
+                carry, send_act, send_grad = branches[row[0]](carry, row)
+                # The neighbours run other programs here: what arrives is an input (distinct
+                # per tick, so XLA cannot merge microbatches) and what leaves is an output
+                # (so XLA keeps the work that made it).
+                carry = receive(carry, row, feed[2 * t], feed[2 * t + 1], direct=True)
+                sent += [send_act, send_grad]
+        else:
+            table = jnp.asarray(tb.stacked())
+            carry, _ = jax.lax.scan(tick, carry0, table)
         *_, g_local, g_outer, loss = carry
         loss = jax.lax.psum(loss, "pipe") * inv_m
         g_outer = jax.lax.psum(g_outer, "pipe")
         grads = assemble(g_outer, [a[None] for a in jax.tree.leaves(g_local)])
+        if static:
+            return loss, grads, jnp.stack(sent)[None]
         return loss, grads
 
 
