@@ -119,6 +119,7 @@ def make_plan(cfg: dict):
     return fj.Plan(mesh=mesh, schedule=p["schedule"], microbatches=p["microbatches"],
                    virtual_stages=p["virtual_stages"], remat=p["remat"],
                    encodings=tuple(p["encodings"] or ()), grad_allreduce=p["grad_allreduce"],
+                   topk_density=p["topk_density"], topk_on=p["topk_on"],
                    zero=p["zero"], partition=p["partition"])
 
 

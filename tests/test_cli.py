@@ -50,3 +50,20 @@ def test_short_training_run_learns(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 40 and {"loss", "tokens_per_s", "tflops_per_device"} <= set(lines[-1])
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+def test_topk_keys_reach_the_plan():
+    """plan.topk_density and plan.topk_on reach fiddlejax.Plan (no compile, no training)."""
+    import fiddlejax as fj
+    from fiddlejax import run
+
+    base = ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "plan.schedule=null",
+            "plan.virtual_stages=1"]
+    plan = run.make_plan(config.load(None, base + ["plan.grad_allreduce=topk",
+                                                   "plan.topk_on=updates",
+                                                   "plan.topk_density=0.05"]))
+    assert (plan.grad_allreduce, plan.topk_on, plan.topk_density) == ("topk", "updates", 0.05)
+    default = run.make_plan(config.load(None, base))
+    assert (default.topk_density, default.topk_on) == (fj.Plan.topk_density, fj.Plan.topk_on)
+    with pytest.raises(ValueError, match="topk_on='weights' must be 'gradients' or 'updates'"):
+        run.make_plan(config.load(None, base + ["plan.topk_on=weights"]))
