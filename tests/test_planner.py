@@ -19,6 +19,7 @@ LAYOUTS = [
     (8, 1, 1, None, 1, "none"),
     (2, 2, 2, "1f1b", 2, "none"),
     (1, 4, 2, "1f1b", 4, "full"),
+    (1, 4, 2, "zb-h1", 8, "full"),  # + the per-layer cotangents kept from I until W
 ]
 
 

@@ -20,8 +20,15 @@ embedding and head on every stage (fiddlejax replicates them over ``pipe``). Gra
 twice when they accumulate over microbatches (accumulator + result). Activations: the stash of
 ``held`` (schedule's peak held chunk activations) x layers per chunk x the remat policy's
 residuals per layer, held ``STASH_COPIES`` times plus one in flight (fiddlejax's runtime keeps the
-stash in the scan carry and a new copy leaves the per-tick switch; measured, see the README), and
-a working set: one layer's full residuals on this rank, the logits, the pipeline inboxes.
+stash in the scan carry and a new copy leaves the per-tick switch; measured, see the README),
+for ``zb-h1`` the per-layer output cotangents its split backward keeps from I until W (one
+activation per layer of the chunk and held microbatch, carried like the stash: ``STASH_COPIES``;
+zb-h1 minus 1F1B compiled at (1, 4, 2), m=8, full remat: 1.8 of them per held slot), and a
+working set: one layer's full residuals on this rank, the logits, the pipeline inboxes.
+
+zb-h1's I and W split one backward: I runs the input-gradient chain and keeps every layer's
+output cotangent, W turns each into its layer's weight gradient without re-running the chain
+(``Pipeline._layerwise_fns``), so I + W cost one backward (I = W = B/2 in the simulator).
 """
 
 from __future__ import annotations
@@ -36,10 +43,7 @@ from fiddlejax.planner.layout import MAX_BUILT_ACTIONS, Layout, schedule_for, va
 from fiddlejax.planner.model import ModelSpec
 
 STASH_COPIES = 2  # fiddlejax's pipeline runtime: stash in the scan carry + the switch's output
-MAX_SIMULATED_ACTIONS = 20_000
-# fiddlejax's zb-h1 W action re-runs the chunk's vjp (only the output cotangent is kept between
-# I and W, see the README), so I and W each cost a whole backward, not half of one.
-ZB_W_RECOMPUTES = True  # beyond this the bubble uses the schedule's closed form
+MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +275,8 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     held = held_microbatches(layout)
     if p > 1:
         stash = (STASH_COPIES * held + 1) * lmax * per_layer
+        if layout.kind == "zb-h1":  # I keeps each layer's output cotangent until W
+            stash += STASH_COPIES * held * lmax * mb * model.boundary * ab
     else:
         stash = model.num_layers * per_layer
     # Transients: one layer's full residuals on this rank (a backward or a recomputation
@@ -308,10 +314,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
     f_ar = layers * ar
     b_ar = layers * (ar + recompute_ar)
-    f, b = f_comp + f_ar, b_comp + b_ar
-    if layout.kind == "zb-h1" and ZB_W_RECOMPUTES:  # the extra backward is executed work
-        b_comp, b_ar = 2 * b_comp, 2 * b_ar
-        b = b_comp + b_ar
+    f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
     busy = m * v * (f + b)
     if p > 1:
         bw, lat = cluster.group_bandwidth(p, t)
