@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from fiddlejax.mesh import AXES, axis_size
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,10 @@ class Plan:
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
                 f"(got {self.schedule!r}); set virtual_stages=1 or change the schedule"
             )
+        if self.schedule == "2bw" and self.zero:
+            raise ValueError(
+                "schedule='2bw' keeps two weight versions per stage and updates them inside the "
+                "pipeline; it does not shard the optimizer state: set zero=0")
         if self.zero not in (0, 1):
             raise ValueError(f"zero={self.zero!r} must be 0 (off) or 1 (shard optimizer state)")
         if self.partition not in ("uniform", "params", "cost"):

@@ -35,12 +35,16 @@ class TrainState:
     ``residual`` is the top-k error-feedback memory (``Plan(grad_allreduce="topk")``): per data
     replica, what its gradient exchange has not sent yet, leaves ``[data, *param.shape]`` sharded
     over ``data``. ``None`` (no leaves) for every other plan.
+
+    ``prev_params`` is PipeDream-2BW's older weight version W(t-1) (``Plan(schedule="2bw")``),
+    on which the next step's gradients are computed; ``None`` for every other plan.
     """
 
     step: jax.Array
     params: nnx.State
     opt_state: Any
     residual: Any = None
+    prev_params: Any = None
 
 
 class Trainer:
@@ -86,12 +90,15 @@ class Trainer:
         self.residual_shardings = (jax.tree.map(
             lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.param_shardings)
             if self._topk else None)
+        self._two_bw = plan.schedule == "2bw"
         self.state_shardings = TrainState(
             NamedSharding(self.mesh, P()), self.param_shardings, self.opt_shardings,
-            self.residual_shardings)
+            self.residual_shardings, self.param_shardings if self._two_bw else None)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self._step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._steps = jax.jit(self._steps_impl, in_shardings=(self.state_shardings, None),
+                              out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._loss_and_grads = jax.jit(self._loss_and_grads_impl)
         self._loss = jax.jit(self._loss_impl)
         self._to_canonical_jit = jax.jit(self._to_canonical)
@@ -228,7 +235,23 @@ class Trainer:
         loss, grads = self._sharded_loss_and_grads(state.params, batch)
         return loss, self._to_canonical(grads)
 
+    def _steps_impl(self, state: TrainState, batches: dict):
+        """K optimizer steps on batches ``[K, batch, ...]`` in one program (metrics ``[K]``)."""
+        if not self._two_bw:
+            return jax.lax.scan(self._step_impl, state, batches)
+        k = jax.tree.leaves(batches)[0].shape[0]
+        opt_specs = jax.tree.map(
+            lambda s: P("pipe") if s.spec and s.spec[0] == "pipe" else P(), self.opt_shardings)
+        losses, norms, prev, params, opt_state = self._pipeline.train_2bw(
+            [state.prev_params, state.params], state.opt_state, batches, self._reduce,
+            self._remat, self.optimizer, opt_specs)
+        new = TrainState(state.step + k, params, opt_state, None, prev)
+        return new, {"loss": losses, "grad_norm": norms}
+
     def _step_impl(self, state: TrainState, batch: dict):
+        if self._two_bw:  # one 2BW step: the K = 1 case of `steps`
+            new, metrics = self._steps_impl(state, jax.tree.map(lambda x: x[None], batch))
+            return new, jax.tree.map(lambda x: x[0], metrics)
         residual = None
         if self._local_opt:  # the replicas' optimizers ran inside; apply the exchanged update
             loss, updates, residual, opt_state, norm = self._topk_loss_and_grads(
@@ -265,13 +288,33 @@ class Trainer:
             if self._local_opt:  # every replica starts from the same optimizer state
                 opt_state = jax.tree.map(
                     lambda x: jnp.broadcast_to(x, (self.plan.data, *jnp.shape(x))), opt_state)
-            return TrainState(jnp.zeros((), jnp.int32), internal, opt_state, residual)
+            prev = internal if self._two_bw else None  # 2BW's first step: W(-1) = W(0)
+            return TrainState(jnp.zeros((), jnp.int32), internal, opt_state, residual, prev)
 
         return init(canonical)
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch; returns the new state and metrics."""
         return self._step(state, self._prepare(state, batch))
+
+    def steps(self, state: TrainState, batches: dict) -> tuple[TrainState, dict]:
+        """``K`` optimizer steps in one jitted program; ``batches`` leaves are ``[K, batch, ...]``.
+
+        Metrics come back per step (``metrics["loss"]`` has shape ``[K]``). With
+        ``schedule="2bw"`` the pipeline runs the K steps without a flush between them.
+        """
+        if not isinstance(batches, dict) or not batches:
+            raise TypeError("batches must be a dict of arrays shaped [steps, batch, ...]")
+        ks = {np.shape(v)[0] if np.ndim(v) > 1 else None for v in batches.values()}
+        if len(ks) != 1 or None in ks:
+            raise ValueError("batches must share a leading steps dimension: [steps, batch, ...]")
+        self.check_batch({k: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype)
+                          for k, v in batches.items()})
+        sharding = NamedSharding(self.mesh, P(None, "data"))
+        batches = jax.tree.map(lambda x: jax.device_put(x, sharding), batches)
+        if self._remat is None:
+            self._choose_remat(state, jax.tree.map(lambda x: x[0], batches))
+        return self._steps(state, batches)
 
     def loss_and_grads(self, state: TrainState, batch: dict) -> tuple[jax.Array, nnx.State]:
         """Mean loss and its gradients, in the canonical layout of the model's parameters."""
@@ -309,7 +352,8 @@ class Trainer:
                 # topk_on="updates": per-replica optimizer states convert replica by replica
                 opt = (jax.vmap(opt_convert) if self._local_opt else opt_convert)(s.opt_state)
                 residual = None if s.residual is None else jax.vmap(fn)(s.residual)
-                return TrainState(s.step, fn(s.params), opt, residual)
+                prev = None if s.prev_params is None else fn(s.prev_params)
+                return TrainState(s.step, fn(s.params), opt, residual, prev)
 
             self._converters = (
                 jax.jit(partial(convert, self._to_canonical)),

@@ -51,6 +51,8 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
+    "two_bw",
+    "weight_updates",
 ]
 
 OPS = ("F", "B", "I", "W")
@@ -89,6 +91,7 @@ class Schedule:
     virtual_stages: int
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    steps: int = 1  # optimizer steps the actions span (PipeDream-2BW runs several unflushed)
 
     def __post_init__(self) -> None:
         # Accept lists (hand-written code, JSON) but store tuples so the schedule is hashable.
@@ -104,6 +107,19 @@ class Schedule:
     def chunks_of(self, stage: int) -> tuple[int, ...]:
         """Chunks held by ``stage``, in model order."""
         return tuple(c for c, s in enumerate(self.placement) if s == stage)
+
+    @property
+    def total_microbatches(self) -> int:
+        """Microbatch indices run over 0 .. steps x microbatches - 1."""
+        return self.steps * self.microbatches
+
+    def step_of(self, a: Action) -> int:
+        """The optimizer step (batch) an action belongs to: its weight version's tag.
+
+        In a ``2bw`` schedule the microbatches of step k run on the weights of version k-1
+        (one step stale), so this is the version each action uses, offset by one.
+        """
+        return a.microbatch // self.microbatches
 
     @property
     def num_actions(self) -> int:
@@ -160,8 +176,12 @@ class Schedule:
             "microbatches": self.microbatches,
             "virtual_stages": self.virtual_stages,
             "placement": list(self.placement),
-            "actions": [[a.to_dict() for a in row] for row in self.actions],
+            "actions": [[self._action_dict(a) for a in row] for row in self.actions],
+            **({"steps": self.steps} if self.steps > 1 else {}),
         }
+
+    def _action_dict(self, a: Action) -> dict[str, Any]:
+        return a.to_dict() | ({"step": self.step_of(a)} if self.steps > 1 else {})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, check: bool = True) -> Schedule:
@@ -235,6 +255,7 @@ def _parse(data: Mapping[str, Any]) -> Schedule:
         virtual_stages=virtual_stages,
         placement=placement,
         actions=actions,
+        steps=_count(data.get("steps", 1), "steps"),
     )
 
 
@@ -334,8 +355,9 @@ def _check_structure(s: Schedule) -> dict[tuple[str, int, int], Position]:
             where = f"stage {st} action {i} {a}"
             if a.op not in OPS:
                 raise ScheduleError(f"{where}: op {a.op!r} is not one of {', '.join(OPS)}")
-            if not _is_int(a.microbatch) or not 0 <= a.microbatch < s.microbatches:
-                raise ScheduleError(f"{where}: microbatch is not in 0..{s.microbatches - 1}")
+            if not _is_int(a.microbatch) or not 0 <= a.microbatch < s.total_microbatches:
+                raise ScheduleError(
+                    f"{where}: microbatch is not in 0..{s.total_microbatches - 1}")
             if not _is_int(a.chunk) or not 0 <= a.chunk < s.num_chunks:
                 raise ScheduleError(f"{where}: chunk is not in 0..{s.num_chunks - 1}")
             home = s.placement[a.chunk]
@@ -355,7 +377,7 @@ def _check_structure(s: Schedule) -> dict[tuple[str, int, int], Position]:
                     )
             seen[a] = (st, i)
             produced[_producer_key(a)] = (st, i)
-    for m in range(s.microbatches):
+    for m in range(s.total_microbatches):
         for c in range(s.num_chunks):
             home = s.placement[c]
             if Action("F", m, c) not in seen:
@@ -675,6 +697,7 @@ class _Entry:
     generator: Generator
     virtual: bool
     min_microbatches: MinMicrobatches | None
+    multistep: bool = False  # the generator takes steps= (runs several optimizer steps)
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -690,6 +713,7 @@ def register(
     *,
     virtual: bool = False,
     min_microbatches: MinMicrobatches | None = None,
+    multistep: bool = False,
 ) -> None:
     """Make ``build(kind, ...)`` call ``generator(stages, microbatches, virtual_stages)``.
 
@@ -701,7 +725,7 @@ def register(
     """
     if not isinstance(kind, str) or not kind.strip():
         raise ValueError(f"kind={kind!r} must be a non-empty string")
-    _REGISTRY[_normal(kind)] = _Entry(generator, virtual, min_microbatches)
+    _REGISTRY[_normal(kind)] = _Entry(generator, virtual, min_microbatches, multistep)
 
 
 def kinds() -> list[str]:
@@ -709,10 +733,12 @@ def kinds() -> list[str]:
     return list(_REGISTRY)
 
 
-def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
+def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None = None,
+          steps: int = 1) -> Schedule:
     """Generate and validate a schedule of a registered ``kind``.
 
-    ``virtual_stages`` defaults to 1, or to 2 for kinds that interleave.
+    ``virtual_stages`` defaults to 1, or to 2 for kinds that interleave. ``steps`` > 1 (optimizer
+    steps without a flush between them) is for multi-step kinds (``2bw``).
     """
     if not isinstance(kind, str) or _normal(kind) not in _REGISTRY:
         raise ValueError(f"unknown schedule kind {kind!r}; known kinds: {', '.join(_REGISTRY)}")
@@ -729,6 +755,13 @@ def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None 
             f"virtual_stages={virtual_stages} is not used by {kind!r}; leave it at 1 or use "
             f"one of: {', '.join(interleaving)}"
         )
+    steps = _count(steps, "steps")
+    if steps != 1 and not entry.multistep:
+        multi = [k for k, e in _REGISTRY.items() if e.multistep]
+        raise ValueError(
+            f"steps={steps} is not used by {kind!r} (it flushes every step); leave it at 1 or "
+            f"use one of: {', '.join(multi)}"
+        )
     if entry.min_microbatches is not None:
         need = entry.min_microbatches(stages, virtual_stages)
         if microbatches < need:
@@ -736,6 +769,10 @@ def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None 
                 f"microbatches={microbatches} is too few for {kind} with stages={stages} and "
                 f"virtual_stages={virtual_stages}; use at least {need}"
             )
+    if entry.multistep:
+        schedule = validate(entry.generator(stages, microbatches, virtual_stages, steps=steps))
+        weight_updates(schedule)  # two weight versions must be enough
+        return schedule
     return validate(entry.generator(stages, microbatches, virtual_stages))
 
 
@@ -852,7 +889,52 @@ def zb_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     return _schedule("zb-h1", p, m, 1, rows)
 
 
+def two_bw(stages: int, microbatches: int, virtual_stages: int = 1, steps: int = 1) -> Schedule:
+    """PipeDream-2BW: 1F1B across ``steps`` optimizer steps with no flush between them.
+
+    The microbatches of step k (indices k*m .. k*m+m-1) run on weight version k-1, one step
+    stale, so the forwards of step k+1 can start while step k's backwards drain; each stage
+    keeps two versions. The weight update of step k happens once every stage has finished
+    step k's backwards and before any starts step k+2 (``weight_updates``); the pipeline
+    fills and drains once per call, so the bubble shrinks as (p-1)/(steps*m + p-1).
+    """
+    p, m = stages, microbatches
+    rows = [_one_f_one_b_row(p, steps * m, s) for s in range(p)]
+    return Schedule("2bw", p, m, 1, tuple(range(p)), rows, steps=steps)
+
+
+def weight_updates(schedule: Schedule, costs: Mapping[str, float] | None = None) -> list[int]:
+    """Per optimizer step k, the lockstep tick before which its weight update is applied.
+
+    That is the tick after the last backward of step k on any stage; it must come no later
+    than the first forward of step k+2 on any stage (which reads the new version).
+    """
+    table = tick_table(schedule, costs)
+    last_b = [0] * schedule.steps
+    first_f = [table.num_ticks] * schedule.steps
+    for t, row in enumerate(table.ticks):
+        for a in row:
+            if a is None:
+                continue
+            k = schedule.step_of(a)
+            if a.op == "F":
+                first_f[k] = min(first_f[k], t)
+            elif a.op in ("B", "W"):
+                last_b[k] = max(last_b[k], t + 1)
+    for k in range(schedule.steps - 2):
+        if last_b[k] > first_f[k + 2]:
+            raise ScheduleError(
+                f"microbatches={schedule.microbatches} per step is too few for "
+                f"{schedule.kind} on stages={schedule.stages}: step {k + 2} would start "
+                f"(tick {first_f[k + 2]}) before step {k}'s backwards end (tick {last_b[k]}), "
+                "needing a third weight version; use at least "
+                f"{max(1, schedule.stages - 1)} microbatches per step"
+            )
+    return last_b
+
+
 register("gpipe", gpipe)
 register("1f1b", one_f_one_b)
 register("interleaved-1f1b", interleaved_1f1b, virtual=True)
 register("zb-h1", zb_h1)
+register("2bw", two_bw, multistep=True)
