@@ -154,3 +154,37 @@ def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
     ratio = sum(s["dot_flops"] for s in per_stage) / ref["dot_flops"]
     assert abs(ratio - 1) < 0.02, ratio
     assert all(s["dot_flops"] > 0 for s in per_stage)
+
+
+def test_2bw_equals_the_one_step_stale_update_rule():
+    """PipeDream-2BW on (2,2,2): W(t+1) = W(t) + update(grad f(W(t-1))), with W(-1) = W(0).
+
+    Three steps in one unflushed program, then one more call: the older version carries over.
+    """
+    import numpy as np
+
+    from helpers import reference_loss_fn
+
+    opt = optax.adamw(1e-2)
+    batches = [tokens(20 + i, 8, 16, 256) for i in range(4)]
+    loss, ref = reference_loss_fn(gpt(4))
+    grad = jax.jit(jax.value_and_grad(loss))
+    prev, cur, st, ref_losses = ref, ref, opt.init(ref), []
+    for b in batches:
+        value, g = grad(prev, b)
+        u, st = opt.update(g, st, cur)
+        prev, cur = cur, optax.apply_updates(cur, u)
+        ref_losses.append(float(value))
+
+    trainer = fj.parallelize(gpt(4), opt, plan(2, 2, 2, schedule="2bw", microbatches=2,
+                                               remat="full"))
+    state = trainer.init()
+    state, m3 = trainer.steps(state, {"tokens": np.stack([b["tokens"] for b in batches[:3]])})
+    state, m1 = trainer.step(state, batches[3])
+    losses = [*np.asarray(m3["loss"]).tolist(), float(m1["loss"])]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert int(state.step) == 4
+    assert rel_err(trainer.params(state), cur) < 1e-5
+    assert rel_err(trainer._to_canonical_jit(state.prev_params), prev) < 1e-5
+    with pytest.raises(ValueError, match="set zero=0"):
+        plan(1, 2, 1, schedule="2bw", microbatches=2, zero=1)

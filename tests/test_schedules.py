@@ -515,7 +515,7 @@ def test_registry_accepts_a_v_shaped_placement():
         ),
         (
             ("pipedream", 4, 8),
-            "unknown schedule kind 'pipedream'; known kinds: gpipe, 1f1b, interleaved-1f1b, zb-h1",
+            "unknown schedule kind 'pipedream'; known kinds: gpipe, 1f1b, interleaved-1f1b, zb-h1, 2bw",
         ),
         (
             ("zb-h1", 4, 8, 2),
@@ -536,3 +536,37 @@ def test_defaults_and_kind_spelling():
     assert schedules.build("zb_h1", 2, 2).kind == "zb-h1"
     v1 = schedules.build("interleaved-1f1b", 4, 8, 1)
     assert v1.actions == schedules.build("1f1b", 4, 8).actions
+
+
+def test_2bw_runs_steps_without_a_flush():
+    """PipeDream-2BW: 1F1B across K steps; the bubble is amortized over them."""
+    one = schedules.build("1f1b", stages=4, microbatches=4)
+    bubbles = [schedules.build("2bw", stages=4, microbatches=4, steps=k).bubble_fraction
+               for k in (1, 2, 4, 8)]
+    assert bubbles[0] == pytest.approx(one.bubble_fraction)
+    assert bubbles == sorted(bubbles, reverse=True)
+    for k, b in zip((1, 2, 4, 8), bubbles):  # (p-1) / (K*m*3 / 3 + p - 1) with F=1, B=2
+        assert b == pytest.approx(3 / (4 * k + 3))
+    s = schedules.build("2bw", stages=4, microbatches=4, steps=3)
+    assert s.held_peak == one.held_peak  # still 1F1B's memory: p - s per stage
+    steps = {a.microbatch: s.step_of(a) for row in s.actions for a in row}
+    assert steps == {g: g // 4 for g in range(12)}
+    d = s.to_dict()
+    assert d["steps"] == 3 and d["actions"][0][-1]["step"] == 2
+    assert schedules.Schedule.from_dict(d) == s
+
+
+def test_2bw_weight_updates_need_two_versions_only():
+    s = schedules.build("2bw", stages=4, microbatches=3, steps=4)
+    ends = schedules.weight_updates(s)
+    first_f = {}
+    for t, row in enumerate(s.ticks.ticks):
+        for a in row:
+            if a is not None and a.op == "F":
+                first_f.setdefault(s.step_of(a), t)
+    assert all(ends[k] <= first_f[k + 2] for k in range(2))  # W(k+1) ready before step k+2
+    assert ends == sorted(ends) and ends[-1] == s.ticks.num_ticks
+    with pytest.raises(ValueError, match="use at least 3 microbatches per step"):
+        schedules.build("2bw", stages=4, microbatches=2, steps=4)
+    with pytest.raises(ValueError, match="steps=2 is not used by '1f1b'"):
+        schedules.build("1f1b", stages=4, microbatches=4, steps=2)

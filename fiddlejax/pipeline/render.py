@@ -197,6 +197,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--virtual-stages", "-v", type=int, default=None, help="chunks per stage (interleaved)"
     )
+    parser.add_argument(
+        "--steps", "-k", type=int, default=1, help="optimizer steps without a flush (2bw)"
+    )
     parser.add_argument("--json", action="store_true", help="print the schedule as JSON")
     parser.add_argument("--png", metavar="FILE", help="write the timeline picture to FILE")
     parser.add_argument("--ticks", action="store_true", help="print the lockstep tick table")
@@ -221,7 +224,7 @@ def schedule_command(argv: Sequence[str]) -> int:
             if missing:
                 raise ValueError(f"{' and '.join(missing)} required to build {args.kind!r}")
             schedule = schedules.build(
-                args.kind, args.stages, args.microbatches, args.virtual_stages
+                args.kind, args.stages, args.microbatches, args.virtual_stages, steps=args.steps
             )
         if args.json:
             print(schedules.dump(schedule))
