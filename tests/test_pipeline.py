@@ -162,7 +162,6 @@ def test_2bw_equals_the_one_step_stale_update_rule():
     Three steps in one unflushed program, then one more call: the older version carries over.
     """
     import numpy as np
-
     from helpers import reference_loss_fn
 
     opt = optax.adamw(1e-2)

@@ -515,7 +515,8 @@ def test_registry_accepts_a_v_shaped_placement():
         ),
         (
             ("pipedream", 4, 8),
-            "unknown schedule kind 'pipedream'; known kinds: gpipe, 1f1b, interleaved-1f1b, zb-h1, 2bw",
+            "unknown schedule kind 'pipedream'; known kinds: gpipe, 1f1b, interleaved-1f1b, "
+            "zb-h1, 2bw",
         ),
         (
             ("zb-h1", 4, 8, 2),
