@@ -245,25 +245,45 @@ def main(config_path: str | None, overrides: list[str]) -> int:
               f"(uniform guess: {math.log(256):.4f})")
     times, losses, val = [], [], first_val
     t_prev = time.perf_counter()
-    for step in range(start, tcfg["steps"] + 1):
-        state, metrics = trainer.step(state, next(train_it))
-        loss = float(metrics["loss"])  # syncs: step time is measured to completion
+    per_call = int(tcfg.get("steps_per_call", 1))
+    if per_call < 1 or (per_call > 1 and jax.process_count() > 1):
+        log.close()
+        print(f"fiddlejax train: train.steps_per_call={per_call} must be >= 1 (and 1 when "
+              "several processes train together)", file=sys.stderr)
+        return 2
+    step = start
+    while step <= tcfg["steps"]:
+        # One call runs k steps (several in one program: PipeDream-2BW's unflushed pipeline).
+        k = min(per_call, tcfg["steps"] - step + 1)
+        if k == 1:
+            state, metrics = trainer.step(state, next(train_it))
+            metrics = {name: [v] for name, v in metrics.items()}
+        else:
+            batches = [next(train_it) for _ in range(k)]
+            state, metrics = trainer.steps(
+                state, {key: np.stack([b[key] for b in batches]) for key in batches[0]})
+        step_losses = [float(x) for x in metrics["loss"]]  # syncs: time runs to completion
         now = time.perf_counter()
-        dt, t_prev = now - t_prev, now
-        if step > start:  # the first step compiles
-            times.append(dt)
-        losses.append(loss)
-        rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt}
-        rec.update(_throughput(dt, items_per_step, flops, n_dev, peak))
-        if tcfg["eval_every"] and (step % tcfg["eval_every"] == 0 or step == tcfg["steps"]):
-            val = evaluate(state)
-            rec["val_loss"] = val
-            t_prev = time.perf_counter()  # evaluation is not step time
-        stop = ckpt is not None and ckpt.after_step(step, state, rec)  # True when preempted
-        line = None
-        if step % tcfg["log_every"] == 0 or step == 1 or "val_loss" in rec:
-            line = _line(step, rec)
-        log.log(step, rec, line)
+        dt, t_prev = (now - t_prev) / k, now
+        for i, loss in enumerate(step_losses):
+            s, last = step + i, i == k - 1
+            if step > start:  # the first call compiles
+                times.append(dt)
+            losses.append(loss)
+            rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"][i]), "step_time_s": dt}
+            rec.update(_throughput(dt, items_per_step, flops, n_dev, peak))
+            eval_due = tcfg["eval_every"] and any(
+                (j % tcfg["eval_every"] == 0 or j == tcfg["steps"]) for j in range(step, s + 1))
+            if last and eval_due:  # the state exists at the end of a call only
+                val = evaluate(state)
+                rec["val_loss"] = val
+                t_prev = time.perf_counter()  # evaluation is not step time
+            stop = last and ckpt is not None and ckpt.after_step(s, state, rec)  # preempted
+            line = None
+            if s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec:
+                line = _line(s, rec)
+            log.log(s, rec, line)
+        step += k
         if stop:
             break
     if ckpt is not None:

@@ -91,6 +91,13 @@ class Trainer:
             lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.param_shardings)
             if self._topk else None)
         self._two_bw = plan.schedule == "2bw"
+        if self._two_bw and not _leafwise(optimizer):
+            raise ValueError(
+                "schedule='2bw' applies the optimizer inside the pipeline, one stage at a time "
+                "(as PipeDream-2BW does), so each parameter's update may depend only on its own "
+                "gradient; this optimizer mixes parameters (optax.clip_by_global_norm?). Use "
+                "an elementwise one, e.g. optax.adamw without a global-norm clip "
+                "(fiddlejax train: optimizer.clip=0), or another schedule")
         self.state_shardings = TrainState(
             NamedSharding(self.mesh, P()), self.param_shardings, self.opt_shardings,
             self.residual_shardings, self.param_shardings if self._two_bw else None)
@@ -448,6 +455,15 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fiddlejax.Plan, got {type(plan).__name__}")
     return Trainer(model, optimizer, plan, loss)
+
+
+def _leafwise(optimizer: optax.GradientTransformation) -> bool:
+    """Whether a parameter's update ignores the other parameters' gradients (a quick probe)."""
+    params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    state = optimizer.init(params)
+    small, _ = optimizer.update({"a": jnp.full(3, 0.5), "b": jnp.full(3, 0.5)}, state, params)
+    large, _ = optimizer.update({"a": jnp.full(3, 0.5), "b": jnp.full(3, 1e3)}, state, params)
+    return bool(jnp.allclose(small["a"], large["a"]))
 
 
 def _resolve_remat(remat) -> Callable[[Callable], Callable]:

@@ -187,3 +187,6 @@ def test_2bw_equals_the_one_step_stale_update_rule():
     assert rel_err(trainer._to_canonical_jit(state.prev_params), prev) < 1e-5
     with pytest.raises(ValueError, match="set zero=0"):
         plan(1, 2, 1, schedule="2bw", microbatches=2, zero=1)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), opt)
+    with pytest.raises(ValueError, match="optimizer.clip=0"):
+        fj.parallelize(gpt(4), clipped, plan(1, 2, 1, schedule="2bw", microbatches=2))
