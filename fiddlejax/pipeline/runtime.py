@@ -18,6 +18,10 @@ How it runs (DESIGN section 6):
   backward is seeded with the loss cotangent there and then. Gradients of the shared prologue and
   epilogue parameters are summed over ``pipe`` (this also makes tied embeddings exact).
 - Weight gradients accumulate over microbatches in the scan carry.
+- Split backwards (zero-bubble schedules) run a chunk one layer at a time: I keeps the cotangent
+  at every layer's output, so W computes only the weight gradients.
+- PipeDream-2BW (``train_2bw``) runs K optimizer steps in one program: two weight versions per
+  stage, one scan per step's ticks, and the step's update applied between consecutive scans.
 """
 
 from __future__ import annotations
