@@ -750,18 +750,10 @@ def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None 
         virtual_stages = 2 if entry.virtual else 1
     virtual_stages = _count(virtual_stages, "virtual_stages")
     if virtual_stages != 1 and not entry.virtual:
-        interleaving = [k for k, e in _REGISTRY.items() if e.virtual]
-        raise ValueError(
-            f"virtual_stages={virtual_stages} is not used by {kind!r}; leave it at 1 or use "
-            f"one of: {', '.join(interleaving)}"
-        )
+        _unused("virtual_stages", virtual_stages, kind, "virtual", "")
     steps = _count(steps, "steps")
     if steps != 1 and not entry.multistep:
-        multi = [k for k, e in _REGISTRY.items() if e.multistep]
-        raise ValueError(
-            f"steps={steps} is not used by {kind!r} (it flushes every step); leave it at 1 or "
-            f"use one of: {', '.join(multi)}"
-        )
+        _unused("steps", steps, kind, "multistep", " (it flushes every step)")
     if entry.min_microbatches is not None:
         need = entry.min_microbatches(stages, virtual_stages)
         if microbatches < need:
@@ -774,6 +766,13 @@ def build(kind: str, stages: int, microbatches: int, virtual_stages: int | None 
         weight_updates(schedule)  # two weight versions must be enough
         return schedule
     return validate(entry.generator(stages, microbatches, virtual_stages))
+
+
+def _unused(name: str, value: int, kind: str, flag: str, why: str) -> None:
+    """Raise for an option ``kind`` ignores, naming the kinds that take it."""
+    users = [k for k, e in _REGISTRY.items() if getattr(e, flag)]
+    raise ValueError(f"{name}={value} is not used by {kind!r}{why}; leave it at 1 or use one "
+                     f"of: {', '.join(users)}")
 
 
 def _schedule(kind: str, p: int, m: int, v: int, rows: list[list[Action]]) -> Schedule:
