@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections import Counter
@@ -111,9 +110,6 @@ def exchanged_bytes(trainer, text: str, density: float) -> dict:
     from fiddlejax.collectives import compression, cost
 
     algorithm = trainer.plan.grad_allreduce
-    # XLA combines the dense gradients into one tuple all-reduce whose type carries
-    # /*index=5*/ comments; cost.hlo_collectives' tuple pattern stops at their '=', so drop them.
-    text = re.sub(r"/\*.*?\*/", "", text)
     ops = cost.hlo_collectives(text)
     sent = cost.bytes_sent_per_device(text)
     grads = trainer.params(trainer.init())

@@ -204,3 +204,13 @@ def test_hlo_parser_on_text():
     # all-reduce 2(g-1)/g*32, permute 16 (devices 0 and 1), all-gather 3/4*64, reduce-scatter 3*8
     assert sent[0] == 32 + 16 + 48 + 24
     assert sent[3] == 32 + 48 + 24
+
+
+def test_hlo_parser_reads_tuple_all_reduces_with_index_comments():
+    # XLA combines gradients into one tuple all-reduce and numbers long tuples with comments.
+    elems = ", ".join(["f32[4]{0}"] * 5 + ["/*index=5*/f32[2,2]{1,0}", "f32[8]{0}"])
+    text = f"""HloModule m, num_partitions=2
+  %t = ({elems}) all-reduce(%a, %b), channel_id=1, replica_groups={{{{0,1}}}}, to_apply=%add
+"""
+    (op,) = cost.hlo_collectives(text)
+    assert op.kind == "all-reduce" and op.nbytes == 4 * (5 * 4 + 4 + 8)

@@ -292,6 +292,7 @@ _OP_RE = re.compile(
     r"(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\("
 )
 _ARRAY_RE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")  # XLA writes /*index=5*/ inside long tuple types
 
 
 @dataclass(frozen=True)
@@ -359,6 +360,7 @@ def hlo_collectives(hlo_text: str) -> list[CollectiveOp]:
     Ops inside a while loop (scan) appear once, whatever the trip count."""
     ops = []
     for line in hlo_text.splitlines():
+        line = _COMMENT_RE.sub("", line)
         m = _OP_RE.search(line)
         if not m:
             continue
