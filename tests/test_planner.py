@@ -20,12 +20,14 @@ LAYOUTS = [
     (2, 2, 2, "1f1b", 2, "none"),
     (1, 4, 2, "1f1b", 4, "full"),
     (1, 4, 2, "zb-h1", 8, "full"),  # + the per-layer cotangents kept from I until W
+    (1, 4, 2, "2bw", 4, "full"),  # + the second weight version, two gradient accumulators
 ]
 
 
 def compiled_bytes(d, p, t, schedule, m, remat) -> int:
     """Argument + temp bytes of the compiled training step on one device (outputs alias the
-    donated arguments, so they are not counted twice)."""
+    donated arguments, so they are not counted twice). 2bw: the multi-step program
+    (``trainer._steps``) with K = 1, as ``benchmarks/pipeline_2bw.py`` compiles it."""
     import jax
     import optax
     from flax import nnx
@@ -37,8 +39,18 @@ def compiled_bytes(d, p, t, schedule, m, remat) -> int:
     mesh = fj.make_mesh(data=d, pipe=p, tensor=t)
     plan = fj.Plan(mesh=mesh, schedule=schedule, microbatches=m, remat=remat)
     trainer = fj.parallelize(model, optax.adamw(1e-3), plan)
-    batch = {"tokens": np.zeros((d * m * MB, TINY["seq_len"] + 1), np.int32)}
-    mem = trainer.compiled_step(jax.eval_shape(trainer.init), batch).memory_analysis()
+    state = jax.eval_shape(trainer.init)
+    shape = (d * m * MB, TINY["seq_len"] + 1)
+    if schedule == "2bw":
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        batches = {"tokens": jax.ShapeDtypeStruct(
+            (1, *shape), np.int32, sharding=NamedSharding(mesh, P(None, "data")))}
+        compiled = trainer._steps.lower(state, batches).compile()
+    else:
+        compiled = trainer.compiled_step(state, {"tokens": np.zeros(shape, np.int32)})
+    mem = compiled.memory_analysis()
     return int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
 
 
@@ -137,6 +149,51 @@ def test_cli_errors_name_the_bad_value(capsys, args, needle):
     code, _, err = run_cli(capsys, "predict", *flags, *args)
     assert code == 2
     assert needle in err
+
+
+def test_cli_2bw_amortizes_the_bubble_over_steps_per_call(capsys):
+    rows = {}
+    for sched, k in (("1f1b", 1), ("2bw", 1), ("2bw", 4)):
+        code, out, _ = run_cli(capsys, "predict", *GPT_FLAGS, "--tensor", "2", "--pipe", "4",
+                               "--global-batch", "16", "--schedule", sched,
+                               "--steps-per-call", str(k), "--json")
+        assert code == 0
+        rows[sched, k] = json.loads(out)
+    one, k1, k4 = rows["1f1b", 1], rows["2bw", 1], rows["2bw", 4]
+    assert k4["layout"]["steps_per_call"] == 4 and k4["layout"]["schedule"] == "2bw"
+    # K = 1 is 1F1B's timeline; K = 4 is 1F1B over 4 x m microbatches (simulator's bubble).
+    assert k1["bubble_fraction"] == pytest.approx(one["bubble_fraction"])
+    p, m = 4, k4["layout"]["microbatches"]
+    assert k4["bubble_fraction"] == pytest.approx((p - 1) / (4 * m + p - 1), rel=0.05)
+    assert k4["step_time_s"] < k1["step_time_s"] == pytest.approx(one["step_time_s"])
+    # Memory: + the second weight version, its copy in the program, an accumulator, the update.
+    n = one["memory"]["params"]
+    assert k1["memory"]["params"] == pytest.approx(4 * n)
+    assert k1["memory"]["total"] > one["memory"]["total"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--schedule", "2bw", "--zero", "1"], "zero=1 with schedule '2bw'"),
+    (["--pipe", "4", "--schedule", "2bw", "--global-batch", "4"], "pipe - 1 = 3 for 2bw"),
+    (["--pipe", "2", "--schedule", "1f1b", "--steps-per-call", "4"], "needs schedule '2bw'"),
+])
+def test_cli_2bw_errors(capsys, args, needle):
+    code, _, err = run_cli(capsys, "predict", *GPT_FLAGS, "--tensor", "2", "--pipe", "2",
+                           "--global-batch", "64", *args)
+    assert code == 2 and needle in err, err
+
+
+def test_cli_search_2bw_only_when_asked(capsys):
+    code, out, _ = run_cli(capsys, "search", *GPT_FLAGS, "--global-batch", "32", "--top", "50",
+                           "--json")
+    assert code == 0
+    assert all(x["layout"]["schedule"] != "2bw" for x in json.loads(out)["layouts"])
+    code, out, _ = run_cli(capsys, "search", *GPT_FLAGS, "--global-batch", "32", "--top", "50",
+                           "--schedules", "2bw", "--steps-per-call", "4", "--json")
+    assert code == 0
+    piped = [x["layout"] for x in json.loads(out)["layouts"] if x["layout"]["pipe"] > 1]
+    assert piped and all(lo["schedule"] == "2bw" and lo["steps_per_call"] == 4
+                         and lo["zero"] == 0 for lo in piped)
 
 
 def test_gpt_flags_missing_is_an_error(capsys):

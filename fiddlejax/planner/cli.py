@@ -2,8 +2,9 @@
 
     fiddlejax plan predict --model gpt3-175b --cluster h100 --nodes 64 --tensor 8 --pipe 8 \\
         --microbatch-size 1 --global-batch 1536 --schedule 1f1b --remat full [--json]
+    fiddlejax plan predict ... --pipe 8 --schedule 2bw --steps-per-call 4   # PipeDream-2BW
     fiddlejax plan search --model gpt3-175b --cluster h100 --nodes 64 --global-batch 1536 \\
-        [--top 10] [--json]
+        [--top 10] [--schedules 1f1b zb-h1 2bw --steps-per-call 4] [--json]
     fiddlejax plan validate [--json]       # Megatron-LM 2021 Table 1: predicted vs published
 """
 
@@ -18,7 +19,7 @@ from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
 from fiddlejax.planner.layout import PRECISIONS, SCHEDULES, Layout
 from fiddlejax.planner.predict import Prediction, predict
-from fiddlejax.planner.search import search
+from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
 
 GIB = 2**30
 
@@ -65,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--virtual-stages", type=int, default=1)
     pp.add_argument("--microbatch-size", type=int, default=1)
     pp.add_argument("--schedule", choices=SCHEDULES)
+    pp.add_argument("--steps-per-call", type=int, default=1,
+                    help="2bw: optimizer steps per call without a pipeline flush (K)")
     pp.add_argument("--remat", default="none", choices=model_mod.POLICIES)
     pp.add_argument("--zero", type=int, default=0, choices=(0, 1))
     pp.add_argument("--dp-overlap", type=float, default=0.0,
@@ -73,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     _common(ps)
     ps.add_argument("--top", type=int, default=10)
     ps.add_argument("--remat", nargs="+", default=["none", "full"], choices=model_mod.POLICIES)
+    ps.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES),
+                    choices=SCHEDULES, help="pipeline schedules to consider (2bw only when "
+                    "named: its updates use one-step-stale gradients)")
+    ps.add_argument("--steps-per-call", type=int, default=1,
+                    help="2bw: optimizer steps per call without a pipeline flush (K)")
     pv = sub.add_parser("validate", help="predicted vs published (Megatron-LM 2021 Table 1)")
     pv.add_argument("--json", action="store_true")
     return ap
@@ -92,7 +100,9 @@ def _print_predict(pr: Prediction) -> None:
               f"{pr.cluster.describe()}")
     con.print(f"layout: {lo.short()}  microbatches={lo.microbatches}  "
               f"global_batch={lo.global_batch}  precision={lo.precision}")
-    t = Table(title="step time")
+    per = (f" (per optimizer step; {lo.steps_per_call} per call, one-step-stale gradients)"
+           if lo.kind == "2bw" else "")
+    t = Table(title="step time" + per)
     for c in ("part", "seconds", "share"):
         t.add_column(c, justify="right" if c != "part" else "left")
     for name, v in (("compute", tm.compute), ("tensor-parallel comm", tm.tensor_comm),
@@ -159,8 +169,9 @@ def plan_command(argv: list[str]) -> int:
                 data = clus.num_gpus // tp
             lo = Layout(tensor=a.tensor, pipe=a.pipe, data=data,
                         virtual_stages=a.virtual_stages, microbatch_size=a.microbatch_size,
-                        global_batch=a.global_batch, schedule=a.schedule, remat=a.remat,
-                        zero=a.zero, precision=_precision(a), dp_overlap=a.dp_overlap)
+                        global_batch=a.global_batch, schedule=a.schedule,
+                        steps_per_call=a.steps_per_call, remat=a.remat, zero=a.zero,
+                        precision=_precision(a), dp_overlap=a.dp_overlap)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))
@@ -170,6 +181,7 @@ def plan_command(argv: list[str]) -> int:
         if a.top < 1:
             raise ValueError(f"--top {a.top} must be >= 1")
         ranked = search(model, clus, a.global_batch, top=a.top, remats=tuple(a.remat),
+                        schedules=tuple(a.schedules), steps_per_call=a.steps_per_call,
                         precision=_precision(a))
         if a.json:
             print(json.dumps({"model": model.name, "cluster": clus.name, "gpus": clus.num_gpus,

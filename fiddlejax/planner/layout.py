@@ -12,17 +12,18 @@ import functools
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.model import ModelSpec
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw")
 PRECISIONS = ("fp32", "bf16-mixed")
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
 
 
 @functools.lru_cache(maxsize=512)
-def schedule_for(kind: str, p: int, m: int, v: int):
-    """The validated schedule (cached: searches ask for the same one many times)."""
+def schedule_for(kind: str, p: int, m: int, v: int, k: int = 1):
+    """The validated schedule (cached: searches ask for the same one many times); ``k``
+    optimizer steps without a flush (``2bw`` only)."""
     from fiddlejax.pipeline.schedules import build
 
-    return build(kind, stages=p, microbatches=m, virtual_stages=v)
+    return build(kind, stages=p, microbatches=m, virtual_stages=v, steps=k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,10 @@ class Layout:
     parameters and activations, fp32 gradients, fp32 master weights and moments: 18 bytes per
     parameter). ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under
     the backward (0 for fiddlejax, which reduces after the last microbatch).
+
+    ``steps_per_call`` (K, ``2bw`` only): optimizer steps one ``trainer.steps`` call runs
+    without a pipeline flush; the fill and drain are paid once per K steps. Predictions stay
+    per optimizer step.
     """
 
     tensor: int = 1
@@ -44,6 +49,7 @@ class Layout:
     microbatch_size: int = 1
     global_batch: int = 1
     schedule: str | None = None
+    steps_per_call: int = 1
     remat: str = "none"
     zero: int = 0
     precision: str = "fp32"
@@ -69,6 +75,7 @@ class Layout:
         s = f"t{self.tensor} p{self.pipe} d{self.data} mb{self.microbatch_size}"
         if self.pipe > 1:
             s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            s += f" K{self.steps_per_call}" if self.kind == "2bw" else ""
         s += f" remat={self.remat}" + (" zero1" if self.zero else "")
         return s
 
@@ -88,7 +95,8 @@ def _positive(name: str, v: object) -> None:
 def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> Layout:
     """Raise ``ValueError`` naming the first thing that cannot run, and how to fix it."""
     lo = layout
-    for f in ("tensor", "pipe", "data", "virtual_stages", "microbatch_size", "global_batch"):
+    for f in ("tensor", "pipe", "data", "virtual_stages", "microbatch_size", "global_batch",
+              "steps_per_call"):
         _positive(f, getattr(lo, f))
     if cluster is not None and lo.gpus != cluster.num_gpus:
         raise ValueError(
@@ -115,17 +123,31 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
     if lo.virtual_stages > 1 and lo.kind != "interleaved-1f1b":
         raise ValueError(f"virtual_stages={lo.virtual_stages} needs schedule "
                          f"'interleaved-1f1b' (got {lo.kind!r}); set virtual_stages=1")
+    k = lo.steps_per_call
+    if k > 1 and lo.kind != "2bw":
+        raise ValueError(f"steps_per_call={k} needs schedule '2bw' (got {lo.kind!r}, which "
+                         f"flushes the pipeline every step); set steps_per_call=1")
+    if lo.schedule == "2bw" and lo.zero:
+        raise ValueError("zero=1 with schedule '2bw': 2BW keeps two weight versions per stage "
+                         "and updates them inside the pipeline, so the runtime does not shard "
+                         "the optimizer state; set zero=0 or use another schedule")
     if lo.pipe > 1:
         if lo.kind == "interleaved-1f1b" and lo.microbatches % lo.pipe:
             raise ValueError(
                 f"microbatches={lo.microbatches} must be a multiple of pipe={lo.pipe} for "
                 f"interleaved-1f1b; change global_batch or microbatch_size")
-        if lo.microbatches < lo.pipe:
+        if lo.kind == "2bw" and lo.microbatches < lo.pipe - 1:
+            raise ValueError(
+                f"microbatches={lo.microbatches} < pipe - 1 = {lo.pipe - 1} for 2bw: a step "
+                f"would start before the step two back has finished its backwards, needing a "
+                f"third weight version; use global_batch >= {(lo.pipe - 1) * per}")
+        if lo.microbatches * (k if lo.kind == "2bw" else 1) < lo.pipe:
             raise ValueError(
                 f"microbatches={lo.microbatches} < pipe={lo.pipe}: the pipeline never fills; "
-                f"use global_batch >= {lo.pipe * per}")
-        if lo.pipe * lo.microbatches * lo.virtual_stages <= MAX_BUILT_ACTIONS:
-            schedule_for(lo.kind, lo.pipe, lo.microbatches, lo.virtual_stages)
+                f"use global_batch >= {lo.pipe * per}"
+                + (" or steps_per_call >= 2" if lo.kind == "2bw" else ""))
+        if lo.pipe * lo.microbatches * lo.virtual_stages * k <= MAX_BUILT_ACTIONS:
+            schedule_for(lo.kind, lo.pipe, lo.microbatches, lo.virtual_stages, k)
     if lo.remat not in model.act:
         raise ValueError(f"remat={lo.remat!r} is not described for {model.name}; use one of "
                          f"{sorted(model.act)}")

@@ -9,8 +9,11 @@ Time. One microbatch through one chunk (``layers / (pipe x virtual)`` layers) co
              implies (``full`` re-runs the forward; ``dots``/``minimal`` its elementwise part).
 The schedule simulator (``pipeline.schedules.simulate``) runs the real action lists with those
 F/B (or F/I/W) costs and the stage-to-stage transfer time as latency: its makespan minus the
-stage's busy time is the bubble. The data-parallel gradient all-reduce follows (exposed, except
-``dp_overlap``), then the optimizer update (HBM bound). The last stage's head is charged to every
+stage's busy time is the bubble. ``2bw`` runs 1F1B over the K x m microbatches of
+``steps_per_call`` = K optimizer steps without a flush: the simulator's makespan of that
+schedule, divided by K, is the time per step, so the fill and drain are amortized over K
+steps. The data-parallel gradient all-reduce follows (exposed, except ``dp_overlap``), then the
+optimizer update (HBM bound). The last stage's head is charged to every
 stage (conservative: a pipeline runs at its slowest stage's pace).
 
 Memory per GPU. Parameters, gradients and optimizer state from the parameter counts, with what
@@ -25,6 +28,16 @@ for ``zb-h1`` the per-layer output cotangents its split backward keeps from I un
 activation per layer of the chunk and held microbatch, carried like the stash: ``STASH_COPIES``;
 zb-h1 minus 1F1B compiled at (1, 4, 2), m=8, full remat: 1.8 of them per held slot), and a
 working set: one layer's full residuals on this rank, the logits, the pipeline inboxes.
+
+2bw (``Pipeline.train_2bw``) adds, per GPU, the second weight version (W(t-1), in the state),
+the program's stacked copy of both versions, a gradient accumulator per version (two steps
+overlap) and the optimizer update applied inside the program: with the reduced gradient 1F1B
+already holds, parameters 4x, gradients 3x, and one parameter-sized update in the working set.
+Optimizer state is 1F1B's (``zero=1`` is refused); the activation stash is 1F1B's over K x m.
+Each further step of a K-step call adds one optimizer state to the working set: XLA does not
+reuse the buffers of the unrolled steps' updates (measured at (1, 4, 2) with AdamW, whose state
+is 2 parameter copies: 1.1 to 1.9 copies per further step for K = 2..8; with SGD, 1.7 copies
+once K >= 3, not modelled).
 
 zb-h1's I and W split one backward: I runs the input-gradient chain and keeps every layer's
 output cotangent, W turns each into its layer's weight gradient without re-running the chain
@@ -185,9 +198,11 @@ def held_microbatches(layout: Layout) -> int:
     """Peak (microbatch, chunk) activations a stage holds, from the schedule itself."""
     if layout.pipe == 1:
         return 1
-    p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
-    if p * m * v <= MAX_BUILT_ACTIONS:
-        return schedule_for(layout.kind, p, m, v).max_held
+    p, m, v, k = layout.pipe, layout.microbatches, layout.virtual_stages, _steps(layout)
+    if p * m * v * k <= MAX_BUILT_ACTIONS:
+        return schedule_for(layout.kind, p, m, v, k).max_held
+    if layout.kind == "2bw":
+        return min(k * m, p)
     if layout.kind == "gpipe":
         return m * v
     if layout.kind == "interleaved-1f1b":
@@ -198,29 +213,35 @@ def held_microbatches(layout: Layout) -> int:
 def inbox_slots(layout: Layout) -> int:
     """Boundary-sized buffers a stage keeps for received activations and cotangents (the tick
     table's inbox peaks) plus the split backward's saved cotangent."""
-    p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
+    p, m, v, k = layout.pipe, layout.microbatches, layout.virtual_stages, _steps(layout)
     if p == 1:
         return 0
-    if p * m * v > MAX_BUILT_ACTIONS:
+    if p * m * v * k > MAX_BUILT_ACTIONS:
         return 3
-    peaks = schedule_for(layout.kind, p, m, v).ticks.inbox_peak
+    peaks = schedule_for(layout.kind, p, m, v, k).ticks.inbox_peak
     return max(a for a, _ in peaks) + max(g for _, g in peaks) + 1
+
+
+def _steps(layout: Layout) -> int:
+    """Optimizer steps one schedule spans (K for ``2bw``, else 1)."""
+    return layout.steps_per_call if layout.kind == "2bw" else 1
 
 
 @functools.lru_cache(maxsize=4096)
 def _makespan(kind: str, p: int, m: int, v: int, f: float, b: float, lat: float,
-              simulate: bool = True) -> float:
+              simulate: bool = True, k: int = 1) -> float:
     """Pipeline makespan for per-chunk costs F=f, B=b (I=W=b/2 when split) and transfer lat:
-    the schedule simulator's, or the closed form (fill + drain) when too large or not asked."""
+    the schedule simulator's, or the closed form (fill + drain) when too large or not asked.
+    ``k`` steps without a flush (``2bw``): the makespan of all k steps."""
     i = w = b / 2  # a split backward: b is the whole of I + W
-    if simulate and p * m * v <= MAX_SIMULATED_ACTIONS:
+    if simulate and p * m * v * k <= MAX_SIMULATED_ACTIONS:
         from fiddlejax.pipeline.schedules import simulate
 
-        s = schedule_for(kind, p, m, v)
+        s = schedule_for(kind, p, m, v, k)
         return simulate(s, {"F": f, "B": b, "I": i, "W": w}, latency=lat).makespan
     if kind == "zb-h1":
         return m * v * (f + i + w) + (p - 1) * (f + i + 2 * lat)
-    return m * v * (f + b) + (p - 1) * (f + b + 2 * lat)
+    return k * m * v * (f + b) + (p - 1) * (f + b + 2 * lat)  # 2bw: 1F1B over k x m
 
 
 @functools.lru_cache(maxsize=4096)
@@ -258,17 +279,31 @@ def allreduce_seconds(cluster: ClusterSpec, size: int, stride: int, nbytes: floa
 # ----------------------------------------------------------------------------- memory
 
 
+def stage_params(model: ModelSpec, layout: Layout) -> float:
+    """Parameters one GPU holds (one weight version): its stage's layers split over tensor
+    (biases and norms whole), and the embedding and head."""
+    t = layout.tensor
+    stage_layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
+                    else model.num_layers)
+    ls, lr = model.layer_params
+    (ps, pr), (es, er) = model.prologue_params, model.epilogue_params
+    return stage_layers * (ls / t + lr) + (ps + es) / t + pr + er
+
+
 def memory(model: ModelSpec, layout: Layout) -> Memory:
     """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
     t, p, d = layout.tensor, layout.pipe, layout.data
     pb, gb, ob = _bytes(layout)
     ab = _act_bytes(layout)
     lmax = chunk_layers(model, layout)
-    stage_layers = layout.virtual_stages * lmax if p > 1 else model.num_layers
-    ls, lr = model.layer_params
-    (ps, pr), (es, er) = model.prologue_params, model.epilogue_params
-    n = stage_layers * (ls / t + lr) + (ps + es) / t + pr + er
+    n = stage_params(model, layout)
     grads_copies = 2 if (layout.microbatches > 1 or p > 1) else 1
+    two_bw = layout.kind == "2bw"
+    # 2bw: W(t) and W(t-1) in the state plus the program's stacked copy of both; a gradient
+    # accumulator per version (two steps overlap) plus the reduced gradient.
+    param_copies = 4 if two_bw else 1
+    if two_bw:
+        grads_copies = 3
     opt = n * ob / (d if layout.zero else 1)
     mb = layout.microbatch_size
     per_layer = model.act_elems(layout.remat, t) * mb * ab
@@ -285,7 +320,9 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     working = mb * model.act_elems("none", t) * ab + 2 * mb * model.logits / t * 4
     if p > 1:
         working += inbox_slots(layout) * mb * model.boundary * ab
-    return Memory(params=n * pb, grads=n * gb * grads_copies, optimizer=opt,
+    if two_bw:  # the update, computed inside the pipeline program; XLA keeps each further
+        working += n * pb + (_steps(layout) - 1) * n * ob  # step's optimizer state (measured)
+    return Memory(params=n * pb * param_copies, grads=n * gb * grads_copies, optimizer=opt,
                   activations=stash, working=working)
 
 
@@ -299,6 +336,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     gpu = cluster.gpu
     t, p, d, v, mb, m = (layout.tensor, layout.pipe, layout.data, layout.virtual_stages,
                          layout.microbatch_size, layout.microbatches)
+    k = _steps(layout)
     ab = _act_bytes(layout)
     flop_rate = gpu.peak_flops * gpu.gemm_efficiency
     layers = _chunk_cost_scale(model, layout)
@@ -319,13 +357,12 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     if p > 1:
         bw, lat = cluster.group_bandwidth(p, t)
         xfer = lat + mb * model.boundary * ab / bw
-        makespan = _makespan(layout.kind, p, m, v, f, b, xfer, simulate)
+        makespan = _makespan(layout.kind, p, m, v, f, b, xfer, simulate, k) / k
     else:
         makespan = busy
     bubble = max(0.0, makespan - busy)
     pb, gb, ob = _bytes(layout)
-    mem = memory(model, layout)
-    n_params = mem.params / pb
+    n_params = stage_params(model, layout)
     dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
     opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
     opt = opt_bytes / gpu.hbm_bandwidth

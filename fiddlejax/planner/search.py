@@ -5,6 +5,10 @@ microbatch sizes, schedules (with 2 and 4 virtual stages for interleaving), rema
 ZeRO-1; drops what fails validation or memory; ranks by the closed-form bubble (fast), then
 re-predicts the best with the schedule simulator and re-ranks. Uneven layers are split by
 PipeDream's dynamic program (``pipeline.partition.balanced``) inside the prediction.
+
+``2bw`` is considered only when named in ``schedules``: its updates use one-step-stale
+gradients, a different training rule than the flushing schedules. It is tried with
+``steps_per_call`` steps per call and without ZeRO-1 (which the runtime refuses with it).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from fiddlejax.planner.cluster import ClusterSpec
-from fiddlejax.planner.layout import Layout, validate
+from fiddlejax.planner.layout import SCHEDULES, Layout, validate
 from fiddlejax.planner.model import ModelSpec
 from fiddlejax.planner.predict import Prediction, memory, predict
+
+DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
 
 
 def _divisors(n: int) -> list[int]:
@@ -22,7 +28,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
-               schedules: Sequence[str] = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe"),
+               schedules: Sequence[str] = DEFAULT_SCHEDULES, steps_per_call: int = 1,
                remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
                precision: str = "fp32", max_tensor: int | None = None) -> Iterator[Layout]:
@@ -47,12 +53,13 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                     if "interleaved-1f1b" in schedules:
                         scheds += [("interleaved-1f1b", v) for v in (2, 4)]
                 for sched, v in scheds:
+                    k = steps_per_call if sched == "2bw" else 1
                     for remat in remats:
-                        for z in zero if d > 1 else (0,):
+                        for z in zero if d > 1 and sched != "2bw" else (0,):
                             yield Layout(tensor=t, pipe=p, data=d, virtual_stages=v,
                                          microbatch_size=mb, global_batch=global_batch,
                                          schedule=sched, remat=remat, zero=z,
-                                         precision=precision)
+                                         precision=precision, steps_per_call=k)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: int | None = None,
@@ -60,6 +67,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: in
     """Predictions of every layout that fits, fastest first (tokens/s; ties: less memory)."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int")
+    unknown = [s for s in kw.get("schedules", ()) if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"schedules {unknown} unknown; use some of {SCHEDULES}")
+    k = kw.get("steps_per_call", 1)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"steps_per_call={k!r} must be a positive int")
     fits: list[Prediction] = []
     for lo in candidates(model, cluster, global_batch, **kw):
         try:
