@@ -1,10 +1,12 @@
 """PipeDream-2BW against 1F1B: the bubble amortized over K unflushed steps, the memory of the
 second weight version (``memory_analysis``), and convergence on the stdlib corpus.
 
-    python benchmarks/pipeline_2bw.py [--quick] [--train]
+    python benchmarks/pipeline_2bw.py [--quick]
+    python benchmarks/pipeline_2bw.py --train [--train-steps N] [--settings 1e-3:nesterov,...]
 
-``--train`` runs ``fiddlejax train`` twice (plan.schedule=1f1b and 2bw, everything else the
-default run) and compares the final validation losses; it takes two default runs' time.
+``--train`` runs ``fiddlejax train`` twice per setting (plan.schedule=1f1b and 2bw, same
+hyperparameters, the default run otherwise) and compares the final validation losses
+(results/pipeline_2bw_train_N.md); each setting takes two default runs' time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,31 @@ def bubbles(p: int = 4, m: int = 4, ks=(1, 2, 4, 8, 16)) -> list[tuple[int, floa
 
     return [(k, schedules.build("2bw", stages=p, microbatches=m, steps=k).bubble_fraction)
             for k in ks]
+
+
+def stable_lr_times_curvature(beta: float, delay: int, nesterov: bool = False) -> float:
+    """Largest lr * a for which momentum (Adam's first moment, preconditioned curvature a) is
+    stable on a quadratic when gradients arrive ``delay`` steps late.
+
+    Why 2BW hurts Adam: with delay 0 the bound is 2(1+beta)/(1-beta) = 38 at beta=0.9; with
+    one step of delay it drops to 1 whatever beta is, and Adam trains at that edge. Nesterov
+    momentum (direction m_t + beta (m_t - m_{t-1})) recovers part of it.
+    """
+    import numpy as np
+
+    def spectral_radius(c: float) -> float:
+        def step(x0, x1, m1):  # x_t, x_{t-1}, m_{t-1} -> x_{t+1}, x_t, m_t
+            m = beta * m1 + (1 - beta) * (x1 if delay else x0)
+            d = m + beta * (m - m1) if nesterov else m
+            return np.array([x0 - c * d, x0, m])
+
+        return max(abs(np.linalg.eigvals(np.stack([step(*e) for e in np.eye(3)], 1))))
+
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if spectral_radius(mid) < 1 - 1e-12 else (lo, mid)
+    return lo
 
 
 def memory(quick: bool) -> list[dict]:
@@ -63,14 +90,15 @@ def memory(quick: bool) -> list[dict]:
     return rows
 
 
-def train(lr: float) -> dict:
-    """Final validation loss of the default run under 1F1B and 2BW (no global-norm clip: 2BW
-    updates per stage, so both runs use the same elementwise AdamW)."""
+def train(lr: float, nesterov: bool, steps: int) -> dict:
+    """Final validation loss of the default run under 1F1B and 2BW, same hyperparameters (no
+    global-norm clip: 2BW updates per stage, so both runs use the same elementwise AdamW)."""
     out = {}
     for kind in ("1f1b", "2bw"):
-        run_dir = Path("/tmp/fiddlejax_2bw") / f"{kind}-{lr}"
+        run_dir = Path("/tmp/fiddlejax_2bw") / f"{kind}-{lr}-{nesterov}-{steps}"
         subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train", f"plan.schedule={kind}",
                         "plan.virtual_stages=1", "optimizer.clip=0", f"optimizer.lr={lr}",
+                        f"optimizer.nesterov={str(nesterov).lower()}", f"train.steps={steps}",
                         f"run.dir={run_dir}", "run.progress=lines"], check=True, cwd=ROOT)
         out[kind] = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
     return out
@@ -79,36 +107,51 @@ def train(lr: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--train", action="store_true", help="also run the two default trainings")
+    ap.add_argument("--train", action="store_true",
+                    help="also train 1F1B and 2BW side by side (two CLI runs per setting)")
+    ap.add_argument("--train-steps", type=int, default=150)
+    ap.add_argument("--settings", default="3e-3:adamw,1e-3:adamw,1e-3:nesterov",
+                    help="comma-separated lr:adamw|nesterov pairs for --train")
     args = ap.parse_args()
     import jax
 
-    lines = ["# PipeDream-2BW vs 1F1B", "",
-             f"jax {jax.__version__}, {jax.default_backend()}; written by "
-             f"`python benchmarks/pipeline_2bw.py{' --quick' if args.quick else ''}"
-             f"{' --train' if args.train else ''}`.", "",
-             "## Bubble (simulator, p=4, m=4 per step, F=1 B=2)", "",
-             "| steps per call K | bubble |", "|---|---|"]
-    lines += [f"| {k} | {b:.2%} |" for k, b in bubbles()]
-    lines += ["", "## Memory per device (GPT d=128, 4 layers, (data, pipe, tensor) = (2, 2, 2), "
-              "m=4, AdamW, float32; `memory_analysis()`)", "",
-              "| schedule | K | params/device MiB | argument MiB | temp MiB |",
-              "|---|---|---|---|---|"]
-    for r in memory(args.quick):
-        lines.append(f"| {r['schedule']} | {r['steps per call']} | {r['params/device MiB']:.2f} "
-                     f"| {r['argument MiB']:.2f} | {r['temp MiB']:.2f} |")
-    if args.train:
-        lines += ["", "## Convergence (`fiddlejax train plan.schedule=... plan.virtual_stages=1 "
-                  "optimizer.clip=0 optimizer.lr=...`, the default run otherwise)", "",
-                  "| lr | 1f1b final val loss | 2bw final val loss | gap |", "|---|---|---|---|"]
-        for lr in (3e-3, 1e-3):
-            v = train(lr)
-            lines.append(f"| {lr:g} | {v['1f1b']:.4f} | {v['2bw']:.4f} | "
-                         f"{v['2bw'] / v['1f1b'] - 1:+.2%} |")
+    cmd = " ".join(["python benchmarks/pipeline_2bw.py", *sys.argv[1:]])
+    lines = ["# PipeDream-2BW vs 1F1B" + (": convergence" if args.train else ""), "",
+             f"jax {jax.__version__}, {jax.default_backend()}; written by `{cmd}`.", ""]
+    if args.train:  # a separate file: hours of CPU, not rerun with the quick tables
+        lines += [f"`fiddlejax train plan.schedule=... plan.virtual_stages=1 optimizer.clip=0 "
+                  f"optimizer.lr=... optimizer.nesterov=... train.steps={args.train_steps}`, "
+                  "the default run otherwise; final validation loss.", "",
+                  "| lr | optimizer | 1f1b | 2bw | gap |", "|---|---|---|---|---|"]
+        for setting in args.settings.split(","):
+            lr, opt = setting.split(":")
+            v = train(float(lr), opt == "nesterov", args.train_steps)
+            lines.append(f"| {float(lr):g} | {'AdamW, Nesterov' if opt == 'nesterov' else 'AdamW'}"
+                         f" | {v['1f1b']:.4f} | {v['2bw']:.4f} | {v['2bw'] / v['1f1b'] - 1:+.2%} |")
+        name = f"pipeline_2bw_train_{args.train_steps}.md"
+    else:
+        lines += ["## Bubble (simulator, p=4, m=4 per step, F=1 B=2)", "",
+                  "| steps per call K | bubble |", "|---|---|"]
+        lines += [f"| {k} | {b:.2%} |" for k, b in bubbles()]
+        lines += ["", "## Memory per device (GPT d=128, 4 layers, (data, pipe, tensor) = "
+                  "(2, 2, 2), m=4, AdamW, float32; `memory_analysis()`)", "",
+                  "| schedule | K | params/device MiB | argument MiB | temp MiB |",
+                  "|---|---|---|---|---|"]
+        for r in memory(args.quick):
+            lines.append(f"| {r['schedule']} | {r['steps per call']} "
+                         f"| {r['params/device MiB']:.2f} | {r['argument MiB']:.2f} "
+                         f"| {r['temp MiB']:.2f} |")
+        lines += ["", "## Why stale gradients hurt Adam: largest stable lr x curvature on a "
+                  "quadratic (momentum beta1, preconditioned curvature)", "",
+                  "| beta1 | fresh | fresh, Nesterov | 1 step stale | 1 step stale, Nesterov |",
+                  "|---|---|---|---|---|"]
+        for beta in (0.0, 0.5, 0.9):
+            v = [stable_lr_times_curvature(beta, d, n) for d in (0, 1) for n in (False, True)]
+            lines.append(f"| {beta} | " + " | ".join(f"{x:.3f}" for x in v) + " |")
+        name = "pipeline_2bw.md"
     text = "\n".join(lines) + "\n"
     print(text)
-    out = ROOT / "benchmarks" / "results" / "pipeline_2bw.md"
-    out.write_text(text)
+    (ROOT / "benchmarks" / "results" / name).write_text(text)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ _EXPORTS = {
     "TrainState": "fiddlejax.train",
     "parallelize": "fiddlejax.train",
     "CheckpointManager": "fiddlejax.checkpoint",
+    "stale_correction": "fiddlejax.pipeline.staleness",
 }
 _MODULES = {
     "schedules": "fiddlejax.pipeline.schedules",

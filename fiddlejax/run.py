@@ -123,14 +123,55 @@ def make_plan(cfg: dict):
                    zero=p["zero"], partition=p["partition"])
 
 
+# Muon orthogonalizes each layer's matrices: which axes of a stacked block leaf are the matrix's
+# input (reduction) and output axes, counted from the end so every parallel layout agrees.
+MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,), (-2, -1)),
+             "wk": ((-3,), (-2, -1)), "wv": ((-3,), (-2, -1)), "wo": ((-3, -2), (-1,)),
+             "k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,))}
+
+
+def muon_dimensions(params):
+    """Muon's dimension numbers for the models' block matrices; None (AdamW) for the rest:
+    embeddings, heads, norms and biases, as Muon's authors recommend."""
+    from optax.contrib import MuonDimensionNumbers
+
+    def dims(path, _):
+        keys = [getattr(k, "key", None) for k in path]
+        axes = MUON_AXES.get(keys[1]) if len(keys) > 1 and keys[0] == "blocks" else None
+        return MuonDimensionNumbers(*axes) if axes else None
+
+    import jax
+
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
 def make_optimizer(cfg: dict):
     import optax
 
     o, steps = cfg["optimizer"], cfg["train"]["steps"]
     warm = min(o["warmup_steps"], max(steps - 1, 1))
-    sched = optax.warmup_cosine_decay_schedule(0.0, o["lr"], warm, max(steps, warm + 1),
-                                               o["lr"] * 0.1)
-    tx = optax.adamw(sched, b1=o["b1"], b2=o["b2"], weight_decay=o["weight_decay"])
+
+    def schedule(peak: float):
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(steps, warm + 1),
+                                                  peak * 0.1)
+
+    name = o.get("name", "adamw")
+    if name == "adamw":
+        tx = optax.adamw(schedule(o["lr"]), b1=o["b1"], b2=o["b2"],
+                         weight_decay=o["weight_decay"], nesterov=bool(o.get("nesterov")))
+    elif name == "muon":
+        from optax.contrib import muon
+
+        tx = muon(schedule(o["muon_lr"]), weight_decay=o["weight_decay"],
+                  adam_learning_rate=schedule(o["lr"]), adam_b1=o["b1"], adam_b2=o["b2"],
+                  adam_weight_decay=o["weight_decay"],
+                  muon_weight_dimension_numbers=muon_dimensions)
+    else:
+        raise ValueError(f"optimizer.name={name!r} must be adamw or muon")
+    if o.get("stale_correction"):
+        import fiddlejax as fj
+
+        tx = fj.stale_correction(tx, float(o["stale_correction"]))
     return optax.chain(optax.clip_by_global_norm(o["clip"]), tx) if o["clip"] else tx
 
 

@@ -352,9 +352,16 @@ class Trainer:
     def _state_converters(self):
         if not hasattr(self, "_converters"):  # built on first use: most trainers never need them
             def convert(fn, s: TrainState) -> TrainState:
+                def whole(tree):  # fn converts whole parameter trees
+                    # Parameters a part of the state leaves out (optax.MaskedNode: Muon's AdamW
+                    # half, optax.masked) ride through as the parameters and are put back after.
+                    filled = jax.tree.map(lambda x, p: p if _masked(x) else x, tree, s.params,
+                                          is_leaf=_masked)
+                    return jax.tree.map(lambda x, y: x if _masked(x) else y, tree, fn(filled),
+                                        is_leaf=_masked)
+
                 def opt_convert(o):
-                    return optax.tree_map_params(self.optimizer, fn, o,
-                                                 is_leaf=lambda _: True)  # fn takes whole trees
+                    return optax.tree_map_params(self.optimizer, whole, o, is_leaf=lambda _: True)
 
                 # topk_on="updates": per-replica optimizer states convert replica by replica
                 opt = (jax.vmap(opt_convert) if self._local_opt else opt_convert)(s.opt_state)
@@ -498,14 +505,24 @@ def _opt_shardings(optimizer, opt_abstract, spec_tree, plan: Plan):
 
     specs = jax.tree.map(lambda v: v.get_value(), spec_tree,
                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    def leaf_sharding(leaf, spec):  # a masked leaf holds nothing: any sharding covers it
+        return NamedSharding(mesh, P()) if _masked(leaf) else spec_for(unwrap(leaf), spec)
+
     return optax.tree_map_params(
         optimizer,
-        lambda leaf, spec: spec_for(unwrap(leaf), spec),
+        leaf_sharding,
         opt_abstract,
         specs,
         transform_non_params=lambda _: NamedSharding(mesh, P()),
         is_leaf=lambda x: isinstance(x, P | nnx.Variable),
     )
+
+
+def _masked(x) -> bool:
+    """An optax.MaskedNode, bare or in an nnx.Variable: no state for this parameter."""
+    if isinstance(x, nnx.Variable):
+        x = x.get_value()
+    return isinstance(x, optax.MaskedNode)
 
 
 def _add_data_axis(spec: P, shape: tuple[int, ...], data: int) -> P:

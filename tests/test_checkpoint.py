@@ -107,6 +107,22 @@ def test_restore_onto_another_layout_is_bit_exact(pair, tmp_path):
     assert r.plan["mesh"] == dict(zip(("data", "pipe", "tensor"), src_spec[:3]))
 
 
+def test_muon_and_stale_correction_state_restores_onto_another_layout(tmp_path):
+    """Muon's masked state (AdamW for non-matrices) and stale_correction's buffer are
+    parameter-shaped where they should be, so they convert like Adam's moments."""
+    from optax.contrib import muon
+
+    from fiddlejax.run import muon_dimensions
+
+    opt = fj.stale_correction(muon(1e-2, muon_weight_dimension_numbers=muon_dimensions))
+    src, dst = trainer(2, 1, 2, opt=opt), trainer(8, 1, 1, zero=1, opt=opt)
+    canonical = random_canonical(opt=opt)
+    with ckpt.CheckpointManager(tmp_path, src) as m:
+        assert m.save(3, src.from_canonical_state(canonical))
+    with ckpt.CheckpointManager(tmp_path, dst) as m:
+        assert_bitwise_equal(dst.to_canonical_state(m.restore()), canonical)
+
+
 # -- mismatches and corruption -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

@@ -71,3 +71,40 @@ def test_topk_keys_reach_the_plan():
     assert (default.topk_density, default.topk_on) == (fj.Plan.topk_density, fj.Plan.topk_on)
     with pytest.raises(ValueError, match="topk_on='weights' must be 'gradients' or 'updates'"):
         run.make_plan(config.load(None, base + ["plan.topk_on=weights"]))
+
+
+def test_optimizer_keys_build_the_named_optimizer():
+    """optimizer.name / muon_lr / nesterov / stale_correction reach the optax optimizer."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fiddlejax import run
+
+    params = {"blocks": {"w1": jnp.zeros((2, 4, 3)), "b1": jnp.zeros((2, 3))},
+              "wte": jnp.zeros((5, 4))}  # zeros: no weight decay in the updates
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+
+    def first_update(*keys):
+        opt = run.make_optimizer(config.load(None, ["optimizer.clip=0", *keys]))
+        # warm-up starts at lr 0: take the second update
+        state = opt.init(params)
+        _, state = opt.update(grads, state, params)
+        return opt.update(grads, state, params)[0]
+
+    adamw = first_update()
+    muon = first_update("optimizer.name=muon")
+    # Muon moves each layer's [4, 3] matrix along its gradient's polar factor U V^T (the same
+    # gradient twice: the momentum points along it too).
+    for layer, g in zip(np.asarray(muon["blocks"]["w1"]), np.asarray(grads["blocks"]["w1"])):
+        u, _, vt = np.linalg.svd(g, full_matrices=False)
+        cos = -np.sum(layer * (u @ vt)) / (np.linalg.norm(layer) * np.linalg.norm(u @ vt))
+        assert cos > 0.95, cos
+    nadamw = first_update("optimizer.nesterov=true")
+    assert not np.allclose(nadamw["wte"], adamw["wte"])
+    np.testing.assert_allclose(muon["wte"], nadamw["wte"], rtol=1e-6)  # (N)AdamW off the blocks
+    corrected = first_update("optimizer.stale_correction=1")
+    assert not np.allclose(corrected["wte"], adamw["wte"])
+    with pytest.raises(ValueError, match="optimizer.name='sgd' must be adamw or muon"):
+        run.make_optimizer(config.load(None, ["optimizer.name=sgd"]))
