@@ -2,11 +2,12 @@
 second weight version (``memory_analysis``), and convergence on the stdlib corpus.
 
     python benchmarks/pipeline_2bw.py [--quick]
-    python benchmarks/pipeline_2bw.py --train [--train-steps N] [--settings 1e-3:nesterov,...]
+    python benchmarks/pipeline_2bw.py --train [--train-steps N] [--overrides 'k=v ...']
+        [--stale-correction A] [--steps-per-call K]
 
-``--train`` runs ``fiddlejax train`` twice per setting (plan.schedule=1f1b and 2bw, same
-hyperparameters, the default run otherwise) and compares the final validation losses
-(results/pipeline_2bw_train_N.md); each setting takes two default runs' time.
+``--train`` runs ``fiddlejax train`` twice (plan.schedule=1f1b and 2bw, same overrides, the
+default run otherwise) and appends their final validation losses to
+results/pipeline_2bw_train.md.
 """
 
 from __future__ import annotations
@@ -90,68 +91,134 @@ def memory(quick: bool) -> list[dict]:
     return rows
 
 
-def train(lr: float, nesterov: bool, steps: int) -> dict:
-    """Final validation loss of the default run under 1F1B and 2BW, same hyperparameters (no
-    global-norm clip: 2BW updates per stage, so both runs use the same elementwise AdamW)."""
+def train(overrides: list[str], correction: float, steps: int, per_call: int) -> dict:
+    """Final validation loss of the default run under 1F1B and 2BW with the same ``overrides``
+    (2BW adds ``optimizer.stale_correction``). No global-norm clip: 2BW updates per stage."""
     out = {}
+    tag = "-".join(x.split("=")[-1] for x in overrides) or "default"
     for kind in ("1f1b", "2bw"):
-        run_dir = Path("/tmp/fiddlejax_2bw") / f"{kind}-{lr}-{nesterov}-{steps}"
+        extra = ([f"optimizer.stale_correction={correction}", f"train.steps_per_call={per_call}"]
+                 if kind == "2bw" else [])
+        run_dir = Path("/tmp/fiddlejax_2bw") / f"{kind}-{tag}-{correction}-{steps}"
         subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train", f"plan.schedule={kind}",
-                        "plan.virtual_stages=1", "optimizer.clip=0", f"optimizer.lr={lr}",
-                        f"optimizer.nesterov={str(nesterov).lower()}", f"train.steps={steps}",
-                        f"run.dir={run_dir}", "run.progress=lines"], check=True, cwd=ROOT)
+                        "plan.virtual_stages=1", "optimizer.clip=0", f"train.steps={steps}",
+                        *overrides, *extra, f"run.dir={run_dir}", "run.progress=lines"],
+                       check=True, cwd=ROOT)
         out[kind] = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
     return out
+
+
+def reference(overrides: list[str], stale: bool) -> float:
+    """Final validation loss of the default run's model, data and optimizer on one device, with
+    fresh gradients (1F1B's semantics) or PipeDream-2BW's rule W(t+1) = W(t) + update(grad at
+    W(t-1)), W(-1) = W(0): the rule the pipelined runtime reproduces (tests/test_pipeline.py),
+    at a fraction of the cost of eight simulated devices, for sweeps."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from fiddlejax import config, run
+
+    cfg = config.load(None, ["optimizer.clip=0", *overrides])
+    model = run.build_model(cfg["model"], cfg["train"]["seed"])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = run.make_optimizer(cfg)
+    train_it, val_it, _ = run.build_data(cfg, model, 0, 1)
+    val = [next(val_it) for _ in range(cfg["train"]["eval_batches"])]
+
+    def loss(p, batch):
+        m = nnx.merge(graphdef, p, rest)
+        return m.loss(m(batch["tokens"][:, :-1]), batch)
+
+    @jax.jit
+    def step(p, prev, opt_state, batch):
+        g = jax.grad(loss)(prev if stale else p, batch)
+        updates, opt_state = tx.update(g, opt_state, p)
+        return optax.apply_updates(p, updates), p, opt_state
+
+    p, prev, opt_state = params, params, tx.init(params)
+    for _ in range(cfg["train"]["steps"]):
+        p, prev, opt_state = step(p, prev, opt_state, next(train_it))
+    evaluate = jax.jit(loss)
+    return float(np.mean([float(evaluate(p, b)) for b in val]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--train", action="store_true",
-                    help="also train 1F1B and 2BW side by side (two CLI runs per setting)")
+                    help="instead: train 1F1B and 2BW side by side, append a convergence row")
     ap.add_argument("--train-steps", type=int, default=150)
-    ap.add_argument("--settings", default="3e-3:adamw,1e-3:adamw,1e-3:nesterov",
-                    help="comma-separated lr:adamw|nesterov pairs for --train")
+    ap.add_argument("--overrides", default="",
+                    help="--train: config overrides for both runs, e.g. 'optimizer.name=muon'")
+    ap.add_argument("--stale-correction", type=float, default=0.0,
+                    help="--train: optimizer.stale_correction of the 2BW run")
+    ap.add_argument("--steps-per-call", type=int, default=1, help="--train: 2BW's K")
+    ap.add_argument("--reference", action="store_true",
+                    help="--train on one device: fresh vs 2BW rule (same numbers, much faster)")
     args = ap.parse_args()
+    if args.train:
+        convergence_row(args)
+        return
     import jax
 
     cmd = " ".join(["python benchmarks/pipeline_2bw.py", *sys.argv[1:]])
-    lines = ["# PipeDream-2BW vs 1F1B" + (": convergence" if args.train else ""), "",
-             f"jax {jax.__version__}, {jax.default_backend()}; written by `{cmd}`.", ""]
-    if args.train:  # a separate file: hours of CPU, not rerun with the quick tables
-        lines += [f"`fiddlejax train plan.schedule=... plan.virtual_stages=1 optimizer.clip=0 "
-                  f"optimizer.lr=... optimizer.nesterov=... train.steps={args.train_steps}`, "
-                  "the default run otherwise; final validation loss.", "",
-                  "| lr | optimizer | 1f1b | 2bw | gap |", "|---|---|---|---|---|"]
-        for setting in args.settings.split(","):
-            lr, opt = setting.split(":")
-            v = train(float(lr), opt == "nesterov", args.train_steps)
-            lines.append(f"| {float(lr):g} | {'AdamW, Nesterov' if opt == 'nesterov' else 'AdamW'}"
-                         f" | {v['1f1b']:.4f} | {v['2bw']:.4f} | {v['2bw'] / v['1f1b'] - 1:+.2%} |")
-        name = f"pipeline_2bw_train_{args.train_steps}.md"
-    else:
-        lines += ["## Bubble (simulator, p=4, m=4 per step, F=1 B=2)", "",
-                  "| steps per call K | bubble |", "|---|---|"]
-        lines += [f"| {k} | {b:.2%} |" for k, b in bubbles()]
-        lines += ["", "## Memory per device (GPT d=128, 4 layers, (data, pipe, tensor) = "
-                  "(2, 2, 2), m=4, AdamW, float32; `memory_analysis()`)", "",
-                  "| schedule | K | params/device MiB | argument MiB | temp MiB |",
-                  "|---|---|---|---|---|"]
-        for r in memory(args.quick):
-            lines.append(f"| {r['schedule']} | {r['steps per call']} "
-                         f"| {r['params/device MiB']:.2f} | {r['argument MiB']:.2f} "
-                         f"| {r['temp MiB']:.2f} |")
-        lines += ["", "## Why stale gradients hurt Adam: largest stable lr x curvature on a "
-                  "quadratic (momentum beta1, preconditioned curvature)", "",
-                  "| beta1 | fresh | fresh, Nesterov | 1 step stale | 1 step stale, Nesterov |",
-                  "|---|---|---|---|---|"]
-        for beta in (0.0, 0.5, 0.9):
-            v = [stable_lr_times_curvature(beta, d, n) for d in (0, 1) for n in (False, True)]
-            lines.append(f"| {beta} | " + " | ".join(f"{x:.3f}" for x in v) + " |")
-        name = "pipeline_2bw.md"
+    lines = ["# PipeDream-2BW vs 1F1B", "",
+             f"jax {jax.__version__}, {jax.default_backend()}; written by `{cmd}`.", "",
+             "## Bubble (simulator, p=4, m=4 per step, F=1 B=2)", "",
+             "| steps per call K | bubble |", "|---|---|"]
+    lines += [f"| {k} | {b:.2%} |" for k, b in bubbles()]
+    lines += ["", "## Memory per device (GPT d=128, 4 layers, (data, pipe, tensor) = (2, 2, 2), "
+              "m=4, AdamW, float32; `memory_analysis()`)", "",
+              "| schedule | K | params/device MiB | argument MiB | temp MiB |",
+              "|---|---|---|---|---|"]
+    for r in memory(args.quick):
+        lines.append(f"| {r['schedule']} | {r['steps per call']} | {r['params/device MiB']:.2f} "
+                     f"| {r['argument MiB']:.2f} | {r['temp MiB']:.2f} |")
+    lines += ["", "## Why stale gradients hurt Adam: largest stable lr x curvature on a quadratic "
+              "(momentum beta1, preconditioned curvature)", "",
+              "| beta1 | fresh | fresh, Nesterov | 1 step stale | 1 step stale, Nesterov |",
+              "|---|---|---|---|---|"]
+    for beta in (0.0, 0.5, 0.9):
+        v = [stable_lr_times_curvature(beta, d, n) for d in (0, 1) for n in (False, True)]
+        lines.append(f"| {beta} | " + " | ".join(f"{x:.3f}" for x in v) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    (ROOT / "benchmarks" / "results" / name).write_text(text)
+    (ROOT / "benchmarks" / "results" / "pipeline_2bw.md").write_text(text)
+
+
+def convergence_row(args) -> None:
+    """One row of results/pipeline_2bw_train.md (appended: each row is two full trainings)."""
+    out = ROOT / "benchmarks" / "results" / "pipeline_2bw_train.md"
+    overrides = args.overrides.split()
+    if args.reference:
+        steps = [f"train.steps={args.train_steps}"]
+        v = {"1f1b": reference([*steps, *overrides], stale=False),
+             "2bw": reference([*steps, *overrides,
+                               f"optimizer.stale_correction={args.stale_correction}"],
+                              stale=True)}
+    else:
+        v = train(overrides, args.stale_correction, args.train_steps, args.steps_per_call)
+    if not out.exists():
+        out.write_text(
+            "# PipeDream-2BW vs 1F1B: convergence on the stdlib corpus\n\n"
+            "The default `fiddlejax train` run with `plan.schedule=1f1b` or `2bw`, "
+            "`plan.virtual_stages=1`, `optimizer.clip=0` and the overrides listed (both runs); "
+            "the 2BW run adds `optimizer.stale_correction` and `train.steps_per_call`. Final "
+            "validation loss. One row per `python benchmarks/pipeline_2bw.py --train "
+            "--train-steps N --overrides '...' --stale-correction A --steps-per-call K`.\n\n"
+            "`reference` rows (`--reference`) come from a single-device implementation of the "
+            "same update rules (fresh gradients for 1f1b), which the runtime reproduces "
+            "exactly.\n\n"
+            "| steps | overrides | 2bw correction, K | 1f1b | 2bw | gap |\n"
+            "|---|---|---|---|---|---|\n")
+    k = "reference" if args.reference else args.steps_per_call
+    with out.open("a") as f:
+        f.write(f"| {args.train_steps} | {' '.join(overrides) or '(none)'} "
+                f"| {args.stale_correction:g}, {k} | {v['1f1b']:.4f} "
+                f"| {v['2bw']:.4f} | {v['2bw'] / v['1f1b'] - 1:+.2%} |\n")
+    print(out.read_text())
 
 
 if __name__ == "__main__":
