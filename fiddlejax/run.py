@@ -133,14 +133,13 @@ MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,), (-2, -1))
 def muon_dimensions(params):
     """Muon's dimension numbers for the models' block matrices; None (AdamW) for the rest:
     embeddings, heads, norms and biases, as Muon's authors recommend."""
+    import jax
     from optax.contrib import MuonDimensionNumbers
 
     def dims(path, _):
         keys = [getattr(k, "key", None) for k in path]
         axes = MUON_AXES.get(keys[1]) if len(keys) > 1 and keys[0] == "blocks" else None
         return MuonDimensionNumbers(*axes) if axes else None
-
-    import jax
 
     return jax.tree_util.tree_map_with_path(dims, params)
 

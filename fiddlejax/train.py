@@ -505,6 +505,7 @@ def _opt_shardings(optimizer, opt_abstract, spec_tree, plan: Plan):
 
     specs = jax.tree.map(lambda v: v.get_value(), spec_tree,
                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+
     def leaf_sharding(leaf, spec):  # a masked leaf holds nothing: any sharding covers it
         return NamedSharding(mesh, P()) if _masked(leaf) else spec_for(unwrap(leaf), spec)
 
