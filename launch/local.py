@@ -110,9 +110,18 @@ class Group:
         for p in self.procs:
             p.wait()
 
-    def wait(self, grace_s: float) -> int:
-        """0 when every process succeeds; else the first failure's status, the others ended."""
+    def wait(self, grace_s: float, received: list[int]) -> int:
+        """0 when every process succeeds; else the first failure's status, the others ended.
+
+        Signals in ``received`` (appended by the handler) are forwarded here, in the loop, not
+        in the handler: a handler that takes ``self.lock`` can interrupt a ``say`` holding it.
+        """
+        forwarded = 0
         while True:
+            for sig in received[forwarded:]:
+                self.say(f"received {signal.Signals(sig).name}; forwarding it to every process")
+                self.signal_all(sig)
+                forwarded += 1
             codes = [p.poll() for p in self.procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -154,18 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
 
+    received: list[int] = []  # installed before the first process starts: no signal is lost
+    signal.signal(signal.SIGINT, lambda sig, _frame: received.append(sig))
+    signal.signal(signal.SIGTERM, lambda sig, _frame: received.append(sig))
     group = Group(cmd, args.nproc, args.devices_per_process, args.gpus_per_process, args.port)
-    received: list[int] = []
-
-    def forward(sig, _frame):
-        received.append(sig)
-        group.say(f"received {signal.Signals(sig).name}; forwarding it to every process")
-        group.signal_all(sig)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
     try:
-        code = group.wait(args.grace)
+        code = group.wait(args.grace, received)
     finally:
         group.end(args.grace)
         for t in group.pumps:

@@ -445,7 +445,14 @@ def test_launcher_forwards_sigterm():
         assert line, p.stderr.read()
         ready += "ready" in line
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=30)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired as e:  # say which process hung, then clean up
+        tree = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,args"],
+                              capture_output=True, text=True).stdout
+        p.kill()
+        pytest.fail(f"launcher still running 60 s after SIGTERM\nstdout: {e.stdout!r}\n"
+                    f"stderr: {e.stderr!r}\nprocesses:\n{tree}")
     assert p.returncode == 128 + signal.SIGTERM
     assert sorted(x for x in out.splitlines() if "got" in x) == ["[0] got SIGTERM",
                                                                  "[1] got SIGTERM"]
