@@ -37,6 +37,8 @@ CLUSTER_VARS = ("FIDDLEJAX_", "SLURM_", "OMPI_", "JOB_COMPLETION_INDEX", "JOBSET
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without cluster variables or pytest's 8-device XLA flag."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_VARS)}
+    env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 
