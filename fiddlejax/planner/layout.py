@@ -136,7 +136,7 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
             raise ValueError(
                 f"microbatches={lo.microbatches} must be a multiple of pipe={lo.pipe} for "
                 f"interleaved-1f1b; change global_batch or microbatch_size")
-        if lo.kind == "2bw" and lo.microbatches < lo.pipe - 1:
+        if lo.kind == "2bw" and k >= 3 and lo.microbatches < lo.pipe - 1:  # K <= 2: no step 2 back
             raise ValueError(
                 f"microbatches={lo.microbatches} < pipe - 1 = {lo.pipe - 1} for 2bw: a step "
                 f"would start before the step two back has finished its backwards, needing a "
