@@ -59,8 +59,6 @@ def _pick(mcfg: dict, cls) -> dict:
 
 def build_data(cfg: dict, model, process_index: int, process_count: int):
     """(train iterator, validation batch list, tokens-or-examples per step)."""
-    import numpy as np
-
     from fiddlejax import data
 
     name, b, seed = cfg["model"]["name"], cfg["data"]["batch_size"], cfg["data"]["seed"]
@@ -78,17 +76,40 @@ def build_data(cfg: dict, model, process_index: int, process_count: int):
                              **shard)
     train_it, val_it = iter(train), iter(val)
     if name == "bert":
+        return (MaskedBatches(train_it, model.config, seed),
+                MaskedBatches(val_it, model.config, seed + VALIDATION_MASK_SEED), b * seq)
+    return train_it, val_it, b * seq
+
+
+VALIDATION_MASK_SEED = 1 << 20  # validation masks come from seeds the training batches never use
+
+
+class MaskedBatches:
+    """BERT's masked-LM batches over a token-batch iterator. Batch n is masked with seed
+    ``seed + n``; the state (the token stream's and n) is checkpointed, so a resumed run sees
+    the batches and masks the uninterrupted run would have."""
+
+    def __init__(self, tokens, config, seed: int):
+        self.tokens, self.config, self.seed, self.n = tokens, config, seed, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        import numpy as np
+
         from models.bert import mlm_batch
 
-        counter = {"n": 0}
+        batch = next(self.tokens)
+        self.n += 1
+        return mlm_batch(np.asarray(batch["tokens"]), self.config, self.seed + self.n)
 
-        def to_mlm(it):
-            for batch in it:
-                counter["n"] += 1
-                yield mlm_batch(np.asarray(batch["tokens"]), model.config, seed + counter["n"])
+    def get_state(self) -> dict:
+        return {"tokens": self.tokens.get_state(), "batches": self.n}
 
-        return to_mlm(train_it), to_mlm(val_it), b * seq
-    return train_it, val_it, b * seq
+    def set_state(self, state: dict) -> None:
+        self.tokens.set_state(state["tokens"])
+        self.n = int(state["batches"])
 
 
 def model_flops_per_step(cfg: dict, model, batch_size: int) -> float:
