@@ -76,8 +76,9 @@ def build_data(cfg: dict, model, process_index: int, process_count: int):
                              **shard)
     train_it, val_it = iter(train), iter(val)
     if name == "bert":
-        return (MaskedBatches(train_it, model.config, seed),
-                MaskedBatches(val_it, model.config, seed + VALIDATION_MASK_SEED), b * seq)
+        rows = {"first_row": process_index * (b // process_count), "global_rows": b}
+        return (MaskedBatches(train_it, model.config, seed, **rows),
+                MaskedBatches(val_it, model.config, seed + VALIDATION_MASK_SEED, **rows), b * seq)
     return train_it, val_it, b * seq
 
 
@@ -86,11 +87,14 @@ VALIDATION_MASK_SEED = 1 << 20  # validation masks come from seeds the training 
 
 class MaskedBatches:
     """BERT's masked-LM batches over a token-batch iterator. Batch n is masked with seed
-    ``seed + n``; the state (the token stream's and n) is checkpointed, so a resumed run sees
-    the batches and masks the uninterrupted run would have."""
+    ``seed + n``, each process masking its own rows of the global batch. The state (the token
+    stream's and n) is checkpointed, so a resumed run sees the batches and masks the
+    uninterrupted run would have."""
 
-    def __init__(self, tokens, config, seed: int):
+    def __init__(self, tokens, config, seed: int, first_row: int = 0,
+                 global_rows: int | None = None):
         self.tokens, self.config, self.seed, self.n = tokens, config, seed, 0
+        self.rows = {"first_row": first_row, "global_rows": global_rows}
 
     def __iter__(self):
         return self
@@ -102,7 +106,8 @@ class MaskedBatches:
 
         batch = next(self.tokens)
         self.n += 1
-        return mlm_batch(np.asarray(batch["tokens"]), self.config, self.seed + self.n)
+        return mlm_batch(np.asarray(batch["tokens"]), self.config, self.seed + self.n,
+                         **self.rows)
 
     def get_state(self) -> dict:
         return {"tokens": self.tokens.get_state(), "batches": self.n}

@@ -86,16 +86,19 @@ class BERT(nnx.Module):
         return self.head(scan_layers(self.blocks, self.prologue({"inputs": inputs})))
 
 
-def mlm_batch(tokens: np.ndarray, config: BERTConfig, seed: int) -> dict:
+def mlm_batch(tokens: np.ndarray, config: BERTConfig, seed: int, first_row: int = 0,
+              global_rows: int | None = None) -> dict:
     """Mask exactly ``config.masked_per_sequence`` positions of each row of ``tokens[B, T]``.
 
     Masked positions become ``[MASK]`` in ``inputs``; ``targets`` keeps the originals and
-    ``weights`` is 1 at masked positions.
+    ``weights`` is 1 at masked positions. A process holding rows ``first_row ..`` of a global
+    batch of ``global_rows`` gets those rows' masks, the same however many processes share it.
     """
     tokens = np.asarray(tokens, np.int32)[:, : config.seq_len]
     b, t = tokens.shape
     rng = np.random.default_rng(seed)
-    pos = np.argsort(rng.random((b, t)), axis=1)[:, : config.masked_per_sequence]
+    noise = rng.random((global_rows or b, t))[first_row:first_row + b]
+    pos = np.argsort(noise, axis=1)[:, : config.masked_per_sequence]
     weights = np.zeros((b, t), np.float32)
     np.put_along_axis(weights, pos, 1.0, axis=1)
     inputs = np.where(weights > 0, config.mask_id, tokens).astype(np.int32)

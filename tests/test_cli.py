@@ -130,3 +130,16 @@ def test_bert_data_resumes_with_the_same_batches_and_masks():
     for w, g in zip(want, [next(again) for _ in range(2)], strict=True):
         assert sorted(w) == sorted(g) and all(np.array_equal(w[k], g[k]) for k in w)
     assert not np.array_equal(want[0]["weights"], want[1]["weights"])  # fresh masks per batch
+
+
+def test_bert_masks_do_not_depend_on_the_process_count():
+    import numpy as np
+
+    from fiddlejax import run
+
+    cfg = config.load(None, ["model.name=bert", "model.seq_len=32", "model.n_layers=1"])
+    model = run.build_model(cfg["model"], cfg["train"]["seed"])
+    whole = next(run.build_data(cfg, model, 0, 1)[0])
+    halves = [next(run.build_data(cfg, model, i, 2)[0]) for i in range(2)]
+    for k in whole:
+        np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
