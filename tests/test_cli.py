@@ -110,22 +110,27 @@ def test_optimizer_keys_build_the_named_optimizer():
         run.make_optimizer(config.load(None, ["optimizer.name=sgd"]))
 
 
+def _bert_data(process_index: int = 0, process_count: int = 1):
+    """The CLI's BERT (train, validation) iterators for a small model."""
+    from fiddlejax import run
+
+    cfg = config.load(None, ["model.name=bert", "model.seq_len=32", "model.n_layers=1"])
+    model = run.build_model(cfg["model"], cfg["train"]["seed"])
+    return run.build_data(cfg, model, process_index, process_count)[:2]
+
+
 def test_bert_data_resumes_with_the_same_batches_and_masks():
     """The masked-LM stream is checkpointable: after set_state it continues exactly, masks too
     (a resumed BERT run used to restart its data and re-count its mask seeds)."""
     import numpy as np
 
-    from fiddlejax import run
-
-    cfg = config.load(None, ["model.name=bert", "model.seq_len=32", "model.n_layers=1"])
-    model = run.build_model(cfg["model"], cfg["train"]["seed"])
-    train, val, _ = run.build_data(cfg, model, 0, 1)
+    train, val = _bert_data()
     for _ in range(3):
         next(train)
     next(val)  # validation draws do not move the training masks
     state = train.get_state()
     want = [next(train) for _ in range(2)]
-    again, _, _ = run.build_data(cfg, model, 0, 1)
+    again, _ = _bert_data()
     again.set_state(state)
     for w, g in zip(want, [next(again) for _ in range(2)], strict=True):
         assert sorted(w) == sorted(g) and all(np.array_equal(w[k], g[k]) for k in w)
@@ -135,11 +140,7 @@ def test_bert_data_resumes_with_the_same_batches_and_masks():
 def test_bert_masks_do_not_depend_on_the_process_count():
     import numpy as np
 
-    from fiddlejax import run
-
-    cfg = config.load(None, ["model.name=bert", "model.seq_len=32", "model.n_layers=1"])
-    model = run.build_model(cfg["model"], cfg["train"]["seed"])
-    whole = next(run.build_data(cfg, model, 0, 1)[0])
-    halves = [next(run.build_data(cfg, model, i, 2)[0]) for i in range(2)]
+    whole = next(_bert_data()[0])
+    halves = [next(_bert_data(i, 2)[0]) for i in range(2)]
     for k in whole:
         np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])

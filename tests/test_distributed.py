@@ -31,7 +31,7 @@ TINY = ["model.seq_len=16", "model.n_layers=2", "model.d_model=32", "model.n_hea
         "model.d_ff=64", "data.batch_size=8", "train.eval_every=0", "train.eval_batches=0",
         "run.progress=lines", "train.log_every=1000"]
 CLUSTER_VARS = ("FIDDLEJAX_", "SLURM_", "OMPI_", "JOB_COMPLETION_INDEX", "JOBSET_", "JOB_INDEX",
-                "REPLICATED_JOB_", "JAX_COORDINATOR", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS")
+                "REPLICATED_JOB_", "JAX_COORDINATOR", "JAX_NUM_CPU_DEVICES")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
