@@ -1,12 +1,19 @@
 """Job configuration: the packaged YAML defaults, a user file, then dotted ``key=value`` overrides.
 
-Unknown keys are errors (a typo must not silently train the wrong model), and override values are
-parsed as YAML scalars so ``plan.zero=1``, ``optimizer.lr=1e-3`` and ``plan.schedule=null`` work.
+``fiddlejax/configs/default.yaml`` is the source of truth for the keys and their defaults; this
+module types every key (:data:`SPECS`, a key without an entry takes its default's type) and checks
+the merged config before anything is built, so a bad value fails in one line that names the key,
+the value, what is expected and a fix (:class:`ConfigError`). Unknown keys are errors with a
+"did you mean" (a typo must not silently train the wrong model). Override values are parsed as
+YAML scalars so ``plan.zero=1``, ``optimizer.lr=1e-3`` and ``plan.schedule=null`` work.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,9 +21,166 @@ from typing import Any
 import yaml
 
 
+class ConfigError(ValueError):
+    """A bad config value or key; the message is one line that names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one key accepts: a type, optional choices and bounds, null, and extra words."""
+
+    kind: type  # int, float, bool, str or list
+    choices: tuple = ()  # allowed values (strings); empty: any
+    lo: float | None = None  # inclusive lower bound (exclusive when ``open_lo``)
+    hi: float | None = None  # inclusive upper bound (exclusive when ``open_hi``)
+    open_lo: bool = False
+    open_hi: bool = False
+    null: bool = False  # null is allowed
+    words: tuple = ()  # strings a numeric key also takes ("auto")
+
+    def expected(self) -> str:
+        if self.choices:
+            extra = [repr(w) for w in self.words] + (["null"] if self.null else [])
+            return _either([repr(c) for c in self.choices] + extra)
+        if self.kind is bool:
+            text = "true or false"
+        elif self.kind is list:
+            text = "a list, e.g. [a, b]"
+        elif self.kind is str:
+            text = "a string"
+        else:
+            text = "an integer" if self.kind is int else "a number"
+            bounds = []
+            if self.lo is not None:
+                bounds.append(f"{'>' if self.open_lo else '>='} {_num(self.lo)}")
+            if self.hi is not None:
+                bounds.append(f"{'<' if self.open_hi else '<='} {_num(self.hi)}")
+            text += (" " + " and ".join(bounds)) if bounds else ""
+        extra = [repr(w) for w in self.words] + (["null"] if self.null else [])
+        return _either([text, *extra]) if extra else text
+
+    def ok(self, v: Any) -> bool:
+        if v is None:
+            return self.null
+        if isinstance(v, str) and v in self.words:
+            return True
+        if self.kind is bool:
+            return isinstance(v, bool)
+        if self.kind is list:
+            return isinstance(v, list)
+        if self.kind is str:
+            return isinstance(v, str) and (not self.choices or v in self.choices)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        if self.kind is int and not isinstance(v, int):
+            return False
+        if self.lo is not None and (v <= self.lo if self.open_lo else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _either(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _kinds(module: str, attr: str) -> tuple:
+    """Names from the module that owns them (so a new schedule kind or policy flows through)."""
+    import importlib
+
+    value = getattr(importlib.import_module(module), attr)
+    return tuple(value() if callable(value) else value)
+
+
+POSITIVE = Spec(int, lo=1)
+COUNT = Spec(int, lo=0)
+MESH_AXIS = Spec(int, lo=-1)  # -1 infers the axis from the device count
+FRACTION = Spec(float, lo=0, hi=1, open_hi=True)
+
+# Keys typed beyond their default's type. Choices that other modules own are filled in by
+# :func:`specs` (schedule kinds, remat policies, all-reduce algorithms).
+SPECS: dict[str, Spec] = {
+    "model.name": Spec(str, choices=("gpt", "bert", "cnn", "llama")),
+    "model.vocab_size": Spec(int, lo=2), "model.seq_len": POSITIVE, "model.d_model": POSITIVE,
+    "model.n_heads": POSITIVE, "model.n_layers": POSITIVE, "model.d_ff": POSITIVE,
+    "model.tie_embeddings": Spec(bool), "model.channels": POSITIVE,
+    "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
+    "plan.schedule": Spec(str, null=True),  # choices: the schedule registry
+    "plan.microbatches": POSITIVE,
+    "plan.virtual_stages": Spec(int, lo=1, null=True),
+    "plan.remat": Spec(str),  # choices: fiddlejax.memory.policies
+    "plan.encodings": Spec(list, null=True),
+    "plan.grad_allreduce": Spec(str),  # choices: fiddlejax.collectives
+    "plan.topk_density": Spec(float, lo=0, hi=1, open_lo=True),
+    "plan.topk_on": Spec(str, choices=("gradients", "updates")),
+    "plan.zero": Spec(int, lo=0, hi=1),
+    "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
+    "plan.check_inputs": Spec(bool),
+    "optimizer.name": Spec(str, choices=("adamw", "muon")),
+    "optimizer.lr": Spec(float, lo=0, open_lo=True),
+    "optimizer.muon_lr": Spec(float, lo=0, open_lo=True),
+    "optimizer.warmup_steps": COUNT, "optimizer.weight_decay": Spec(float, lo=0),
+    "optimizer.b1": FRACTION, "optimizer.b2": FRACTION, "optimizer.nesterov": Spec(bool),
+    "optimizer.stale_correction": Spec(float, lo=0, hi=1), "optimizer.clip": Spec(float, lo=0),
+    "data.batch_size": POSITIVE, "data.seed": COUNT,
+    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": COUNT,
+    "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
+    "run.dir": Spec(str), "run.cpu_devices": COUNT, "run.peak_tflops": Spec(float, lo=0),
+    "run.progress": Spec(str, choices=("auto", "bar", "lines")),
+    "checkpoint.dir": Spec(str, null=True),
+    "checkpoint.every": Spec(int, lo=1, words=("auto",)),
+    "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
+    "checkpoint.max_to_keep": Spec(int, lo=1, null=True),
+    "checkpoint.best_metric": Spec(str, null=True),
+    "checkpoint.best_mode": Spec(str, choices=("min", "max")),
+    "checkpoint.async": Spec(bool),
+    "resume": Spec(int, lo=1, null=True, words=("auto",)),
+}
+
+# A fix for a key whose bad value the default alone does not explain.
+HINTS = {
+    "checkpoint.every": "a step count such as checkpoint.every=100, or checkpoint.every=auto "
+                        "(CheckFreq picks it)",
+    "resume": "resume=auto continues from the latest checkpoint, resume=N from step N",
+    "plan.memory_budget": "bytes per device, e.g. plan.memory_budget=2GiB",
+    "mesh.data": "a device count, or -1 to use the devices the other axes leave",
+}
+
+
+def specs() -> dict[str, Spec]:
+    """:data:`SPECS` with the names other modules own filled in."""
+    out = dict(SPECS)
+    out["plan.schedule"] = Spec(str, null=True, choices=_kinds(
+        "fiddlejax.pipeline.schedules", "kinds"))
+    out["plan.remat"] = Spec(str, choices=(*_kinds("fiddlejax.memory.policies", "POLICY_NAMES"),
+                                           "auto"))
+    out["plan.grad_allreduce"] = Spec(str, choices=(
+        *_kinds("fiddlejax.collectives", "ALGORITHMS"), "topk"))
+    return out
+
+
 def defaults() -> dict:
     text = resources.files("fiddlejax").joinpath("configs/default.yaml").read_text()
     return yaml.safe_load(text)
+
+
+def leaves(cfg: dict, where: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` for every non-section key of ``cfg``."""
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out.update(leaves(v, f"{where}{k}."))
+        else:
+            out[f"{where}{k}"] = v
+    return out
+
+
+def _suggest(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _merge(base: dict, new: dict, where: str = "") -> dict:
@@ -24,10 +188,13 @@ def _merge(base: dict, new: dict, where: str = "") -> dict:
     for k, v in new.items():
         key = f"{where}{k}"
         if k not in base:
-            raise ValueError(f"unknown config key {key!r}; known keys here: {sorted(base)}")
+            known = list(leaves(defaults()))
+            hint = _suggest(key, known + sorted({n.rsplit(".", 1)[0] for n in known}))
+            raise ConfigError(f"unknown config key {key!r}"
+                              + (hint or f"; known keys here: {sorted(base)}"))
         if isinstance(base[k], dict):
             if not isinstance(v, dict):
-                raise ValueError(f"config key {key!r} is a section; give {key}.<field>=value")
+                raise ConfigError(f"config key {key!r} is a section; give {key}.<field>=value")
             out[k] = _merge(base[k], v, key + ".")
         else:
             out[k] = v
@@ -37,9 +204,12 @@ def _merge(base: dict, new: dict, where: str = "") -> dict:
 def parse_override(item: str) -> dict:
     """``"a.b=3"`` -> ``{"a": {"b": 3}}``."""
     if "=" not in item:
-        raise ValueError(f"override {item!r} must look like key=value (e.g. train.steps=100)")
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. train.steps=100)")
     key, value = item.split("=", 1)
-    parsed: Any = yaml.safe_load(value) if value else ""
+    try:
+        parsed: Any = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:  # e.g. "a: b": keep the text; the key's type check reports it
+        parsed = value
     if isinstance(parsed, str):
         try:  # YAML 1.1 reads "1e-3" as a string
             parsed = float(parsed)
@@ -47,19 +217,125 @@ def parse_override(item: str) -> dict:
             pass
     for part in reversed(key.split(".")):
         if not part:
-            raise ValueError(f"override {item!r} has an empty key part")
+            raise ConfigError(f"override {item!r} has an empty key part")
         parsed = {part: parsed}
     return parsed
 
 
+def _read_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        why = "is a directory" if p.is_dir() else "does not exist"
+        raise ConfigError(f"--config {path} {why}; give the path of a YAML file of overrides "
+                          "(see fiddlejax/configs/default.yaml for the keys)")
+    try:
+        with p.open() as f:
+            user = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path} is not valid YAML: {problem}{where}") from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of keys (e.g. 'train: {{steps: "
+                          f"50}}'), got a {type(user).__name__}")
+    return user
+
+
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
-    """Defaults, then the YAML file at ``path``, then each ``key=value`` override."""
+    """Defaults, then the YAML file at ``path``, then each ``key=value`` override; validated."""
     cfg = defaults()
     if path is not None:
-        user = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(user, dict):
-            raise ValueError(f"config file {path} must hold a mapping, got {type(user).__name__}")
-        cfg = _merge(cfg, user)
+        cfg = _merge(cfg, _read_file(path))
     for item in overrides:
         cfg = _merge(cfg, parse_override(item))
+    validate(cfg)
     return cfg
+
+
+def _fail(key: str, value: Any, expected: str, fix: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} must be {expected}; {fix}")
+
+
+def validate(cfg: dict) -> None:
+    """Check every key's type and range, then the combinations; raise :class:`ConfigError`."""
+    table, base = specs(), leaves(defaults())
+    for key, value in leaves(cfg).items():
+        spec = table.get(key) or _inferred(base.get(key))
+        if spec is None or spec.ok(value):
+            continue
+        if spec.choices and isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(c) for c in spec.choices], n=1)
+            if close:
+                raise _fail(key, value, spec.expected(), f"did you mean {key}={close[0]}?")
+        default = base.get(key)
+        fix = HINTS.get(key) or (f"e.g. {key}={_yaml(default)} (the default)"
+                                 if spec.ok(default) else f"see {key} in default.yaml")
+        raise _fail(key, value, spec.expected(), fix)
+    if cfg["plan"]["memory_budget"] is not None:
+        parse_bytes(cfg["plan"]["memory_budget"], "plan.memory_budget")
+    _check_combinations(cfg)
+
+
+def _inferred(default: Any) -> Spec | None:
+    """The spec of a key :data:`SPECS` does not list: its default's type (null: anything)."""
+    if default is None:
+        return None
+    if isinstance(default, bool):
+        return Spec(bool)
+    if isinstance(default, int):
+        return Spec(int)
+    if isinstance(default, float):
+        return Spec(float)
+    return Spec(type(default)) if isinstance(default, str | list) else None
+
+
+def _yaml(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _check_combinations(cfg: dict) -> None:
+    p, mesh = cfg["plan"], cfg["mesh"]
+    if p["schedule"] is None and mesh["pipe"] not in (1,):
+        raise ConfigError(
+            f"plan.schedule=null (no pipeline) needs mesh.pipe=1, got mesh.pipe={mesh['pipe']}; "
+            "set mesh.pipe=1 or pick a schedule, e.g. plan.schedule=1f1b")
+    if p["schedule"] is not None and mesh["pipe"] == 1:
+        raise ConfigError(
+            f"plan.schedule={p['schedule']} needs a pipeline (mesh.pipe > 1), but mesh.pipe=1; "
+            "set plan.schedule=null, or mesh.pipe=2 or more")
+    b, data, m = cfg["data"]["batch_size"], mesh["data"], p["microbatches"]
+    if data > 0 and b % (data * m):
+        per = data * m
+        good = max(per, b - b % per)
+        raise ConfigError(
+            f"data.batch_size={b} must be a multiple of mesh.data={data} x plan.microbatches={m} "
+            f"= {per} (each replica splits its rows into microbatches); e.g. "
+            f"data.batch_size={good}")
+    t, c = cfg["train"], cfg["checkpoint"]
+    if cfg["resume"] is not None and not c["dir"]:
+        raise ConfigError(f"resume={cfg['resume']} needs checkpoint.dir=DIR, the directory "
+                          "that holds the checkpoints")
+    if isinstance(cfg["resume"], int) and cfg["resume"] > t["steps"]:
+        raise ConfigError(f"resume={cfg['resume']} is after train.steps={t['steps']}; resume "
+                          "from an earlier step or raise train.steps")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any, key: str = "bytes") -> int:
+    """``2GiB``, ``512MB``, ``1e9`` or an int -> bytes (> 0)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m and m.group(2).lower() in _UNITS:
+        try:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        except ValueError:
+            n = 0
+        if n > 0:
+            return n
+    raise ConfigError(f"{key}={value!r} must be a positive byte count such as 2GiB, 512MB or "
+                      f"2000000000; e.g. {key}=2GiB")

@@ -8,8 +8,26 @@ from collections.abc import Sequence
 from jax.sharding import Mesh
 
 from fiddlejax.mesh import AXES, axis_size
+from fiddlejax.pipeline import schedules as _schedules
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw")
+PARTITIONS = ("uniform", "params", "cost")
+
+
+def schedule_kinds() -> tuple[str, ...]:
+    """The pipeline schedule kinds a Plan accepts: the schedule registry's, so new kinds flow."""
+    return tuple(_schedules.kinds())
+
+
+def interleaves(kind: str | None) -> bool:
+    """Whether schedule ``kind`` takes ``virtual_stages`` > 1 (the registry says)."""
+    entry = getattr(_schedules, "_REGISTRY", {}).get(kind) if kind else None
+    return bool(getattr(entry, "virtual", False))
+
+
+def __getattr__(name: str):  # SCHEDULES stays a name; it follows the registry
+    if name == "SCHEDULES":
+        return schedule_kinds()
+    raise AttributeError(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +56,13 @@ class Plan:
     - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1).
     - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
     - ``memory_budget``: bytes per device, for ``remat="auto"``.
+    - ``check_inputs``: every ``Trainer.step`` checks the batch's ids against the model's
+      vocabulary (or classes) and the loss for NaN/inf, raising an error that names the step.
+      Costs a host sync per step: for debugging and for runs that must not train on garbage.
+
+    Everything is checked here, at construction: names (schedule, remat policy, all-reduce
+    algorithm, encodings, partition), sizes and combinations, so a bad plan fails before any
+    model is traced.
     """
 
     mesh: Mesh
@@ -53,6 +78,7 @@ class Plan:
     zero: int = 0
     partition: str = "uniform"
     memory_budget: int | None = None
+    check_inputs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh) or tuple(self.mesh.axis_names) != AXES:
@@ -64,23 +90,33 @@ class Plan:
         pipe = axis_size(self.mesh, "pipe")
         if self.schedule == "default":
             object.__setattr__(self, "schedule", "1f1b" if pipe > 1 else None)
-        if self.schedule is not None and self.schedule not in SCHEDULES:
+        kinds = schedule_kinds()
+        if self.schedule is not None and self.schedule not in kinds:
             raise ValueError(
-                f"schedule={self.schedule!r} is unknown; use one of {SCHEDULES} or None"
+                f"schedule={self.schedule!r} is unknown; use one of {kinds} or None"
+                + _close(self.schedule, kinds)
             )
         if self.schedule is None and pipe > 1:
             raise ValueError(
                 f"the mesh has pipe={pipe} but schedule=None; pick a pipeline schedule, e.g. "
                 "schedule='1f1b'"
             )
+        if self.schedule is not None and pipe == 1:
+            raise ValueError(
+                f"schedule={self.schedule!r} pipelines over the mesh's pipe axis, but it has "
+                "pipe=1; use schedule=None, or a mesh with pipe > 1 "
+                "(fiddlejax.make_mesh(data=..., pipe=2))"
+            )
         for name in ("microbatches", "virtual_stages", "bucket_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive int")
-        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+        if self.virtual_stages > 1 and not interleaves(self.schedule):
+            users = [k for k in kinds if interleaves(k)]
             raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
-                f"(got {self.schedule!r}); set virtual_stages=1 or change the schedule"
+                f"virtual_stages={self.virtual_stages} needs an interleaved schedule "
+                f"({', '.join(repr(k) for k in users)}), got {self.schedule!r}; set "
+                "virtual_stages=1 or change the schedule"
             )
         if self.schedule == "2bw" and self.zero:
             raise ValueError(
@@ -88,10 +124,21 @@ class Plan:
                 "pipeline; it does not shard the optimizer state: set zero=0")
         if self.zero not in (0, 1):
             raise ValueError(f"zero={self.zero!r} must be 0 (off) or 1 (shard optimizer state)")
-        if self.partition not in ("uniform", "params", "cost"):
+        if self.partition not in PARTITIONS:
             raise ValueError(
                 f"partition={self.partition!r} must be 'uniform', 'params' or 'cost'"
+                + _close(self.partition, PARTITIONS)
             )
+        if self.memory_budget is not None and (
+                isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int)
+                or self.memory_budget < 1):
+            raise ValueError(f"memory_budget={self.memory_budget!r} must be a positive number "
+                             "of bytes per device, e.g. memory_budget=2 << 30 for 2 GiB")
+        if self.remat == "auto" and self.memory_budget is None:
+            raise ValueError("remat='auto' needs Plan(memory_budget=<bytes per device>), e.g. "
+                             "memory_budget=2 << 30: it picks the cheapest policy that fits")
+        if not isinstance(self.check_inputs, bool):
+            raise TypeError(f"check_inputs={self.check_inputs!r} must be True or False")
         d = self.topk_density
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < d <= 1:
             raise ValueError(
@@ -115,6 +162,28 @@ class Plan:
         if isinstance(self.encodings, str):
             object.__setattr__(self, "encodings", (self.encodings,))
         object.__setattr__(self, "encodings", tuple(self.encodings))
+        self._check_names()
+
+    def _check_names(self) -> None:
+        """remat policy, all-reduce algorithm and encodings: names their modules know."""
+        from fiddlejax.collectives import ALGORITHMS
+        from fiddlejax.memory import gist, policies
+
+        if isinstance(self.remat, str) and self.remat != "auto":
+            policies.resolve(self.remat)  # raises naming the known policies
+        elif not isinstance(self.remat, str) and self.remat is not None:
+            policies.resolve(self.remat)  # a Policy object, or a TypeError naming the value
+        algorithms = (*ALGORITHMS, "topk")
+        unusable = {"hierarchical": "reduces over a pair of axes", "packed-trees":
+                    "needs a topology"}
+        if self.grad_allreduce not in algorithms or self.grad_allreduce in unusable:
+            why = (f" ({unusable[self.grad_allreduce]}, which the data axis does not give)"
+                   if self.grad_allreduce in unusable else "")
+            usable = [a for a in algorithms if a not in unusable]
+            raise ValueError(
+                f"grad_allreduce={self.grad_allreduce!r} cannot reduce gradients{why}; use "
+                f"one of {usable}" + _close(str(self.grad_allreduce), usable))
+        gist.parse(list(self.encodings))  # raises naming the known encodings
 
     @property
     def data(self) -> int:
@@ -135,3 +204,10 @@ class Plan:
         d["encodings"] = list(self.encodings)
         d["mesh"] = {a: axis_size(self.mesh, a) for a in AXES}
         return d
+
+
+def _close(word: str, known) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(str(word), list(known), n=1)
+    return f"; did you mean {match[0]!r}?" if match else ""

@@ -11,7 +11,8 @@ from fiddlejax import config
 
 
 def test_overrides_parse_and_unknown_keys_fail():
-    cfg = config.load(None, ["mesh.data=2", "plan.schedule=null", "optimizer.lr=1e-3"])
+    cfg = config.load(None, ["mesh.data=2", "mesh.pipe=1", "plan.schedule=null",
+                             "optimizer.lr=1e-3"])
     assert cfg["mesh"]["data"] == 2 and cfg["plan"]["schedule"] is None
     assert cfg["optimizer"]["lr"] == 1e-3
     with pytest.raises(ValueError, match="unknown config key 'plan.shedule'"):
@@ -106,7 +107,7 @@ def test_optimizer_keys_build_the_named_optimizer():
     np.testing.assert_allclose(muon["wte"], nadamw["wte"], rtol=1e-6)  # (N)AdamW off the blocks
     corrected = first_update("optimizer.stale_correction=1")
     assert not np.allclose(corrected["wte"], adamw["wte"])
-    with pytest.raises(ValueError, match="optimizer.name='sgd' must be adamw or muon"):
+    with pytest.raises(ValueError, match="optimizer.name='sgd' must be 'adamw' or 'muon'"):
         run.make_optimizer(config.load(None, ["optimizer.name=sgd"]))
 
 
