@@ -76,14 +76,34 @@ class Windows(grain.sources.RandomAccessDataSource):
         return self.tokens[s:s + self.length].astype(np.int32)
 
 
+def check_tokens(tokens: np.ndarray, vocab_size: int, source: str = "the corpus") -> None:
+    """Raise if any id of ``tokens`` is outside ``[0, vocab_size)``: once per source, because
+    an out-of-range id does not fail in the model, it silently makes the loss NaN."""
+    if len(tokens) == 0:
+        return
+    lo, hi = int(np.min(tokens)), int(np.max(tokens))
+    if lo < 0 or hi >= vocab_size:
+        bad = hi if hi >= vocab_size else lo
+        raise ValueError(f"{source} holds token id {bad} but the vocabulary is [0, {vocab_size})"
+                         f"; use a vocab_size of at least {hi + 1} (fiddlejax train: "
+                         f"model.vocab_size={hi + 1})")
+
+
 def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int = 0,
                   shuffle: bool = True, repeat: bool = True, process_index: int = 0,
-                  process_count: int = 1) -> grain.IterDataset:
+                  process_count: int = 1, vocab_size: int | None = None) -> grain.IterDataset:
     """Batches ``{"tokens": int32[batch_size / process_count, seq_len + 1]}`` for this process.
 
     ``batch_size`` is global; each process gets its contiguous share of every global batch, the
-    rows its own devices hold when the batch is sharded over ``data``.
+    rows its own devices hold when the batch is sharded over ``data``. With ``vocab_size`` every
+    id of ``tokens`` is checked to be below it, once, here.
     """
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len),
+                    ("process_count", process_count)):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if vocab_size is not None:
+        check_tokens(tokens, vocab_size)
     if batch_size % process_count:
         raise ValueError(f"batch_size={batch_size} must divide evenly over "
                          f"{process_count} processes")
@@ -162,6 +182,9 @@ def image_batches(images: np.ndarray, labels: np.ndarray, batch_size: int, *, se
                   shuffle: bool = True, repeat: bool = True, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
     """Batches ``{"images": float32[b, H, W, C], "labels": int32[b]}`` for this process."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) \
+            or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     src = [(images[i], labels[i]) for i in range(len(labels))]
     ds = grain.MapDataset.source(src).map(lambda r: {"images": r[0], "labels": r[1]})
     return _batched(ds, batch_size, dict, seed, shuffle, repeat, process_index, process_count)

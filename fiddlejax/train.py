@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import layout, staged
+from fiddlejax import checks, layout, staged
 from fiddlejax.plan import Plan
 
 
@@ -58,6 +58,7 @@ class Trainer:
         self.model_name = type(model).__name__
         self.staged, canonical = staged.split(model, loss)
         self._batch_spec = getattr(model, "batch_spec", None)
+        self._value_ranges = checks.value_ranges(model) if plan.check_inputs else {}
         self._canonical_template = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
         self._init_params = canonical
@@ -302,6 +303,12 @@ class Trainer:
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch; returns the new state and metrics."""
+        if self.plan.check_inputs:  # opt-in: ids in range before the step, a finite loss after
+            n = int(state.step) + 1
+            checks.check_values(batch, self._value_ranges, n)
+            state, metrics = self._step(state, self._prepare(state, batch))
+            checks.check_finite(metrics, n)
+            return state, metrics
         return self._step(state, self._prepare(state, batch))
 
     def steps(self, state: TrainState, batches: dict) -> tuple[TrainState, dict]:
@@ -413,6 +420,8 @@ class Trainer:
         """Raise a clear error for a batch this trainer cannot take, before compiling."""
         if not isinstance(batch, dict):
             raise TypeError(f"batch must be a dict of arrays, got {type(batch).__name__}")
+        if self._batch_spec is not None:  # 1-D tokens must not pass as a batch of scalars
+            checks.check_rank(batch, self._batch_spec(1), self.model_name)
         sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
         bs = set(sizes.values())
         if len(bs) != 1 or None in bs:
@@ -461,6 +470,13 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fiddlejax.Plan, got {type(plan).__name__}")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be a Flax NNX module (nnx.Module), got "
+                        f"{type(model).__name__}")
+    if not (callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))):
+        raise TypeError(f"optimizer must be an optax.GradientTransformation, e.g. "
+                        f"optax.adamw(1e-3), got {optimizer!r}")
     return Trainer(model, optimizer, plan, loss)
 
 

@@ -1,0 +1,80 @@
+"""Input checks on values (not just shapes): id ranges of a batch and finite losses.
+
+A token id at or above the vocabulary size does not fail inside XLA: the embedding gather clamps
+or the cross-entropy reads past the logits, and the loss silently turns to NaN. These checks turn
+that into an error naming the step, the key, the bad id and the valid range. They run on the
+host and cost a device-to-host sync per step, so they are opt-in (``Plan(check_inputs=True)``);
+the data pipelines check a whole source once instead (``fiddlejax.data``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss of a step is NaN or infinite; ``step`` says which."""
+
+    def __init__(self, step: int, value: float, hint: str = ""):
+        self.step, self.value = step, value
+        super().__init__(f"step {step}: the loss is {value}{hint}")
+
+
+def value_ranges(model: Any) -> dict[str, tuple[int, int, str]]:
+    """``{batch key: (low, high, what)}``, the valid ids of a model's integer inputs.
+
+    Read from the model's config: ``vocab_size`` bounds token keys, ``num_classes`` labels.
+    Models without either get no range checks.
+    """
+    cfg = getattr(model, "config", None)
+    vocab, classes = getattr(cfg, "vocab_size", None), getattr(cfg, "num_classes", None)
+    name = type(model).__name__
+    out = {}
+    if isinstance(vocab, int):
+        for key in ("tokens", "inputs", "targets"):
+            out[key] = (0, vocab, f"{name}'s vocabulary (vocab_size={vocab})")
+    if isinstance(classes, int):
+        out["labels"] = (0, classes, f"{name}'s classes (num_classes={classes})")
+    return out
+
+
+def check_values(batch: dict, ranges: dict[str, tuple[int, int, str]], step: int) -> None:
+    """Raise ``ValueError`` if an integer array of ``batch`` holds an id outside its range."""
+    for key, (lo, hi, what) in ranges.items():
+        if key not in batch:
+            continue
+        x = np.asarray(batch[key])
+        if x.size == 0 or not np.issubdtype(x.dtype, np.integer):
+            continue
+        bad = (x < lo) | (x >= hi)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"step {step}: batch[{key!r}] holds id {int(x[where])} at {list(where)}, "
+                f"outside [{lo}, {hi}) of {what}; fix the data or enlarge the vocabulary "
+                f"({int(bad.sum())} ids out of range)")
+
+
+def check_finite(metrics: dict, step: int) -> None:
+    """Raise :class:`NonFiniteLoss` if ``metrics["loss"]`` (scalar or per-step) is not finite."""
+    losses = np.atleast_1d(np.asarray(metrics["loss"], np.float64))
+    for i, value in enumerate(losses):
+        if not math.isfinite(float(value)):
+            raise NonFiniteLoss(step + i, float(value), (
+                "; the parameters are now garbage: lower the learning rate, check the data "
+                "(Plan(check_inputs=True) checks ids) or restore a checkpoint"))
+
+
+def check_rank(batch: dict, spec: dict, model_name: str) -> None:
+    """A clear error when an array has the wrong number of dimensions (e.g. 1-D tokens)."""
+    for key, want in spec.items():
+        x = batch.get(key)
+        if x is not None and len(np.shape(x)) != len(want.shape):
+            dims = ", ".join(["batch"] + [str(d) for d in want.shape[1:]])
+            raise ValueError(
+                f"batch[{key!r}] has {len(np.shape(x))} dimension(s), shape {list(np.shape(x))}, but "
+                f"{model_name} expects [{dims}]: a leading batch dimension, e.g. x[None] for "
+                "one example")
