@@ -83,7 +83,8 @@ def check_divisible(params: nnx.State, spec_tree: nnx.State, mesh) -> None:
                 n *= int(mesh.shape[a])
             if size % n:
                 logical = _axes(v)[dim] if dim < len(_axes(v)) else "?"
-                what = {"heads": "n_heads", "mlp": "d_ff (the MLP width)"}.get(logical, logical)
+                what = {"heads": "n_heads", "mlp": "d_ff (the MLP width)",
+                        "kv_heads": "num_key_value_heads"}.get(logical, logical)
                 raise ValueError(
                     f"parameter {jax.tree_util.keystr(path)} has {what}={size} on dimension "
                     f"{dim}, not divisible by the {'x'.join(names)} axis of size {n}; choose a "

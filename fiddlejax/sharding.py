@@ -20,6 +20,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "batch": "data",
     "vocab": "tensor",
     "heads": "tensor",
+    "kv_heads": "tensor",  # grouped-query attention's key/value heads
     "mlp": "tensor",
     "embed": None,
     "head_dim": None,

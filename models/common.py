@@ -1,4 +1,4 @@
-"""Transformer pieces shared by GPT and BERT: a pre-LayerNorm block and helpers for stacked layers.
+"""Transformer pieces shared by the models: a pre-LayerNorm block, fused attention, stacked layers.
 
 Parameters carry logical axis names (``out_sharding``) so fiddlejax can shard them by rules; the
 attention projections and MLP outputs carry the canonical ``checkpoint_name`` tags of
@@ -91,13 +91,7 @@ class Block(nnx.Module):
         q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
         k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
         v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-        if self.causal:
-            t = x.shape[1]
-            mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores, axis=-1)
-        ctx = checkpoint_name(jnp.einsum("bhts,bshk->bthk", probs, v), names.CONTEXT)
+        ctx = attention(q, k, v, causal=self.causal)
         out = jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]) + self.bo[...]
         return checkpoint_name(out, names.ATTN_OUT)
 
@@ -109,6 +103,28 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self._drop(self.attention(self.ln1(x)))
         return x + self._drop(self.mlp(self.ln2(x)))
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v for ``q[B, T, H, Dh]``, ``k, v[B, S, KV, Dh]``; tagged CONTEXT.
+
+    One ``jax.nn.dot_product_attention`` call, so the backend picks the kernel: cuDNN's fused
+    flash attention on a GPU for bf16/fp16 inputs, XLA's implementation otherwise (CPU, float32).
+    ``KV < H`` is grouped-query attention: query head ``h`` reads KV head ``h // (H // KV)``, as
+    Hugging Face's ``repeat_kv`` does; the call broadcasts K/V heads instead of copying them.
+    """
+    impl = None
+    if q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
+        impl = "cudnn"
+    try:
+        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    except (ValueError, NotImplementedError, RuntimeError):
+        if impl is None:
+            raise
+        # cuDNN refuses some shapes and GPUs (head_dim, compute capability) while tracing:
+        # XLA's implementation computes the same function.
+        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    return checkpoint_name(ctx, names.CONTEXT)
 
 
 def stacked(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
