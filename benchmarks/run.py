@@ -4,7 +4,7 @@ For each configuration: compile time, compiled memory (argument + temp) and FLOP
 (``memory_analysis`` / ``cost_analysis``, exact and machine independent), the planner's predicted
 memory and its error, the schedule's simulated bubble (unit costs F=1, B=2), and the step-time
 ratio against the baseline layout (data=8, no pipeline, no remat) of the same model: the two
-steps alternate, median of several rounds (DESIGN section 3: ratios only, never absolute CPU
+steps alternate, median of several rounds (docs/benchmarks.md: ratios only, never absolute CPU
 times). tokens/s ratio = 1 / step-time ratio (every configuration trains the same global batch).
 
 Bubble measured: not measured. The 8 simulated devices share this machine's cores, so stages

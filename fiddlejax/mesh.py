@@ -4,7 +4,7 @@ The axis order is fixed (``data`` outermost, ``tensor`` innermost) so that, with
 host by host, a tensor group sits on the fastest links inside one node, the pipeline crosses the
 next-fastest, and data parallelism spans the rest. Axes are ``Auto``: the runtime makes ``data``
 and ``pipe`` manual inside ``jax.shard_map`` and leaves ``tensor`` to the GSPMD partitioner
-(DESIGN section 6).
+(docs/architecture.md, "Facts the runtime relies on").
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class Schedule:
         return tick_table(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form of DESIGN.md (plain lists and dicts)."""
+        """The JSON form of docs/pipeline.md (plain lists and dicts)."""
         return {
             "kind": self.kind,
             "stages": self.stages,

@@ -1,7 +1,7 @@
 """A parallel layout to predict: mesh sizes, pipeline schedule, batch split, remat, ZeRO.
 
 Validated against the model and the cluster before any prediction, with errors that name the bad
-value and a fix (DESIGN section 4).
+value and a fix (docs/architecture.md, "Conventions").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model descriptions for the planner: what one layer costs in parameters, FLOPs and activations.
 
-A ``ModelSpec`` describes a staged model the way fiddlejax runs it (DESIGN section 1): a
+A ``ModelSpec`` describes a staged model the way fiddlejax runs it (docs/architecture.md): a
 prologue (embedding), ``num_layers`` identical layers, an epilogue (head and loss). Two sources:
 
 - :func:`gpt`: analytic, for GPT-style transformers given layers, hidden size, heads, sequence
