@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 import signal
 import statistics
 import threading
@@ -146,20 +148,41 @@ class Preemption:
         self._previous = None
         self._installed = False
         self._last: tuple[int, bool] | None = None
+        self._interrupts = 0
 
     @staticmethod
     def _distributed() -> bool:
         return jax.process_count() > 1
 
     def install(self) -> Preemption:
-        if not self._distributed() and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
-            self._installed = True
+        """Handle SIGTERM and SIGINT (Ctrl-C) alike: save at the end of this step and stop.
+
+        A second Ctrl-C interrupts at once. With several processes SIGINT is turned into the
+        SIGTERM JAX's preemption manager listens for, so every process saves the same step.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._previous = {}
+        if not self._distributed():
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+        self._installed = True
         return self
+
+    def _on_signal(self, sig, frame) -> None:
+        if sig == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                signal.default_int_handler(sig, frame)  # second Ctrl-C: stop now
+            if self._distributed():  # JAX's preemption manager agrees on the step to save
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+        self._flag.set()
 
     def uninstall(self) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
             self._installed = False
 
     def trigger(self) -> None:
@@ -520,8 +543,8 @@ class CheckpointManager:
             meta = meta["meta"]
         except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
             raise ValueError(f"{where} is unreadable: its metadata is missing or corrupted "
-                             f"({type(e).__name__}: {e}); restore an earlier step with "
-                             f"restore(step=...) from {self.all_steps()}") from e
+                             f"({type(e).__name__}: {_first_line(e)}); "
+                             f"{self._fallback(step)}") from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or "arrays" not in meta:
             raise ValueError(f"{where} is not a fiddlejax checkpoint of format {FORMAT} "
                              "(its meta item lacks 'format'/'arrays')")
@@ -541,16 +564,15 @@ class CheckpointManager:
             leaves = [_lookup(arrays, p) for p in paths]
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{where} is truncated or corrupted: reading its arrays failed "
-                             f"({type(e).__name__}: {_first_line(e)}); restore an earlier step "
-                             f"with restore(step=...) from {self.all_steps()}") from e
+                             f"({type(e).__name__}: {_first_line(e)}); "
+                             f"{self._fallback(step)}") from e
         fps = np.asarray(_fingerprints(leaves))
         for p, got in zip(paths, fps):
             want = meta["arrays"][_name(p)]["fingerprint"]
             if int(got) != want:
                 raise ValueError(
                     f"{where} is corrupted: {_name(p)} does not match the fingerprint recorded "
-                    f"when it was saved ({int(got)} != {want}); restore an earlier step with "
-                    f"restore(step=...) from {self.all_steps()}")
+                    f"when it was saved ({int(got)} != {want}); {self._fallback(step)}")
         canonical = jax.tree_util.tree_unflatten(treedef, leaves)
         state = self.trainer.from_canonical_state(canonical)
         self.restored = Restored(
@@ -558,6 +580,14 @@ class CheckpointManager:
             extra=meta.get("extra"), metrics=meta.get("metrics"), config=meta.get("config"),
             plan=meta.get("plan"), model=meta.get("model"))
         return self.restored
+
+    def _fallback(self, bad: int) -> str:
+        """What to do instead of restoring the damaged step ``bad``."""
+        earlier = sorted((s for s in self.all_steps() if s < bad), reverse=True)
+        if not earlier:
+            return f"no earlier checkpoint is left in {self.directory}; start a fresh run"
+        return (f"restore an earlier step: fiddlejax train ... resume={earlier[0]} (Python: "
+                f"restore(step={earlier[0]})); earlier steps: {earlier}")
 
     def _abstract_state(self):
         """This trainer's TrainState as ShapeDtypeStructs carrying its shardings."""
@@ -623,14 +653,56 @@ def _jsonable(x: Any) -> Any:
 
 
 # -- fiddlejax train ------------------------------------------------------------------------------
+ROLLED_BACK = "rolled_back"  # where resume=N moves the checkpoints after N (never deleted)
+
+# Config keys whose change on resume alters what the run computes, and what it changes.
+_ANNOUNCE = {"train.steps": "the learning-rate schedule stretches to the new length",
+             "optimizer": "the optimizer", "data": "the data stream", "model": "the model",
+             "plan": "the layout (the checkpoint converts exactly)", "mesh": "the layout",
+             "train.steps_per_call": "steps per call"}
+
+
+def check_directory(cfg: dict) -> None:
+    """Refuse an unusable ``checkpoint.dir`` before anything runs: a regular file, a directory
+    that cannot be written, or a disk without room for a probe write."""
+    d = cfg["checkpoint"]["dir"]
+    if not d:
+        return
+    path = Path(d)
+    for parent in (path, *path.parents):
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(
+                f"checkpoint.dir={d} cannot be used: {parent} is a regular file; name a "
+                "directory (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".fiddlejax-write-probe-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"checkpoint.dir={d} is not writable ({e.strerror or e}); give a directory this "
+            "user can write to, with free space, or leave checkpoint.dir unset") from None
+
+
 class JobCheckpoints:
-    """The ``checkpoint:`` and ``resume`` parts of ``fiddlejax train``, kept out of the loop."""
+    """The ``checkpoint:`` and ``resume`` parts of ``fiddlejax train``, kept out of the loop.
+
+    ``resume=N`` before the latest step rolls back: the newer steps are moved, untouched, into
+    ``<checkpoint.dir>/rolled_back/<time>/`` (announced), and the run continues from N exactly.
+    Numbered directories that hold nothing (a save killed before it wrote) are removed.
+    """
 
     def __init__(self, cfg: dict, trainer, data_iter, log: Callable[[str], None] = print):
         c = cfg["checkpoint"]
-        self.trainer, self.data_iter, self.log = trainer, data_iter, log
+        self.cfg, self.trainer, self.data_iter, self.log = cfg, trainer, data_iter, log
         self.resume, self.steps = cfg.get("resume"), cfg["train"]["steps"]
         every = c["every"]
+        self.directory = Path(c["dir"]).absolute()
+        self._remove_empty_steps()
         self.preemption = Preemption()
         self.mgr = CheckpointManager(
             c["dir"], trainer, every=every if every == "auto" else int(every or 0),
@@ -638,10 +710,17 @@ class JobCheckpoints:
             async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
             config=cfg, preemption=self.preemption)
         self.preemption.install()  # after the manager exists: a failure leaves no handler
-        self.stopped = False
+
+    def _remove_empty_steps(self) -> None:
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for p in self.directory.iterdir():
+            if p.name.isdigit() and p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+                self.log(f"removed {p}: an empty step directory, not a checkpoint")
 
     def start(self):
-        """(state, first step): restored from the latest checkpoint if resuming, else fresh."""
+        """(state, first step): restored when resuming (``resume=auto`` or a step), else fresh."""
         latest = self.mgr.latest_step()
         if self.resume not in (None, "auto") and not isinstance(self.resume, int):
             raise ValueError(f"resume={self.resume!r} must be null, auto or a step number")
@@ -649,13 +728,16 @@ class JobCheckpoints:
             if latest is not None:
                 raise ValueError(
                     f"checkpoint.dir={self.mgr.directory} already holds checkpoints (latest "
-                    f"step {latest}); pass resume=auto to continue from them, or use an empty "
-                    "directory")
+                    f"step {latest}); pass resume=auto to continue from them, resume=N to go "
+                    "back to step N, or use an empty directory")
             return self._fresh()
         if latest is None and self.resume == "auto":
             self.log(f"resume=auto: no checkpoint in {self.mgr.directory}, starting fresh")
             return self._fresh()
         r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
+        newer = [s for s in self.mgr.all_steps() if s > r.step]
+        if newer:
+            self._roll_back(newer)
         self.mgr.warm_up(r.state)
         if not hasattr(self.data_iter, "set_state"):
             self.log("warning: this data pipeline cannot be checkpointed; it restarts")
@@ -663,12 +745,52 @@ class JobCheckpoints:
             self.data_iter.set_state(r.data_state)
         self.log(f"resumed from {self.mgr.directory} at step {r.step} "
                  f"(saved with layout {r.plan['mesh'] if r.plan else '?'})")
+        self._announce_changes(r.config)
         return r.state, r.step + 1
+
+    def _roll_back(self, newer: list[int]) -> None:
+        """Move the steps after the resumed one aside: they would block new saves."""
+        self.mgr.wait()
+        dest = self.directory / ROLLED_BACK / time.strftime("%Y%m%d-%H%M%S")
+        if jax.process_index() == 0:
+            dest.mkdir(parents=True, exist_ok=True)
+            for s in newer:
+                shutil.move(str(self.directory / str(s)), str(dest / str(s)))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("fiddlejax_roll_back")
+        self.mgr._mngr.reload()
+        self.log(f"rolled back: steps {newer} moved to {dest} (delete it, or move a step back "
+                 "to return to it)")
+
+    def _announce_changes(self, saved: dict | None) -> None:
+        if not isinstance(saved, dict):
+            return
+        from fiddlejax.config import leaves
+
+        old, new = leaves(saved), leaves(_jsonable(self.cfg))
+        for key in sorted(set(old) | set(new)):
+            if key not in old or old[key] == new.get(key) \
+                    or key.startswith(("run.", "checkpoint.", "resume")):
+                continue
+            what = _ANNOUNCE.get(key) or _ANNOUNCE.get(key.split(".")[0])
+            if what:
+                self.log(f"config changed since the checkpoint: {key} {old.get(key)!r} -> "
+                         f"{new.get(key)!r} ({what})")
 
     def _fresh(self):
         state = self.trainer.init()
         self.mgr.warm_up(state)
         return state, 1
+
+    def last_good(self) -> int | None:
+        """The newest committed step (waits for a write in flight)."""
+        try:
+            self.mgr.wait()
+        except RuntimeError:
+            pass
+        return self.mgr.latest_step()
 
     def after_step(self, step: int, state, rec: dict) -> bool:
         """Save if due (interval, CheckFreq, preemption, last step); True when it must stop."""
@@ -681,11 +803,16 @@ class JobCheckpoints:
         if preempted:
             self.mgr.wait()
             self.log(f"preempted: saved step {step} to {self.mgr.directory}; exiting")
-            self.stopped = True
         return preempted
 
-    def close(self) -> None:
-        self.mgr.close()
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the last save and release Orbax. ``quiet``: an error is already on its way,
+        so a failure here is not raised over it."""
+        try:
+            self.mgr.close()
+        except Exception:
+            if not quiet:
+                raise
 
 
 def for_run(cfg: dict, trainer, data_iter, log: Callable[[str], None] = print

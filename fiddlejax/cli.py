@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-USAGE = """fiddlejax <command> [args]
+USAGE = """fiddlejax [--debug] <command> [args]
 
 commands:
   train [--config FILE] [key=value ...]   train a model (GPT on the stdlib corpus by default)
   schedule KIND --stages P --microbatches M [--virtual-stages V] [--json] [--png FILE]
   plan ...                                predict and search parallel layouts
+
+Errors are one line and exit status 2 (bad input) or 1 (a failure while training);
+--debug (anywhere before the overrides, or FIDDLEJAX_DEBUG=1) shows the traceback instead.
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("FIDDLEJAX_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -27,17 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(rest)
         from fiddlejax import run
 
-        return run.main(args.config, args.overrides)
+        return run.main(args.config, args.overrides, debug=debug)
     if cmd == "schedule":
         from fiddlejax.pipeline.render import schedule_command
 
         return schedule_command(rest)
     if cmd == "plan":
-        try:
-            from fiddlejax.planner.cli import plan_command
-        except ImportError:
-            print("fiddlejax plan: the planner is not available yet", file=sys.stderr)
-            return 2
+        from fiddlejax.planner.cli import plan_command
+
         return plan_command(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -18,6 +18,10 @@ import yaml
 
 from fiddlejax import config as config_lib
 
+# Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
+# training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
+USER_ERRORS = (ValueError, TypeError, LookupError, OSError)
+
 
 def setup_devices(cfg: dict) -> None:
     """Simulate ``run.cpu_devices`` CPU devices; must run before JAX starts its backends."""
@@ -47,7 +51,21 @@ def build_model(mcfg: dict, seed: int):
         from models.cnn import CNN, CNNConfig
 
         return CNN(CNNConfig(channels=mcfg["channels"], n_layers=mcfg["n_layers"]), rngs=rngs)
-    raise ValueError(f"model.name={name!r} must be one of gpt, bert, cnn")
+    if name == "llama":
+        from models.llama import Llama, LlamaConfig
+
+        if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
+            return Llama.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
+        return Llama(LlamaConfig(
+            vocab_size=mcfg["vocab_size"], hidden_size=mcfg["d_model"],
+            intermediate_size=mcfg["d_ff"], num_hidden_layers=mcfg["n_layers"],
+            num_attention_heads=mcfg["n_heads"], num_key_value_heads=mcfg["n_kv_heads"],
+            rope_theta=float(mcfg["rope_theta"]), tie_word_embeddings=mcfg["tie_embeddings"],
+            max_position_embeddings=mcfg["seq_len"], seq_len=mcfg["seq_len"]), rngs=rngs)
+    if mcfg.get("from_pretrained"):
+        raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
+                         f"model.name=llama (got {name!r})")
+    raise ValueError(f"model.name={name!r} must be one of gpt, bert, cnn, llama")
 
 
 def _pick(mcfg: dict, cls) -> dict:
@@ -70,8 +88,14 @@ def build_data(cfg: dict, model, process_index: int, process_count: int):
         val = data.image_batches(*va, b, shuffle=False, repeat=True, **shard)
         return iter(train), iter(val), b
     seq = cfg["model"]["seq_len"]
-    need = seq + 1 if name == "gpt" else seq
-    train = data.token_batches(data.stdlib_corpus("train"), need - 1, b, seed=seed, **shard)
+    need = seq + 1 if name in ("gpt", "llama") else seq
+    # ids must fit the model: checked once over the whole source (bert's [MASK] id excluded)
+    vocab = cfg["model"]["vocab_size"] if name == "bert" else getattr(
+        getattr(model, "config", None), "vocab_size", None)
+    corpus = data.stdlib_corpus("train")
+    if vocab is not None:
+        data.check_tokens(corpus, vocab, "the stdlib corpus (model.vocab_size)")
+    train = data.token_batches(corpus, need - 1, b, seed=seed, **shard)
     val = data.token_batches(data.stdlib_corpus("validation"), need - 1, b, shuffle=False,
                              **shard)
     train_it, val_it = iter(train), iter(val)
@@ -129,6 +153,13 @@ def model_flops_per_step(cfg: dict, model, batch_size: int) -> float:
 
     params = nnx.state(model, nnx.Param)
     n = sum(x.size for x in jax.tree.leaves(params))
+    if m["name"] == "llama":  # dims from the model: model.from_pretrained overrides the config's
+        c = model.config
+        if not c.tie_word_embeddings:
+            n -= params["embed"][...].size  # a lookup; tied, it is the head's matmul as well
+        tokens = batch_size * m["seq_len"]
+        attn = 12.0 * c.num_hidden_layers * m["seq_len"] * c.num_attention_heads * c.head_dim
+        return 6.0 * n * tokens + attn * tokens
     n -= params["wte"][...].size + params["wpe"][...].size  # lookups, not matmuls
     d, L, T = m["d_model"], m["n_layers"], m["seq_len"]
     if m.get("tie_embeddings") and m["name"] == "gpt":
@@ -139,21 +170,52 @@ def model_flops_per_step(cfg: dict, model, batch_size: int) -> float:
 
 def make_plan(cfg: dict):
     import fiddlejax as fj
+    from fiddlejax.plan import interleaves
 
     mesh = fj.make_mesh(**cfg["mesh"])
     p = cfg["plan"]
+    virtual = p["virtual_stages"]
+    if virtual is None:  # automatic: what the schedule kind expects
+        virtual = 2 if interleaves(p["schedule"]) else 1
+    budget = p.get("memory_budget")
+    if budget is not None:
+        budget = config_lib.parse_bytes(budget, "plan.memory_budget")
+    elif p["remat"] == "auto":
+        budget = default_memory_budget()
     return fj.Plan(mesh=mesh, schedule=p["schedule"], microbatches=p["microbatches"],
-                   virtual_stages=p["virtual_stages"], remat=p["remat"],
+                   virtual_stages=virtual, remat=p["remat"],
                    encodings=tuple(p["encodings"] or ()), grad_allreduce=p["grad_allreduce"],
                    topk_density=p["topk_density"], topk_on=p["topk_on"],
-                   zero=p["zero"], partition=p["partition"])
+                   zero=p["zero"], partition=p["partition"], memory_budget=budget,
+                   check_inputs=bool(p.get("check_inputs", False)))
+
+
+def default_memory_budget(share: float = 0.9) -> int:
+    """``plan.memory_budget=null`` with ``remat=auto``: 90% of what the device reports."""
+    import jax
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    if not stats.get("bytes_limit"):
+        raise config_lib.ConfigError(
+            f"plan.remat=auto needs plan.memory_budget=<bytes per device> (e.g. "
+            f"plan.memory_budget=2GiB): the {dev.platform} device does not report its memory")
+    return int(share * stats["bytes_limit"])
+
+
+def uniform_loss(model) -> float:
+    """The loss of a uniform guess over the model's outputs (classes or vocabulary)."""
+    c = getattr(model, "config", None)
+    n = getattr(c, "num_classes", None) or getattr(c, "vocab_size", None)
+    return math.log(n) if n else math.nan
 
 
 # Muon orthogonalizes each layer's matrices: which axes of a stacked block leaf are the matrix's
 # input (reduction) and output axes, counted from the end so every parallel layout agrees.
 MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,), (-2, -1)),
              "wk": ((-3,), (-2, -1)), "wv": ((-3,), (-2, -1)), "wo": ((-3, -2), (-1,)),
-             "k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,))}
+             "k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,)),
+             "w3": ((-2,), (-1,))}  # Llama's SwiGLU up projection
 
 
 def muon_dimensions(params):
@@ -201,18 +263,19 @@ def make_optimizer(cfg: dict):
 
 
 class Logger:
-    """metrics.jsonl + TensorBoard + terminal; silent on processes other than 0."""
+    """metrics.jsonl + TensorBoard + terminal; silent on processes other than 0.
+
+    The files open at :meth:`begin`, once the first step is known: a resumed run drops the
+    records of the steps it re-runs (metrics.jsonl lines, TensorBoard events via ``purge_step``),
+    so every step appears once.
+    """
 
     def __init__(self, run_dir: Path, enabled: bool, bar: bool, total: int):
-        self.enabled, self.bar = enabled, bar
+        self.enabled, self.bar, self.run_dir = enabled, bar, run_dir
         self.file = self.tb = self.progress = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        from tensorboardX import SummaryWriter
-
-        self.tb = SummaryWriter(str(run_dir))
         if bar:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -221,6 +284,23 @@ class Logger:
                                      TimeRemainingColumn())
             self.task = self.progress.add_task("train", total=total, info="compiling")
             self.progress.start()
+
+    def begin(self, start: int) -> None:
+        """Open the logs for a run whose first step is ``start``."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            keep = [x for x in lines if _step_of(x) is not None and _step_of(x) < start]
+            if len(keep) != len(lines):
+                path.write_text("".join(x + "\n" for x in keep))
+                self.print(f"{path}: dropped {len(lines) - len(keep)} records of steps >= "
+                           f"{start} (this run writes them again)")
+        self.file = open(path, "a")  # noqa: SIM115
+        from tensorboardX import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.run_dir), purge_step=start if start > 1 else None)
 
     def log(self, step: int, metrics: dict, line: str | None) -> None:
         if not self.enabled:
@@ -236,47 +316,94 @@ class Logger:
             print(line, flush=True)
 
     def print(self, text: str) -> None:
-        if self.enabled:
-            (self.progress.console.print if self.progress else print)(text)
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
         if self.file:
             self.file.close()
             self.tb.close()
+            self.file = None
 
 
-def main(config_path: str | None, overrides: list[str]) -> int:
+def _step_of(line: str) -> int | None:
     try:
-        cfg = config_lib.load(config_path, overrides)
-    except (ValueError, yaml.YAMLError) as e:
-        print(f"fiddlejax train: {e}", file=sys.stderr)
-        return 2
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def main(config_path: str | None, overrides: list[str], debug: bool = False) -> int:
+    """Run ``fiddlejax train``; returns the exit code. Errors become one line on stderr
+    (2 for bad input, 1 for a failure while training); ``debug`` re-raises them instead."""
+    from fiddlejax import distributed
+
+    try:
+        code = _train(config_path, overrides)
+    except BaseException as e:  # noqa: BLE001 - every error ends as one line and an exit code
+        if debug or isinstance(e, SystemExit):
+            distributed.goodbye(1)
+            raise
+        code = report(e)
+    distributed.goodbye(code)
+    return code
+
+
+def report(e: BaseException) -> int:
+    """Print ``e`` as one line on stderr; the exit code for it."""
+    from fiddlejax.checks import NonFiniteLoss
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, KeyboardInterrupt):
+        print("fiddlejax train: interrupted", file=sys.stderr, flush=True)
+        return 130
+    if isinstance(e, NonFiniteLoss | RuntimeError) and not isinstance(e, NotImplementedError):
+        code = 1
+    elif isinstance(e, USER_ERRORS):
+        code = 2
+    else:
+        text = f"{type(e).__name__}: {text} (run with --debug for the traceback)"
+        code = 1
+    print(f"fiddlejax train: {text}", file=sys.stderr, flush=True)
+    return code
+
+
+def _train(config_path: str | None, overrides: list[str]) -> int:
+    cfg = config_lib.load(config_path, overrides)
     setup_devices(cfg)
     from fiddlejax import distributed
 
     try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
         distributed.initialize()
-    except (ValueError, RuntimeError) as e:
-        print(f"fiddlejax train: {e}", file=sys.stderr)
-        return 2
+    except RuntimeError as e:  # start-up problems name their fix: bad input, exit 2
+        raise config_lib.ConfigError(str(e)) from e
     import jax
     import numpy as np
 
     import fiddlejax as fj
+    from fiddlejax import checkpoint
+    from fiddlejax.checks import NonFiniteLoss
 
     is_main = jax.process_index() == 0
     tcfg, rcfg = cfg["train"], cfg["run"]
+    per_call = int(tcfg.get("steps_per_call", 1))
+    if per_call > 1 and jax.process_count() > 1:
+        raise config_lib.ConfigError(
+            f"train.steps_per_call={per_call} must be 1 when several processes train together; "
+            "set train.steps_per_call=1")
+    checkpoint.check_directory(cfg)  # a file, read-only or full: refused before anything runs
     if is_main:
         print("# resolved config\n" + yaml.safe_dump(cfg, sort_keys=False), flush=True)
-    try:
-        model = build_model(cfg["model"], tcfg["seed"])
-        plan = make_plan(cfg)
-        trainer = fj.parallelize(model, make_optimizer(cfg), plan)
-    except (ValueError, TypeError) as e:
-        print(f"fiddlejax train: {e}", file=sys.stderr)
-        return 2
+    model = build_model(cfg["model"], tcfg["seed"])
+    plan = make_plan(cfg)
+    trainer = fj.parallelize(model, make_optimizer(cfg), plan)
     if is_main and jax.process_count() > 1:
         print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)
     # Each process loads only the rows of the data-axis slice its devices own.
@@ -286,78 +413,85 @@ def main(config_path: str | None, overrides: list[str]) -> int:
     run_dir = Path(rcfg["dir"])
     bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
     log = Logger(run_dir, is_main, bar, tcfg["steps"])
-    if is_main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    n_dev = jax.device_count()
-    flops = model_flops_per_step(cfg, model, cfg["data"]["batch_size"])
-    peak = float(rcfg["peak_tflops"] or 0.0)
+    ckpt = None
+    try:
+        if is_main:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        n_dev = jax.device_count()
+        flops = model_flops_per_step(cfg, model, cfg["data"]["batch_size"])
+        peak = float(rcfg["peak_tflops"] or 0.0)
 
-    def evaluate(state) -> float:
-        if not val_batches:  # train.eval_batches=0: no validation, and nothing to compile
-            return math.nan
-        return float(np.mean([float(trainer.loss(state, b)) for b in val_batches]))
+        def evaluate(state) -> float:
+            if not val_batches:  # train.eval_batches=0: no validation, and nothing to compile
+                return math.nan
+            return float(np.mean([float(trainer.loss(state, b)) for b in val_batches]))
 
-    from fiddlejax import checkpoint
-
-    try:  # checkpoint.dir and resume: saving, resuming, SIGTERM (see fiddlejax/checkpoint.py)
+        # checkpoint.dir and resume: saving, resuming, SIGTERM/SIGINT (fiddlejax/checkpoint.py)
         ckpt = checkpoint.for_run(cfg, trainer, train_it, log.print)
         state, start = ckpt.start() if ckpt else (trainer.init(), 1)
-    except (ValueError, FileNotFoundError) as e:
+        log.begin(start)
+        first_val = evaluate(state)
+        log.print(f"step {start - 1}: validation loss {first_val:.4f} "
+                  f"(uniform guess: {uniform_loss(model):.4f})")
+        times, losses, val = [], [], first_val
+        t_prev = time.perf_counter()
+        step, stop = start, False
+        while step <= tcfg["steps"] and not stop:
+            # One call runs k steps (several in one program: PipeDream-2BW's unflushed pipeline).
+            k = min(per_call, tcfg["steps"] - step + 1)
+            if k == 1:
+                state, metrics = trainer.step(state, next(train_it))
+                metrics = {name: [v] for name, v in metrics.items()}
+            else:
+                batches = [next(train_it) for _ in range(k)]
+                state, metrics = trainer.steps(
+                    state, {key: np.stack([b[key] for b in batches]) for key in batches[0]})
+            step_losses = [float(x) for x in metrics["loss"]]  # syncs: time runs to completion
+            bad = [i for i, x in enumerate(step_losses) if not math.isfinite(x)]
+            if bad:  # stop before this state is logged as good or checkpointed
+                raise NonFiniteLoss(step + bad[0], step_losses[bad[0]], _nan_hint(cfg, ckpt))
+            now = time.perf_counter()
+            dt, t_prev = (now - t_prev) / k, now
+            for i, loss in enumerate(step_losses):
+                s, last = step + i, i == k - 1
+                if step > start:  # the first call compiles
+                    times.append(dt)
+                losses.append(loss)
+                rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"][i]),
+                       "step_time_s": dt}
+                rec.update(_throughput(dt, items_per_step, flops, n_dev, peak))
+                eval_due = tcfg["eval_every"] and any(
+                    (j % tcfg["eval_every"] == 0 or j == tcfg["steps"])
+                    for j in range(step, s + 1))
+                if last and eval_due:  # the state exists at the end of a call only
+                    val = evaluate(state)
+                    rec["val_loss"] = val
+                    t_prev = time.perf_counter()  # evaluation is not step time
+                stop = last and ckpt is not None and ckpt.after_step(s, state, rec)  # preempted
+                line = None
+                if s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec:
+                    line = _line(s, rec)
+                log.log(s, rec, line)
+            step += k
+        if ckpt is not None:
+            ckpt.close()
+    finally:
+        if ckpt is not None:
+            ckpt.close(quiet=True)  # an error is on its way already: wait, release, stay quiet
         log.close()
-        print(f"fiddlejax train: {e}", file=sys.stderr)
-        return 2
-    first_val = evaluate(state)
-    log.print(f"step {start - 1}: validation loss {first_val:.4f} "
-              f"(uniform guess: {math.log(256):.4f})")
-    times, losses, val = [], [], first_val
-    t_prev = time.perf_counter()
-    per_call = int(tcfg.get("steps_per_call", 1))
-    if per_call < 1 or (per_call > 1 and jax.process_count() > 1):
-        log.close()
-        print(f"fiddlejax train: train.steps_per_call={per_call} must be >= 1 (and 1 when "
-              "several processes train together)", file=sys.stderr)
-        return 2
-    step = start
-    while step <= tcfg["steps"]:
-        # One call runs k steps (several in one program: PipeDream-2BW's unflushed pipeline).
-        k = min(per_call, tcfg["steps"] - step + 1)
-        if k == 1:
-            state, metrics = trainer.step(state, next(train_it))
-            metrics = {name: [v] for name, v in metrics.items()}
-        else:
-            batches = [next(train_it) for _ in range(k)]
-            state, metrics = trainer.steps(
-                state, {key: np.stack([b[key] for b in batches]) for key in batches[0]})
-        step_losses = [float(x) for x in metrics["loss"]]  # syncs: time runs to completion
-        now = time.perf_counter()
-        dt, t_prev = (now - t_prev) / k, now
-        for i, loss in enumerate(step_losses):
-            s, last = step + i, i == k - 1
-            if step > start:  # the first call compiles
-                times.append(dt)
-            losses.append(loss)
-            rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"][i]), "step_time_s": dt}
-            rec.update(_throughput(dt, items_per_step, flops, n_dev, peak))
-            eval_due = tcfg["eval_every"] and any(
-                (j % tcfg["eval_every"] == 0 or j == tcfg["steps"]) for j in range(step, s + 1))
-            if last and eval_due:  # the state exists at the end of a call only
-                val = evaluate(state)
-                rec["val_loss"] = val
-                t_prev = time.perf_counter()  # evaluation is not step time
-            stop = last and ckpt is not None and ckpt.after_step(s, state, rec)  # preempted
-            line = None
-            if s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec:
-                line = _line(s, rec)
-            log.log(s, rec, line)
-        step += k
-        if stop:
-            break
-    if ckpt is not None:
-        ckpt.close()
-    log.close()
     if is_main and losses:
         _summary(cfg, losses, times, val, first_val, items_per_step, flops, n_dev, peak, run_dir)
     return 0
+
+
+def _nan_hint(cfg: dict, ckpt) -> str:
+    where = ""
+    if ckpt is not None:
+        last = ckpt.last_good()
+        where = (f"; the last checkpoint is step {last} in {cfg['checkpoint']['dir']} "
+                 f"(resume=auto or resume={last} continues from it)" if last is not None else "")
+    return (f"; stopped before saving it{where}. Lower optimizer.lr (now "
+            f"{cfg['optimizer']['lr']}) or set plan.check_inputs=true to check the data")
 
 
 def _throughput(dt: float, items: int, flops: float, n_dev: int, peak: float) -> dict:
