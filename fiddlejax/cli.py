@@ -12,6 +12,7 @@ commands:
   train [--config FILE] [key=value ...]   train a model (GPT on the stdlib corpus by default)
   schedule KIND --stages P --microbatches M [--virtual-stages V] [--json] [--png FILE]
   plan ...                                predict and search parallel layouts
+  export RUN_DIR OUT_DIR [--step N]       a Llama run's checkpoint as a Hugging Face directory
 
 Errors are one line and exit status 2 (bad input) or 1 (a failure while training);
 --debug (anywhere before the overrides, or FIDDLEJAX_DEBUG=1) shows the traceback instead.
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from fiddlejax.pipeline.render import schedule_command
 
         return schedule_command(rest)
+    if cmd == "export":
+        from fiddlejax.export import export_command
+
+        return export_command(rest)
     if cmd == "plan":
         from fiddlejax.planner.cli import plan_command
 

@@ -1,0 +1,85 @@
+"""``fiddlejax export RUN_DIR OUT_DIR``: a Llama run's checkpoint as a Hugging Face directory.
+
+The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``: model, optimizer,
+plan and simulated devices), so the checkpoint restores through the same
+:class:`~fiddlejax.checkpoint.CheckpointManager` path as a resume, verified array by array;
+``trainer.params(state)`` then gives the canonical parameters, which
+``Llama.save_pretrained`` writes as ``config.json`` + safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
+           checkpoint_dir: str | Path | None = None, max_shard_size: int | str = "5GB",
+           dtype: str = "float32") -> int:
+    """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out_dir``
+    in Hugging Face's Llama layout; returns the step written."""
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml; pass the run.dir of a "
+                                "`fiddlejax train` run")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    if cfg["model"]["name"] != "llama":
+        raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}; export writes "
+                         "Hugging Face Llama directories (model.name=llama)")
+    ckpt = checkpoint_dir or cfg["checkpoint"]["dir"]
+    if not ckpt:
+        raise ValueError(f"{run_dir} saved no checkpoints (checkpoint.dir was null); train with "
+                         "checkpoint.dir=DIR, or pass --checkpoint-dir")
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir() and not ckpt.is_absolute() and (run_dir / ckpt).is_dir():
+        ckpt = run_dir / ckpt  # a relative checkpoint.dir, seen from the run directory
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist; pass "
+                                "--checkpoint-dir")
+
+    from fiddlejax import run
+
+    run.setup_devices(cfg)
+    from flax import nnx
+
+    import fiddlejax as fj
+
+    model = run.build_model(cfg["model"], cfg["train"]["seed"])
+    trainer = fj.parallelize(model, run.make_optimizer(cfg), run.make_plan(cfg))
+    mgr = fj.CheckpointManager(ckpt, trainer)
+    try:
+        restored = mgr.restore_all(step)
+    finally:
+        mgr.close()
+    nnx.update(model, trainer.params(restored.state))
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size, dtype=dtype)
+    return restored.step
+
+
+def export_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="fiddlejax export",
+        description="Write a trained Llama run's checkpoint as a Hugging Face directory "
+                    "(config.json + safetensors) that transformers loads.")
+    p.add_argument("run_dir", help="the run.dir of a `fiddlejax train model.name=llama` run")
+    p.add_argument("out_dir", help="directory to write")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--checkpoint-dir", help="default: the run's checkpoint.dir")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="split the weights into files of at most this size (default 5GB)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = p.parse_args(argv)
+    try:
+        step = export(args.run_dir, args.out_dir, step=args.step,
+                      checkpoint_dir=args.checkpoint_dir, max_shard_size=args.max_shard_size,
+                      dtype=args.dtype)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"fiddlejax export: {e}", file=sys.stderr)
+        return 2
+    files = sorted(x.name for x in Path(args.out_dir).iterdir())
+    print(f"exported step {step} of {args.run_dir} to {args.out_dir}: {', '.join(files)}")
+    return 0
