@@ -34,7 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(rest)
         from fiddlejax import run
 
-        return run.main(args.config, args.overrides, debug=debug)
+        code = run.main(args.config, args.overrides, debug=debug)
+        if code != 0:
+            # Saves and logs are closed by now. After a failed restore, tensorstore's callbacks
+            # would print "Event loop is closed" tracebacks during interpreter teardown, under
+            # the one line that matters: skip the teardown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     if cmd == "schedule":
         from fiddlejax.pipeline.render import schedule_command
 

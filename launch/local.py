@@ -8,6 +8,7 @@ Each process gets ``FIDDLEJAX_COORDINATOR`` (127.0.0.1 and a free port),
 reads. Output lines are prefixed with the rank. SIGINT/SIGTERM are forwarded to every process.
 When one process fails, the others are ended and the launcher exits with the failed one's status
 (128 + signal number for a process killed by a signal), so a job never hangs on a dead peer.
+After a forwarded SIGTERM/SIGINT the launcher exits 0 when every process saved and exited 0.
 Standard library only: it must work before anything is installed.
 """
 
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         group.end(args.grace)
         for t in group.pumps:
             t.join(timeout=2.0)
-    if received and code == 0:
-        return 128 + received[0]
+    # Every process exited 0: a forwarded SIGTERM/SIGINT was handled cleanly (saved and
+    # stopped), which is success, not 128 + signal.
     return code
 
 
