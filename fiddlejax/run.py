@@ -37,6 +37,9 @@ def build_model(mcfg: dict, seed: int):
 
     name = mcfg["name"]
     rngs = nnx.Rngs(seed)
+    if mcfg.get("from_pretrained") and name != "llama":
+        raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
+                         f"model.name=llama (got {name!r})")
     if name == "gpt":
         from models.gpt import GPT, GPTConfig
 
@@ -62,9 +65,6 @@ def build_model(mcfg: dict, seed: int):
             num_attention_heads=mcfg["n_heads"], num_key_value_heads=mcfg["n_kv_heads"],
             rope_theta=float(mcfg["rope_theta"]), tie_word_embeddings=mcfg["tie_embeddings"],
             max_position_embeddings=mcfg["seq_len"], seq_len=mcfg["seq_len"]), rngs=rngs)
-    if mcfg.get("from_pretrained"):
-        raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
-                         f"model.name=llama (got {name!r})")
     raise ValueError(f"model.name={name!r} must be one of gpt, bert, cnn, llama")
 
 
