@@ -140,7 +140,10 @@ def test_data_axis_across_processes_kill_and_resume(tmp_path):
     err0 = (logs1 / "err0").read_text()
     assert code != 0, err0[-3000:]
     assert took < 60, f"the survivor took {took:.1f}s to exit"
-    assert "another task died" in err0 or "unhealthy" in err0, err0[-3000:]
+    lines = [x for x in err0.splitlines() if "lost process 1" in x]
+    assert len(lines) == 1, err0[-3000:]  # one line naming the lost peer
+    assert "killed, or crashed" in lines[0] and "resume=auto" in lines[0]
+    assert "Check failure" not in err0 and "*** " not in err0, err0[-3000:]  # no C++ dump
     first = losses(run_dir)
     assert len(first) < steps, "the run finished before the kill; the test proves nothing"
     print(f"survivor exited with status {code} {took:.1f}s after its peer was killed, "
@@ -455,7 +458,7 @@ def test_launcher_forwards_sigterm():
         p.kill()
         pytest.fail(f"launcher still running 60 s after SIGTERM\nstdout: {e.stdout!r}\n"
                     f"stderr: {e.stderr!r}\nprocesses:\n{tree}")
-    assert p.returncode == 128 + signal.SIGTERM
+    assert p.returncode == 0  # both handled it and exited 0: a clean stop, not 143
     assert sorted(x for x in out.splitlines() if "got" in x) == ["[0] got SIGTERM",
                                                                  "[1] got SIGTERM"]
     assert "received SIGTERM; forwarding it to every process" in err
