@@ -1,0 +1,134 @@
+"""The config schema: every bad value of `fiddlejax train` is one line naming the key, the value,
+what is expected and a fix, with exit status 2 and no traceback (`--debug` shows it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from fiddlejax import config, run
+
+# (overrides, words the one-line error must hold). All fail before any device work.
+BAD = [
+    (["optimizer.lr=abc"], ["optimizer.lr='abc'", "a number > 0", "optimizer.lr=0.003"]),
+    (["optimizer.lr=-1"], ["optimizer.lr=-1", "> 0"]),
+    (["data.batch_size=-4"], ["data.batch_size=-4", "an integer >= 1"]),
+    (["data.batch_size=0"], ["data.batch_size=0", "an integer >= 1"]),
+    (["data.batch_size=1.5"], ["data.batch_size=1.5", "an integer"]),
+    (["plan.microbatches=3"], ["data.batch_size=32", "mesh.data=2 x plan.microbatches=3 = 6",
+                               "data.batch_size=30"]),
+    (["train.steps=-5"], ["train.steps=-5", ">= 1"]),
+    (["checkpoint.every=0"], ["checkpoint.every=0", "'auto'", "checkpoint.every=100"]),
+    (["model.name=gtp"], ["model.name='gtp'", "did you mean model.name=gpt"]),
+    (["plan.schedule=1fb1"], ["plan.schedule='1fb1'", "did you mean plan.schedule=1f1b"]),
+    (["plan.remat=sometimes"], ["plan.remat='sometimes'", "'dots'"]),
+    (["plan.grad_allreduce=carrier-pigeon"], ["plan.grad_allreduce='carrier-pigeon'", "'ring'"]),
+    (["plan.shedule=1f1b"], ["unknown config key 'plan.shedule'", "did you mean 'plan.schedule'"]),
+    (["mesh.pipe=1"], ["plan.schedule=interleaved-1f1b needs a pipeline", "plan.schedule=null"]),
+    (["resume=abc"], ["resume='abc'", "resume=auto"]),
+    (["resume=4"], ["resume=4 needs checkpoint.dir"]),
+    (["plan.memory_budget=lots"], ["plan.memory_budget='lots'", "2GiB"]),
+    (["run.progress=fancy"], ["run.progress='fancy'", "'lines'"]),
+    (["train"], ["override 'train' must look like key=value"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_value_is_one_line_naming_key_and_fix(overrides, words, capsys):
+    assert run.main(None, overrides) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fiddlejax train: "), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_config_file_errors_name_the_file(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert run.main(str(missing), []) == 2
+    assert f"--config {missing} does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1\n")
+    assert run.main(str(bad), []) == 2
+    err = capsys.readouterr().err
+    assert f"--config {bad} is not valid YAML" in err and "line 3" in err
+    assert "<unicode string>" not in err
+    bad.write_text("- 1\n- 2\n")
+    assert run.main(str(bad), []) == 2
+    assert "must hold a mapping" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text("train:\n  steps: 7\nmesh: {pipe: 1}\nplan: {schedule: null}\n")
+    assert config.load(good, ["train.steps=9"])["train"]["steps"] == 9
+
+
+def test_every_default_is_valid_and_every_spec_names_a_key():
+    """default.yaml is the source of truth: its values pass their own specs, no spec is stale,
+    and every key keeps its one comment on the same line (the docs' reference is made from it)."""
+    keys = config.leaves(config.defaults())
+    config.validate(config.defaults())
+    assert set(config.SPECS) <= set(keys), set(config.SPECS) - set(keys)
+    from importlib import resources
+
+    text = resources.files("fiddlejax").joinpath("configs/default.yaml").read_text()
+    leaf_lines = [x for x in text.splitlines() if x.strip() and not x.strip().startswith("#")
+                  and not x.rstrip().endswith(":")]
+    missing = [x for x in leaf_lines if "#" not in x]
+    assert not missing, missing
+
+
+def test_names_come_from_their_modules():
+    """Schedule kinds come from the schedule registry: a registered kind is accepted."""
+    from fiddlejax.pipeline import schedules
+
+    assert config.specs()["plan.schedule"].choices == tuple(schedules.kinds())
+    ok = config.load(None, ["plan.schedule=zb-h1", "plan.remat=dots", "plan.grad_allreduce=ring"])
+    assert ok["plan"]["schedule"] == "zb-h1"
+
+
+def test_null_schedule_ignores_the_default_virtual_stages():
+    """The README's `mesh.pipe=1 plan.schedule=null mesh.data=4` must build a plan."""
+    cfg = config.load(None, ["mesh.pipe=1", "plan.schedule=null", "mesh.data=4"])
+    plan = run.make_plan(cfg)
+    assert (plan.schedule, plan.virtual_stages) == (None, 1)
+    assert run.make_plan(config.load(None, [])).virtual_stages == 2  # interleaved: 2 chunks
+    assert run.make_plan(config.load(None, ["plan.schedule=1f1b"])).virtual_stages == 1
+
+
+def test_remat_auto_takes_a_memory_budget():
+    """plan.remat=auto was unusable from the CLI (no budget reached the Plan)."""
+    base = ["plan.remat=auto", "plan.schedule=1f1b"]
+    plan = run.make_plan(config.load(None, base + ["plan.memory_budget=64MiB"]))
+    assert (plan.remat, plan.memory_budget) == ("auto", 64 << 20)
+    assert config.parse_bytes("2GiB") == 2 << 30 and config.parse_bytes(1e9) == 10**9
+    with pytest.raises(config.ConfigError, match="plan.remat=auto needs plan.memory_budget"):
+        run.make_plan(config.load(None, base))  # CPU devices report no memory
+
+
+def test_uniform_guess_is_the_models_own():
+    """log(256) was printed for every model: the CNN has 10 classes, BERT 257 outputs."""
+    import math
+
+    for name, n in (("gpt", 256), ("bert", 257), ("cnn", 10)):
+        cfg = config.load(None, [f"model.name={name}", "model.n_layers=1", "model.seq_len=16"])
+        model = run.build_model(cfg["model"], 0)
+        assert run.uniform_loss(model) == pytest.approx(math.log(n)), name
+
+
+def test_debug_shows_the_traceback():
+    cmd = [sys.executable, "-m", "fiddlejax.cli", "train", "data.batch_size=-4"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert quiet.stderr.strip().count("\n") == 0
+    loud = subprocess.run(cmd[:3] + ["--debug"] + cmd[3:], capture_output=True, text=True,
+                          timeout=120)
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "ConfigError" in loud.stderr
+
+
+def test_resolved_config_round_trips():
+    """The config.yaml a run writes loads back as a --config file unchanged."""
+    cfg = config.load(None, ["mesh.pipe=1", "plan.schedule=null", "plan.memory_budget=1GiB"])
+    again = config._merge(config.defaults(), yaml.safe_load(yaml.safe_dump(cfg)))
+    config.validate(again)
+    assert again == cfg
