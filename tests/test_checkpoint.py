@@ -175,7 +175,8 @@ def test_corrupted_checkpoint_fails_clearly_and_nothing_is_overwritten(saved, tm
     before = dir_digest(d)
     m = ckpt.CheckpointManager(d, trainer(1, 1, 1))
     with pytest.raises(ValueError, match=r"checkpoint step 2 in .* (is corrupted|is truncated or "
-                                         r"corrupted|is unreadable).*earlier step"):
+                                         r"corrupted|is unreadable).*earlier step: fiddlejax "
+                                         r"train \.\.\. resume=1 .*earlier steps: \[1\]$"):
         m.restore()
     assert dir_digest(d) == before  # nothing rewritten, nothing deleted
     assert_bitwise_equal(trainer(1, 1, 1).to_canonical_state(m.restore(1)),
@@ -424,3 +425,81 @@ def test_cli_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     assert f"at step {stopped}" in r.stdout  # SIGTERM's checkpoint is the one resumed from
     assert losses(d) == losses(straight)  # every step, bitwise-equal float losses
     assert_bitwise_equal(final_state(d), final_state(straight))
+
+
+def test_cli_rollback_sigint_nan_and_unusable_dirs(tmp_path):
+    """`resume=N` to an earlier step continues exactly (newer steps moved to rolled_back/, an
+    empty stray step directory removed, metrics.jsonl with each step once); Ctrl-C saves like
+    SIGTERM; a NaN loss stops the run before it is saved, with exit 1 and the last good step."""
+    short = ["train.steps=8"]
+    a = tmp_path / "a"
+    r = subprocess.run(train_cmd(a, *short), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = losses(a)
+    (a / "ckpt" / "12").mkdir()  # a stray empty numbered directory must not block a resume
+    r = subprocess.run(train_cmd(a, *short, "resume=4"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "an empty step directory, not a checkpoint" in r.stdout
+    assert "rolled back: steps [8] moved to" in r.stdout and "config changed" not in r.stdout
+    assert [p.name for p in (a / "ckpt" / ckpt.ROLLED_BACK).iterdir()][0]
+    steps = [json.loads(x)["step"] for x in (a / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))  # re-run steps replace their records
+    assert losses(a) == want  # exact continuation from step 4
+
+    b = tmp_path / "b"
+    code, out = run_until(train_cmd(b), 2, signal.SIGINT)
+    assert code == 0 and "preempted: saved step" in out, out[-3000:]
+
+    c = tmp_path / "c"
+    r = subprocess.run(train_cmd(c, *short, "optimizer.lr=1e30", "optimizer.warmup_steps=0",
+                                 "checkpoint.every=1"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    line = r.stderr.strip()
+    assert line.count("\n") == 0 and "Traceback" not in line, line
+    bad = int(line.split("step ")[1].split(":")[0])
+    assert f"the loss is nan; stopped before saving it; the last checkpoint is step {bad - 1}" \
+        in line and f"resume={bad - 1}" in line
+    with ckpt.CheckpointManager(c / "ckpt", trainer(1, 1, 1)) as m:
+        assert m.latest_step() == bad - 1  # the NaN state was never written
+
+
+def test_unusable_checkpoint_dir_is_refused_before_the_first_step(tmp_path, capsys):
+    from fiddlejax import run
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    base = ["run.cpu_devices=0", f"run.dir={tmp_path / 'run'}"]
+    assert run.main(None, base + [f"checkpoint.dir={f}"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir={f} cannot be used: {f} is a regular file" in err
+    assert err.count("\n") == 1
+    assert run.main(None, base + [f"checkpoint.dir={f}/sub"]) == 2
+    assert "is a regular file" in capsys.readouterr().err
+    if os.geteuid() != 0:  # root writes anywhere; benchmarks/faults.py mounts a read-only disk
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        assert run.main(None, base + [f"checkpoint.dir={ro}"]) == 2
+        assert f"checkpoint.dir={ro} is not writable" in capsys.readouterr().err
+
+
+def test_resume_announces_config_changes():
+    said = []
+    job = ckpt.JobCheckpoints.__new__(ckpt.JobCheckpoints)
+    job.log = said.append
+    from fiddlejax import config
+
+    job.cfg = config.load(None, ["train.steps=20", "optimizer.lr=1e-3", "run.dir=elsewhere"])
+    job._announce_changes(config.load(None, ["train.steps=10"]))
+    assert any("train.steps 10 -> 20 (the learning-rate schedule" in s for s in said), said
+    assert any("optimizer.lr 0.003 -> 0.001" in s for s in said), said
+    assert not any("run.dir" in s for s in said)
+
+
+def test_corrupt_message_suggests_resume_and_skips_the_bad_step(saved, tmp_path):
+    with ckpt.CheckpointManager(_copy(saved, tmp_path / "c"), trainer(1, 1, 1)) as m:
+        assert m.all_steps() == [1, 2]
+        assert m._fallback(2) == ("restore an earlier step: fiddlejax train ... resume=1 "
+                                  "(Python: restore(step=1)); earlier steps: [1]")
+        assert "no earlier checkpoint" in m._fallback(1)
