@@ -453,12 +453,43 @@ class Trainer:
         if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
             raise ValueError(f"params do not match {self.model_name}'s parameter tree and shapes")
 
+    @property
+    def pipeline(self):
+        """The pipeline layout and executor (``fiddlejax.pipeline.runtime.Pipeline``), or None
+        without a pipeline schedule: its schedule, tables, stage FLOPs."""
+        return self._pipeline
+
     def compiled_step(self, state: TrainState, batch: dict):
         """The compiled step, for ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``."""
-        return self._step.lower(state, self._prepare(state, batch)).compile()
+        return self.lower_step(state, batch).compile()
+
+    def lower_step(self, state: TrainState, batch: dict):
+        """The lowered step; ``state`` may be abstract (``jax.eval_shape(trainer.init)``)."""
+        return self._step.lower(state, self._prepare(state, batch))
 
     def lower_loss_and_grads(self, state: TrainState, batch: dict):
-        return self._loss_and_grads.lower(state, self.shard_batch(batch))
+        """The lowered ``loss_and_grads``; ``state`` may be abstract."""
+        return self._loss_and_grads.lower(state, self._prepare(state, batch))
+
+    def step_function(self) -> Callable:
+        """``step`` as a jitted function that does not donate its state (for timing loops that
+        run one state many times); takes a batch placed by :meth:`shard_batch`."""
+        if self._remat is None:
+            raise ValueError("remat='auto' picks its policy on the first step: call step once")
+        return jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
+                       out_shardings=(self.state_shardings, None))
+
+    def stage_flops(self, state: TrainState, batch: dict) -> list[dict]:
+        """Compiled FLOPs of each pipeline stage's share of one step (data = tensor = 1)."""
+        if self._pipeline is None:
+            raise ValueError("stage_flops needs a pipeline schedule")
+        return self._pipeline.stage_flops(state.params, batch, self._resolved_remat(state,
+                                                                                    batch))
+
+    def _resolved_remat(self, state, batch):
+        if self._remat is None:
+            self._choose_remat(state, self.shard_batch(batch))
+        return self._remat
 
 
 def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,

@@ -95,7 +95,7 @@ def test_tables_stash_sized_by_peak():
     s = schedules.build("1f1b", stages=4, microbatches=16)
     tb = runtime.build_tables(s, [2, 2, 2, 2])
     assert tb.num_stash == 4  # the schedule's peak, not the microbatch count
-    assert tb.num_act == 1 and tb.num_grad == 1
+    assert tb.num_inbox == 3  # an activation, a cotangent, and the trash slot
     g = runtime.build_tables(schedules.build("gpipe", stages=4, microbatches=16), [2] * 4)
     assert g.num_stash == 16
 
@@ -109,7 +109,7 @@ def test_memory_flat_in_microbatches_for_1f1b():
         return trainer._step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp("1f1b", 4) == temp("1f1b", 2)  # the stash holds at most p microbatches
-    assert temp("gpipe", 4) > 1.5 * temp("gpipe", 2)  # GPipe holds all m
+    assert temp("gpipe", 4) > 1.25 * temp("gpipe", 2)  # GPipe holds all m
 
 
 def test_errors_before_compile():
@@ -120,7 +120,7 @@ def test_errors_before_compile():
                                                           microbatches=4))
     with pytest.raises(ValueError, match="not divisible by data=2 x microbatches=4 = 8"):
         trainer.step(trainer.init(), tokens(0, 12, 16, 256))
-    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved-1f1b'"):
+    with pytest.raises(ValueError, match="virtual_stages=2 needs an interleaved schedule"):
         plan(1, 2, 1, schedule="1f1b", virtual_stages=2)
 
 

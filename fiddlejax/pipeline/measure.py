@@ -1,0 +1,126 @@
+"""Static per-stage FLOPs of a pipelined step: the work each stage really does.
+
+XLA counts a ``while`` body once and a ``conditional`` as its costliest branch, so the real step
+(a scan over ticks around a switch) cannot be measured directly. Here each stage's program is
+built from the same model functions, its actions dispatched in Python in tick order with every
+layer loop unrolled, so ``cost_analysis`` counts exactly that stage's work. Messages from other
+stages come in as distinct inputs per tick (so XLA cannot merge microbatches) and messages to
+them go out as outputs (so XLA keeps the work that made them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from fiddlejax.pipeline import costs, executor
+
+
+def stage_flops(pipeline, params: nnx.State, batch: dict, remat: Callable) -> list[dict]:
+    """Compiled FLOPs of each stage's whole step: ``{"flops", "dot_flops"}`` per stage.
+
+    ``flops`` is ``cost_analysis()``'s, ``dot_flops`` the matrix multiplies alone
+    (:func:`costs.hlo_dot_flops`). Needs ``data == tensor == 1``.
+    """
+    plan = pipeline.plan
+    if plan.data != 1 or plan.tensor != 1:
+        raise ValueError("stage_flops needs a mesh with data=1 and tensor=1")
+    spec_tree = pipeline.stack_specs(params)
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // pipeline.m, *x.shape[1:]),
+                                                     x.dtype), batch)
+    act = jax.eval_shape(pipeline.staged.prologue, params, mb)
+    ticks = pipeline.schedule_run.ticks.num_ticks
+    feed = jax.ShapeDtypeStruct((ticks, *act.shape), act.dtype)
+    out = []
+    for st in range(pipeline.p):
+        def per_device(prm, b, f, st=st):
+            return _stage_program(pipeline, remat, st, prm, b, f)
+
+        f = jax.shard_map(per_device, mesh=plan.mesh, in_specs=(spec_tree, P(), P()),
+                          out_specs=(P(), spec_tree, P("pipe")), axis_names={"pipe"})
+        compiled = jax.jit(f).lower(params, batch, feed).compile()
+        out.append({"flops": float(compiled.cost_analysis()["flops"]),
+                    "dot_flops": costs.hlo_dot_flops(compiled.as_text())})
+    return out
+
+
+def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
+    """Stage ``st``'s actions in tick order, unrolled: (loss, gradients, messages sent)."""
+    s, sched = pl.staged, pl.schedule_run
+    place, last = sched.placement, sched.num_chunks - 1
+    shard = executor.Shard([prm], s.stack)
+    ctx = executor.make_context(shard, s, executor.microbatches(batch, pl.m),
+                                executor.varying(("pipe",)), pl.m)
+    layer = remat(s.layer)
+    outer = ctx.outer(0)
+    g_local = [jnp.zeros_like(x) for x in shard.local]
+    g_outer = [jnp.zeros_like(x) for x in shard.outer]
+    loss = jnp.zeros((), jnp.float32)
+    held, douts, own, sent = {}, {}, {}, []
+
+    def incoming(key, t):  # a message from this stage itself, else one from a neighbour
+        return own.pop(key) if key in own else ctx.vary(feed[t])
+
+    def emit(key, to_stage, value):
+        if to_stage == st:
+            own[key] = value
+        else:
+            sent.append(value)
+
+    def add_layers(j, grads):
+        pad = [jax.tree.map(jnp.zeros_like, grads[0])] * (pl.lmax - len(grads))
+        return executor.add_at(g_local, (0, j), jax.tree.map(lambda *a: jnp.stack(a),
+                                                             *grads, *pad))
+
+    for t, actions in enumerate(sched.ticks.ticks):
+        a = actions[st]
+        if a is None:
+            continue
+        op, i, c = a
+        j = sched.chunks_of(st).index(c)
+        cp, mb = ctx.chunk_params(j, 0), ctx.microbatch(i)
+        layer_params = [jax.tree.map(lambda x, k=k: x[k], cp) for k in range(pl.counts[c])]
+        if op == "F":
+            x = ctx.prologue(outer, mb) if c == 0 else incoming(("x", i, c), t)
+            vjps = []
+            for lp in layer_params:
+                x, vjp = jax.vjp(layer, lp, x)
+                vjps.append(vjp)
+            held[(i, c)] = vjps
+            if c == last:
+                value, (d_outer, dy) = jax.value_and_grad(ctx.epilogue, argnums=(0, 1))(
+                    outer, x, mb)
+                loss = loss + value
+                g_outer = executor.add_at(g_outer, (0,), [d * ctx.inv_m for d in d_outer])
+                own[("dy", i, c)] = dy * ctx.inv_m
+            else:
+                emit(("x", i, c + 1), place[c + 1], x)
+        elif op in ("B", "I"):
+            dy, grads, outs = incoming(("dy", i, c), t), [], []
+            for vjp in reversed(held[(i, c)]):
+                outs.insert(0, dy)
+                dlp, dy = vjp(dy)
+                grads.insert(0, dlp)
+            if op == "B":
+                g_local = add_layers(j, grads)
+            else:
+                douts[(i, c)] = outs
+            if c == 0:
+                _, pro_vjp = jax.vjp(lambda o, mb=mb: ctx.prologue(o, mb), outer)
+                g_outer = executor.add_at(g_outer, (0,), pro_vjp(dy)[0])
+            else:
+                emit(("dy", i, c - 1), place[c - 1], dy)
+        else:  # W: weight gradients from the cotangents I kept
+            grads = [vjp(d)[0] for vjp, d in zip(held[(i, c)], douts.pop((i, c)))]
+            g_local = add_layers(j, grads)
+    grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in g_outer],
+                           [g[0][None] for g in g_local])
+    sent = sent or [jnp.zeros(feed.shape[1:], feed.dtype)]
+    return jax.lax.psum(loss, "pipe") * ctx.inv_m, grads, jnp.stack(sent)[None]
+
+
+__all__ = ["stage_flops"]
