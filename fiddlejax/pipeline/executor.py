@@ -204,7 +204,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     if update is None:
         unroll = pipeline.tick_unroll
         if len(table) % unroll:  # idle ticks to a multiple of the unroll factor
-            pad = np.broadcast_to(idle_row(tables), (unroll - len(table) % unroll, *table.shape[1:]))
+            pad = np.broadcast_to(idle_row(tables),
+                                  (unroll - len(table) % unroll, *table.shape[1:]))
             table = np.concatenate([table, pad])
         carry = jax.lax.scan(make_tick(), carry, jnp.asarray(table), unroll=unroll)[0]
         loss = jax.lax.psum(carry.loss[0], "pipe") / m
