@@ -1,0 +1,118 @@
+"""Every shell command the README and docs/ show runs, as written, with exit status 0.
+
+The rule: every fenced ```bash (or sh, shell, console) block of README.md and docs/**/*.md runs
+as one bash script in a fresh temporary directory (so relative paths such as checkpoint.dirs and
+``> my.json`` land there, and later lines of a block see what earlier lines wrote). Lines are
+joined at trailing backslashes. Within a command (between ``&&``, ``;`` and ``|``):
+
+- ``fiddlejax train ...`` (also after ``python launch/local.py ... --``) gets :data:`SHORT`
+  appended, so it trains two steps into a temporary run directory; everything else of the
+  command (layout, model, schedule, optimizer, checkpoint.dir, resume) runs as the docs say.
+- A command matching :data:`EXEMPT` is replaced by ``true``; the reason is beside its pattern.
+- A usage synopsis, a command with a ``[optional]`` or ``...`` placeholder, is skipped: it is
+  not meant to be pasted.
+
+Blocks that run ``fiddlejax train`` are marked slow (a compile each); the rest are quick.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["train.steps=2", "train.eval_every=0", "train.eval_batches=1", "run.dir=runs/docs",
+         "run.progress=lines", "train.log_every=1"]
+EXEMPT = {
+    r"^pip install": "installs packages; the suite runs in the installed environment",
+    r"^python -m pytest": "the test suite itself",
+    r"^sbatch ": "needs a SLURM cluster (launch/slurm.sbatch is checked by test_distributed)",
+    r"--gpus-per-process": "needs GPUs",
+    r"^python benchmarks/": "benchmarks run for minutes; their results are committed",
+    r"^kubectl ": "needs a Kubernetes cluster",
+}
+_FENCE = re.compile(r"^```(?:bash|sh|shell|console)[ \t]*\n(.*?)^```", re.S | re.M)
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _strip_comment(line: str) -> str:
+    return re.split(r"(?:^|\s)#", line, maxsplit=1)[0].rstrip()
+
+
+def _rewrite(command: str) -> str:
+    """One command: exempted, shortened, or as it is."""
+    c = command.strip()
+    if not c:
+        return c
+    for pattern in EXEMPT:
+        if re.search(pattern, c):
+            return "true"
+    if "fiddlejax train" in c:
+        redirect = re.search(r"\s[12]?>", c)
+        head, tail = (c[:redirect.start()], c[redirect.start():]) if redirect else (c, "")
+        return f"{head} {' '.join(SHORT)}{tail}"
+    return c
+
+
+def script(block: str) -> str | None:
+    """The bash script a block becomes, or None when nothing in it is runnable."""
+    lines = [_strip_comment(x) for x in block.replace("\\\n", " ").splitlines()]
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        if "[" in line and "]" in line or "..." in line:  # a synopsis: placeholders
+            continue
+        parts = re.split(r"(&&|;|\|\|)", line)
+        out.append("".join(p if p in ("&&", ";", "||") else " " + _rewrite(p) + " "
+                           for p in parts).strip())
+    runnable = [x for x in out if re.sub(r"\btrue\b|&&|;|\|\|", "", x).strip()]
+    return "set -e\n" + "\n".join(out) + "\n" if runnable else None
+
+
+def blocks() -> list:
+    seen, cases = set(), []
+    for page in pages():
+        for i, block in enumerate(_FENCE.findall(page.read_text())):
+            s = script(block)
+            if s is None or s in seen:
+                continue
+            seen.add(s)
+            marks = [pytest.mark.slow] if "fiddlejax train" in s else []
+            cases.append(pytest.param(s, id=f"{page.relative_to(ROOT)}#{i}", marks=marks))
+    return cases
+
+
+def test_the_harvest_finds_the_documented_commands():
+    every = "".join(p.values[0] for p in blocks())
+    assert "fiddlejax train" in every and "fiddlejax schedule" in every
+    assert "fiddlejax plan" in every and "launch/local.py" in every
+    assert script("pip install -e . && fiddlejax train  # go\n") == (
+        "set -e\ntrue && fiddlejax train " + " ".join(SHORT) + "\n")
+    assert script("fiddlejax schedule KIND [--json]\n") is None
+
+
+def _env() -> dict[str, str]:
+    """This environment, less pytest's 8-device XLA flag (each command sets its devices)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.parametrize("code", blocks())
+def test_documented_commands_run(code, tmp_path):
+    # launch/local.py and fiddlejax/configs/default.yaml are named relative to the repository
+    for name in ("launch", "fiddlejax", "models"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    r = subprocess.run(["bash", "-c", code], cwd=tmp_path, env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"{code}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
