@@ -107,6 +107,8 @@ SPECS: dict[str, Spec] = {
     "model.vocab_size": Spec(int, lo=2), "model.seq_len": POSITIVE, "model.d_model": POSITIVE,
     "model.n_heads": POSITIVE, "model.n_layers": POSITIVE, "model.d_ff": POSITIVE,
     "model.tie_embeddings": Spec(bool), "model.channels": POSITIVE,
+    "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
+    "model.from_pretrained": Spec(str, null=True),
     "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
     "plan.schedule": Spec(str, null=True),  # choices: the schedule registry
     "plan.microbatches": POSITIVE,
