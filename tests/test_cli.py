@@ -29,7 +29,8 @@ def test_cli_rejects_unknown_key_before_compiling():
 
 
 def test_cli_rejects_bad_layout():
-    r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train", "mesh.data=3"],
+    r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train", "mesh.data=3",
+                        "data.batch_size=48"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "needs 12 devices but 8 are available" in r.stderr  # default pipe=2, tensor=2
