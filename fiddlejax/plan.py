@@ -56,6 +56,11 @@ class Plan:
     - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1).
     - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
     - ``memory_budget``: bytes per device, for ``remat="auto"``.
+    - ``split_backward``: run each whole backward B as I then W on consecutive ticks, so every
+      lockstep tick costs one unit and 1F1B-style schedules reach their timeline bubble.
+      ``None`` (default): split when that lowers the lockstep bubble and the backend is not the
+      CPU (simulated CPU devices share cores, so a bubble costs no wall time there while each
+      extra tick costs its fixed overhead).
     - ``check_inputs``: every ``Trainer.step`` checks the batch's ids against the model's
       vocabulary (or classes) and the loss for NaN/inf, raising an error that names the step.
       Costs a host sync per step: for debugging and for runs that must not train on garbage.
@@ -79,6 +84,7 @@ class Plan:
     partition: str = "uniform"
     memory_budget: int | None = None
     check_inputs: bool = False
+    split_backward: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh) or tuple(self.mesh.axis_names) != AXES:
@@ -139,6 +145,9 @@ class Plan:
                              "memory_budget=2 << 30: it picks the cheapest policy that fits")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs={self.check_inputs!r} must be True or False")
+        if self.split_backward is not None and not isinstance(self.split_backward, bool):
+            raise TypeError(f"split_backward={self.split_backward!r} must be True, False or None "
+                            "(None: split where lockstep bubbles cost time, i.e. off the CPU)")
         d = self.topk_density
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < d <= 1:
             raise ValueError(

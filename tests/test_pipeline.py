@@ -51,6 +51,9 @@ CASES = [
     ("zb-h1", (1, 4, 1), 4, 1, 8),
     ("zb-h1", (2, 2, 2), 4, 1, 8),
     ("1f1b", (1, 4, 1), 4, 1, 6),        # 6 layers on 4 stages
+    ("zb-v", (1, 4, 1), 4, 2, 8),        # V placement: local hand-off on stage 3
+    ("zb-v", (2, 2, 2), 4, 2, 8),
+    ("interleaved-zb", (1, 2, 1), 4, 2, 8),
 ]
 
 
@@ -212,3 +215,39 @@ def test_2bw_equals_the_one_step_stale_update_rule(make_opt, layout):
     clipped = optax.chain(optax.clip_by_global_norm(1.0), opt)
     with pytest.raises(ValueError, match="optimizer.clip=0"):
         fj.parallelize(gpt(4), clipped, plan(1, 2, 1, schedule="2bw", microbatches=2))
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_split_backward_equals_single_device(kind, v):
+    """Whole backwards run as I then W on consecutive ticks: same gradients, unit-cost ticks."""
+    p = plan(1, 2, 1, schedule=kind, microbatches=4, virtual_stages=v, split_backward=True)
+    trainer = check(gpt(4), p, tokens(5, 8, 16, 256))
+    run = trainer.pipeline.schedule_run
+    assert run.split_backward and not trainer.pipeline.schedule.split_backward
+    assert abs(run.ticks.weighted_bubble_fraction - run.bubble_fraction) < 0.01
+    assert run.ticks.weighted_bubble_fraction < trainer.pipeline.schedule.ticks.\
+        weighted_bubble_fraction
+
+
+def test_auto_split_keeps_whole_backwards_on_cpu():
+    trainer = fj.parallelize(gpt(4), optax.sgd(0.1), plan(1, 2, 1, schedule="1f1b",
+                                                         microbatches=4))
+    assert trainer.pipeline.schedule_run is trainer.pipeline.schedule
+    with pytest.raises(TypeError, match="split_backward='yes' must be True, False or None"):
+        plan(1, 2, 1, schedule="1f1b", split_backward="yes")
+
+
+def test_tick_traffic_does_not_grow_with_microbatches():
+    """Buffers are updated in place: one tick's bytes (unroll 2 minus unroll 1) is flat in m."""
+    def tick_bytes(m):
+        out = []
+        for unroll in (1, 2):  # a fresh trainer each: jit caches the traced step
+            trainer = fj.parallelize(gpt(4), optax.sgd(0.1), plan(1, 2, 1, schedule="gpipe",
+                                                                 microbatches=m))
+            trainer.pipeline.tick_unroll = unroll
+            state = jax.eval_shape(trainer.init)
+            c = trainer.lower_step(state, tokens(0, 2 * m, 16, 256)).compile()
+            out.append(c.cost_analysis()["bytes accessed"])
+        return out[1] - out[0]
+
+    assert tick_bytes(8) == tick_bytes(2)  # GPipe's stash is 4x larger at m=8

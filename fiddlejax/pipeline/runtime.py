@@ -49,8 +49,8 @@ class Pipeline:
         self.counts = self._partition(canonical_template, example)
         kind = plan.schedule
         self.schedule = schedules.build(kind, stages=p, microbatches=m,
-                                        virtual_stages=v if kind == "interleaved-1f1b" else None)
-        self.schedule_run = self.schedule
+                                        virtual_stages=v if schedules.interleaves(kind) else None)
+        self.schedule_run = executed(self.schedule, plan.split_backward)
         self.tables = build_tables(self.schedule_run, self.counts)
         self.lmax = max(self.counts)
         # Internal stack index [p, v, lmax] -> canonical layer (or L: a zero pad layer).
@@ -156,7 +156,8 @@ class Pipeline:
         steps = int(jax.tree.leaves(batches)[0].shape[0])
         if steps not in self._tables_2bw:
             sched = schedules.build("2bw", stages=self.p, microbatches=self.m, steps=steps)
-            self._tables_2bw[steps] = build_tables(sched, self.counts)
+            self._tables_2bw[steps] = build_tables(
+                executed(sched, self.plan.split_backward), self.counts)
         tables = self._tables_2bw[steps]
         manual = self._manual()
         spec_tree = self.stack_specs(versions[0])
@@ -193,6 +194,21 @@ class Pipeline:
         return measure.stage_flops(self, params, batch, remat)
 
 
+def executed(schedule: schedules.Schedule, split: bool | None = None) -> schedules.Schedule:
+    """The schedule the runtime runs: whole backwards split into I then W (``split=True``), or
+    as written (``False``). ``None``: split when that lowers the lockstep bubble (a tick lasts
+    as long as its slowest action; split, all cost one unit), except on the CPU, where
+    simulated devices share cores, a bubble costs no wall time and each extra tick costs its
+    fixed overhead (measured: benchmarks/results/pipeline_efficiency.md)."""
+    if schedule.split_backward or split is False:
+        return schedule
+    cut = schedules.split_backward(schedule)
+    if split:
+        return cut
+    lower = cut.ticks.weighted_bubble_fraction < schedule.ticks.weighted_bubble_fraction - 1e-9
+    return cut if lower and jax.default_backend() != "cpu" else schedule
+
+
 def build(staged, plan, canonical_template: nnx.State, example: dict | None = None) -> Pipeline:
     """The pipeline for ``plan`` (validates layers, microbatches and schedule up front).
 
@@ -201,4 +217,4 @@ def build(staged, plan, canonical_template: nnx.State, example: dict | None = No
     return Pipeline(staged, plan, canonical_template, example)
 
 
-__all__ = ["Pipeline", "Row", "Tables", "build", "build_tables"]
+__all__ = ["Pipeline", "Row", "Tables", "build", "build_tables", "executed"]

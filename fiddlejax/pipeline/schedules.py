@@ -41,6 +41,7 @@ __all__ = [
     "build",
     "register",
     "kinds",
+    "interleaves",
     "load",
     "dump",
     "validate",
@@ -51,6 +52,9 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
+    "zb_v",
+    "interleaved_zb",
+    "split_backward",
     "two_bw",
     "weight_updates",
 ]
@@ -728,6 +732,12 @@ def register(
     _REGISTRY[_normal(kind)] = _Entry(generator, virtual, min_microbatches, multistep)
 
 
+def interleaves(kind: str) -> bool:
+    """Whether ``kind`` places several chunks per stage (takes ``virtual_stages``)."""
+    entry = _REGISTRY.get(_normal(kind)) if isinstance(kind, str) else None
+    return bool(entry and entry.virtual)
+
+
 def kinds() -> list[str]:
     """Registered schedule kinds, in registration order."""
     return list(_REGISTRY)
@@ -888,6 +898,106 @@ def zb_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     return _schedule("zb-h1", p, m, 1, rows)
 
 
+def split_backward(schedule: Schedule) -> Schedule:
+    """``schedule`` with every whole backward B run as I then W, back to back.
+
+    In lockstep every tick lasts as long as its slowest action, so a B (cost 2) beside an F
+    (cost 1) idles the F's stage for a unit; split, every action costs one unit and the
+    lockstep bubble falls to the timeline's. Held activations are the same (W follows I at
+    once); the cotangents at each layer's output are kept for one tick.
+    """
+    rows = [[x for a in row for x in ((Action("I", *a[1:]), Action("W", *a[1:])) if a.op == "B"
+                                      else (a,))] for row in schedule.actions]
+    return Schedule(schedule.kind, schedule.stages, schedule.microbatches,
+                    schedule.virtual_stages, schedule.placement, rows, steps=schedule.steps)
+
+
+def _greedy_zero_bubble(kind: str, p: int, m: int, v: int, placement: tuple[int, ...],
+                        cap: int) -> Schedule:
+    """A zero-bubble order found by lockstep list scheduling with unit-cost F, I and W.
+
+    Each tick every stage runs, in this priority: a ready I (input gradients unblock the
+    stages before it); a ready F (the deepest chunk first), a stage's entry chunk only while it
+    holds fewer than ``cap`` chunk-activations; a deferred W; else it idles. Deferred Ws fill
+    the gaps that 1F1B leaves idle, as in the ZB papers and torch's zero-bubble schedules.
+    """
+    n = p * v
+    chunks = [tuple(c for c in range(n) if placement[c] == st) for st in range(p)]
+    f_done: dict[tuple[int, int], int] = {}
+    i_done: dict[tuple[int, int], int] = {}
+    next_f, next_i = [0] * n, [0] * n
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    held = [0] * p
+    rows: list[list[Action]] = [[] for _ in range(p)]
+    left, t = 3 * n * m, 0
+    while left:
+        chosen: list[Action | None] = [None] * p
+        for st in range(p):
+            ready_i = [(next_i[c], c) for c in chunks[st] if next_i[c] < m
+                       and f_done.get((next_i[c], c), t) < t
+                       and (c == n - 1 or i_done.get((next_i[c], c + 1), t) < t)]
+            ready_f = [(next_f[c], c) for c in chunks[st] if next_f[c] < m
+                       and (c == 0 or f_done.get((next_f[c], c - 1), t) < t)
+                       and (c != chunks[st][0] or held[st] < cap)]
+            if ready_i:
+                mb, c = min(ready_i, key=lambda x: (x[0], -x[1]))
+                chosen[st] = Action("I", mb, c)
+            elif ready_f:
+                mb, c = max(ready_f, key=lambda x: (x[1], -x[0]))
+                chosen[st] = Action("F", mb, c)
+            elif pending[st]:
+                chosen[st] = Action("W", *pending[st].pop(0))
+        if not any(chosen):
+            raise ScheduleError(f"{kind}: list scheduling stalled at tick {t} (cap={cap})")
+        for st, a in enumerate(chosen):  # results become visible from the next tick
+            if a is None:
+                continue
+            rows[st].append(a)
+            left -= 1
+            key = (a.microbatch, a.chunk)
+            if a.op == "F":
+                f_done[key], next_f[a.chunk], held[st] = t, next_f[a.chunk] + 1, held[st] + 1
+            elif a.op == "I":
+                i_done[key], next_i[a.chunk] = t, next_i[a.chunk] + 1
+                pending[st].append(key)
+            else:
+                held[st] -= 1
+        t += 1
+    return Schedule(kind, p, m, v, placement, rows)
+
+
+def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """ZB-V (Qi et al. 2024): two chunks per stage in a V, split backwards, near-zero bubble.
+
+    Chunk c sits on stage c for the first half and on stage 2p-1-c for the second, so stage 0
+    holds both the first and the last chunk and the V's turn is a local hand-off on stage p-1.
+    Ws deferred into the gaps shrink the bubble; the order comes from list scheduling under a
+    memory cap that keeps every stage within 1F1B's activation memory (2p half-size chunk
+    activations).
+    """
+    p, m = stages, microbatches
+    if virtual_stages != 2:
+        raise ScheduleError(f"zb-v places exactly 2 chunks per stage; got virtual_stages="
+                            f"{virtual_stages}: use virtual_stages=2")
+    placement = tuple(list(range(p)) + list(reversed(range(p))))
+    # The entry chunk's cap bounds the second leg's activations only indirectly: take the
+    # loosest cap whose peak stays within 1F1B's (2p half-size chunks).
+    for cap in range(2 * p, 1, -1):
+        s = _greedy_zero_bubble("zb-v", p, m, 2, placement, cap=cap)
+        if max(s.held_peak) <= 2 * p:
+            return s
+    return s
+
+
+def interleaved_zb(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved zero bubble: Megatron's cyclic placement (chunk c on stage c mod p) with
+    split backwards and deferred Ws filling the gaps (torch's ScheduleInterleavedZeroBubble).
+    Activation memory is capped near interleaved 1F1B's."""
+    p, m, v = stages, microbatches, virtual_stages
+    placement = tuple(c % p for c in range(p * v))
+    return _greedy_zero_bubble("interleaved-zb", p, m, v, placement, cap=p * v)
+
+
 def two_bw(stages: int, microbatches: int, virtual_stages: int = 1, steps: int = 1) -> Schedule:
     """PipeDream-2BW: 1F1B across ``steps`` optimizer steps with no flush between them.
 
@@ -937,3 +1047,5 @@ register("1f1b", one_f_one_b)
 register("interleaved-1f1b", interleaved_1f1b, virtual=True)
 register("zb-h1", zb_h1)
 register("2bw", two_bw, multistep=True)
+register("zb-v", zb_v, virtual=True)
+register("interleaved-zb", interleaved_zb, virtual=True)
