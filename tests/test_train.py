@@ -191,6 +191,8 @@ def test_remat_auto_picks_a_fitting_policy(gpt_reference):
     model, batches, ref_loss, ref_grads, *_ = gpt_reference
     trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 1), remat="auto",
                                                  memory_budget=1 << 34))
+    # lowering first (issue 21: it used to skip the policy choice and crash)
+    assert trainer.lower_loss_and_grads(jax.eval_shape(trainer.init), batches[0]).compile()
     loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
     assert trainer.remat_policy.name == "none"
     assert rel_err(grads, ref_grads) < 1e-5
