@@ -125,6 +125,8 @@ class Group:
                 forwarded += 1
             codes = [p.poll() for p in self.procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            # A process killed by a signal is the cause; peers that exit on noticing it follow.
+            failed.sort(key=lambda rc: rc[1] > 0)
             if failed:
                 rank, code = failed[0]
                 live = [r for r, c in enumerate(codes) if c is None]
