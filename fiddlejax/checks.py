@@ -74,7 +74,8 @@ def check_rank(batch: dict, spec: dict, model_name: str) -> None:
         x = batch.get(key)
         if x is not None and len(np.shape(x)) != len(want.shape):
             dims = ", ".join(["batch"] + [str(d) for d in want.shape[1:]])
+            shape = list(np.shape(x))
             raise ValueError(
-                f"batch[{key!r}] has {len(np.shape(x))} dimension(s), shape {list(np.shape(x))}, but "
+                f"batch[{key!r}] has {len(shape)} dimension(s), shape {shape}, but "
                 f"{model_name} expects [{dims}]: a leading batch dimension, e.g. x[None] for "
                 "one example")
