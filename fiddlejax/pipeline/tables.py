@@ -157,7 +157,7 @@ def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
         col["layers"][t, st] = counts[c]
         col["stash"][t, st] = stash[st][(m, c)]
         col["step"][t, st] = s.step_of(Action(op, m, c))
-        col["version"][t, st] = col["step"][t, st] % 2 if s.kind == "2bw" else 0
+        col["version"][t, st] = col["step"][t, st] % 2  # two versions suffice (2BW); else 0
         if op == "F":
             col["branch"][t, st] = (F_ONLY if n_chunks == 1 else F_FIRST if c == 0
                                     else F_LAST if c == last else F_MID)
@@ -178,7 +178,7 @@ def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
         else:  # W
             col["branch"][t, st] = W
             col["wdy"][t, st] = wdy[st][0][(m, c)]
-    ends = tuple(schedules.weight_updates(s)) if s.kind == "2bw" else (T,)
+    ends = tuple(schedules.weight_updates(s)) if s.steps > 1 else (T,)
     return Tables(Row(**col), num_stash=max(s.held_peak), num_inbox=num_inbox,
                   num_wdy=num_wdy, step_ends=ends, split=s.split_backward)
 
