@@ -152,20 +152,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     def zeros(shape, dtype):
         return vary(jnp.zeros(shape, dtype))
 
-    def stash_buffer(r):
-        buf = zeros((tables.num_stash, *r.shape), r.dtype)
-        space = getattr(jax.typeof(r), "memory_space", None)
-        if space is not None and "host" in str(space).lower():  # an offloaded residual
-            buf = jax.device_put(buf, space)
-        return buf
-
-    carry = Carry(
-        stash=[stash_buffer(r) for r in res_abs],
-        inbox=zeros((tables.num_inbox, *act.shape), act.dtype),
-        wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if split else None,
-        g_local=[zeros(x.shape, x.dtype) for x in shard.local],
-        g_outer=[zeros(x.shape, x.dtype) for x in shard.outer],
-        loss=zeros((steps,), jnp.float32))
+    carry = initial_carry(tables, res_abs, act, shard, steps, lmax, zeros)
     nothing = stage_lib.TickOut(
         out=zeros(act.shape, act.dtype), res=None, wdy=None,
         dcp=jax.tree.map(jnp.zeros_like, cp0), d_outer=[jnp.zeros_like(o) for o in ctx.outer(0)],
@@ -200,8 +187,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
 
         return tick
 
-    table = tables.stacked()
     if update is None:
+        table = tables.stacked()
         unroll = pipeline.tick_unroll
         if len(table) % unroll:  # idle ticks to a multiple of the unroll factor
             pad = np.broadcast_to(idle_row(tables),
@@ -212,6 +199,31 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in carry.g_outer],
                                [g[0][None] for g in carry.g_local])
         return loss, grads
+    return _steps_2bw(carry, shard, tables, make_tick, update, m)
+
+def initial_carry(tables: tb.Tables, res_abs: list, act, shard: Shard, steps: int, lmax: int,
+                  zeros: Callable) -> Carry:
+    """Zeroed buffers sized by the tables (stash slots in the residual's memory space)."""
+    def stash_buffer(r):
+        buf = zeros((tables.num_stash, *r.shape), r.dtype)
+        space = getattr(jax.typeof(r), "memory_space", None)
+        if space is not None and "host" in str(space).lower():  # an offloaded residual
+            buf = jax.device_put(buf, space)
+        return buf
+
+    return Carry(
+        stash=[stash_buffer(r) for r in res_abs],
+        inbox=zeros((tables.num_inbox, *act.shape), act.dtype),
+        wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if tables.split else None,
+        g_local=[zeros(x.shape, x.dtype) for x in shard.local],
+        g_outer=[zeros(x.shape, x.dtype) for x in shard.outer],
+        loss=zeros((steps,), jnp.float32))
+
+
+def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callable,
+               update: Callable, m: int):
+    """PipeDream-2BW: one scan per step's ticks, each followed by that step's update."""
+    table = tables.stacked()
     start, losses = 0, []
     for k, end in enumerate(tables.step_ends):
         carry = jax.lax.scan(make_tick(), carry, jnp.asarray(table[start:end]))[0]
@@ -228,11 +240,11 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         carry = carry._replace(g_local=[g.at[j].set(0) for g in carry.g_local],
                                g_outer=[g.at[j].set(0) for g in carry.g_outer])
         losses.append(loss_k)
-    last = (steps - 1) % 2
+    last = (len(tables.step_ends) - 1) % 2
     latest = [shard.assemble([o[v] for o in shard.outer], [x[v][None] for x in shard.local])
               for v in (1 - last, last)]
     return jnp.stack(losses), latest
 
 
-__all__ = ["Carry", "Shard", "add_at", "make_context", "microbatches", "read", "run", "varying",
-           "write"]
+__all__ = ["Carry", "Shard", "add_at", "initial_carry", "make_context", "microbatches", "read",
+           "run", "varying", "write"]
