@@ -14,6 +14,7 @@ _EXPORTS = {
     "Trainer": "fiddlejax.train",
     "TrainState": "fiddlejax.train",
     "parallelize": "fiddlejax.train",
+    "mean_loss": "fiddlejax.staged",
     "CheckpointManager": "fiddlejax.checkpoint",
     "stale_correction": "fiddlejax.pipeline.staleness",
 }

@@ -45,6 +45,18 @@ def pad_vocab(params: nnx.State, multiple: int) -> nnx.State:
     return jax.tree.map(pad, params, is_leaf=_is_var)
 
 
+def vocab_pads(params: nnx.State, multiple: int) -> tuple[tuple[int, int], ...]:
+    """``(padded, true)`` sizes of the vocabulary axes that :func:`pad_vocab` pads."""
+    pads = set()
+    for v in jax.tree.leaves(params, is_leaf=_is_var):
+        axes = _axes(v) if _is_var(v) else ()
+        if "vocab" in axes and multiple > 1:
+            n = v.shape[axes.index("vocab")]
+            if n % multiple:
+                pads.add((n + -n % multiple, n))
+    return tuple(sorted(pads))
+
+
 def unpad_vocab(params: nnx.State, template: nnx.State) -> nnx.State:
     """Slice every ``vocab`` axis back to the canonical size given by ``template``."""
 

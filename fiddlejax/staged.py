@@ -7,8 +7,15 @@ rewritten per layout. A model qualifies when it has:
   layer axis (e.g. ``nnx.vmap`` over the layer constructor);
 - ``prologue(batch) -> x``: what runs before the stack (embeddings);
 - ``head(x) -> outputs``: what runs after it (final norm, projection);
-- ``loss(outputs, batch) -> scalar``: the mean loss (overridable in ``parallelize``);
+- ``loss(outputs, batch)``: the mean loss as a scalar, or a weighted mean as a pair
+  ``(sum, weight)`` (e.g. summed token losses and the count of real tokens); overridable in
+  ``parallelize``;
 - optionally ``batch_spec(batch_size) -> {name: jax.ShapeDtypeStruct}`` for input checks.
+
+A pair is reduced exactly: fiddlejax sums numerators and weights over microbatches and data
+shards and divides once, so the loss and gradients equal the single-device weighted mean however
+the batch is split. A scalar counts as ``(mean, 1)`` per microbatch (the mean of equal-sized
+shards). The weight must not depend on the parameters (it is not differentiated).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 Loss = Callable[[Any, dict], jax.Array]
@@ -33,6 +41,9 @@ class StagedModel:
     layer_graphdef: Any      # graph definition of one layer
     num_layers: int
     loss_fn: Loss | None     # overrides model.loss when given
+    # (padded, true) sizes of vocabulary axes padded for sharding: outputs are sliced back
+    # before the loss sees them, so padding never reaches a loss (see ``layout.pad_vocab``).
+    vocab_pads: tuple[tuple[int, int], ...] = ()
 
     def _bind(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest, copy=True)
@@ -45,13 +56,57 @@ class StagedModel:
         """One layer of the stack, given that layer's (unstacked) parameters."""
         return nnx.merge(self.layer_graphdef, layer_params, copy=True)(x)
 
-    def epilogue(self, params: nnx.State, x: Any, batch: dict) -> jax.Array:
-        """Head and loss on the activations leaving the last layer."""
+    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+        """Head and loss on the activations leaving the last layer, as float32
+        ``(sum, weight)``: the loss is ``sum / weight`` (a mean loss has weight 1)."""
         model = self._bind(params)
-        outputs = model.head(x)
-        if self.loss_fn is not None:
-            return self.loss_fn(outputs, batch)
-        return model.loss(outputs, batch)
+        outputs = unpad_outputs(model.head(x), self.vocab_pads)
+        value = (self.loss_fn or model.loss)(outputs, batch)
+        return as_weighted(value, self.loss_fn or type(model).loss)
+
+    def epilogue(self, params: nnx.State, x: Any, batch: dict) -> jax.Array:
+        """Head and loss on the activations leaving the last layer (the scalar loss)."""
+        total, weight = self.weighted_loss(params, x, batch)
+        return total / weight
+
+
+def mean_loss(value: Any) -> jax.Array:
+    """The scalar loss a loss function's result stands for: ``sum / weight`` for a pair."""
+    total, weight = as_weighted(value)
+    return total / weight
+
+
+def as_weighted(value: Any, fn: Any = None) -> tuple[jax.Array, jax.Array]:
+    """A loss function's result as float32 ``(sum, weight)``; a scalar is ``(value, 1)``."""
+    name = getattr(fn, "__qualname__", None) or "the loss"
+    if isinstance(value, tuple | list):
+        if len(value) != 2:
+            raise TypeError(f"{name} returned {len(value)} values; return a scalar mean loss "
+                            "or a pair (sum, weight)")
+        total, weight = value
+        weight = jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
+    else:
+        total, weight = value, jnp.ones((), jnp.float32)
+    total = jnp.asarray(total)
+    if total.shape != () or weight.shape != ():
+        raise TypeError(
+            f"{name} must return a scalar (the mean loss) or a pair of scalars (sum, weight); "
+            f"got shapes {total.shape} and {weight.shape}. Reduce over the batch in the loss, "
+            "e.g. (per_token.sum(), mask.sum())")
+    return total.astype(jnp.float32), weight
+
+
+def unpad_outputs(outputs: Any, vocab_pads: tuple[tuple[int, int], ...]) -> Any:
+    """Slice every output whose last axis is a padded vocabulary back to the true vocabulary."""
+    if not vocab_pads:
+        return outputs
+    sizes = dict(vocab_pads)
+
+    def cut(a):
+        n = sizes.get(a.shape[-1]) if getattr(a, "ndim", 0) else None
+        return a if n is None else jax.lax.slice_in_dim(a, 0, n, axis=a.ndim - 1)
+
+    return jax.tree.map(cut, outputs)
 
 
 def split(model: nnx.Module, loss_fn: Loss | None = None) -> tuple[StagedModel, nnx.State]:

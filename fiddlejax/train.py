@@ -57,6 +57,9 @@ class Trainer:
         self.optimizer = optimizer
         self.model_name = type(model).__name__
         self.staged, canonical = staged.split(model, loss)
+        # Vocabulary padded for `tensor` is sliced off the outputs before any loss sees it.
+        self.staged = dataclasses.replace(
+            self.staged, vocab_pads=layout.vocab_pads(canonical, plan.tensor))
         self._batch_spec = getattr(model, "batch_spec", None)
         self._value_ranges = checks.value_ranges(model) if plan.check_inputs else {}
         self._canonical_template = jax.tree.map(
@@ -121,29 +124,47 @@ class Trainer:
         return layout.unpad_vocab(params, self._canonical_template)
 
     # -- the computation ---------------------------------------------------------------------
-    def _microbatch_loss(self, params: nnx.State, batch: dict) -> jax.Array:
+    def _microbatch_loss(self, params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
+        """(loss sum, weight) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
         s = self.staged
         layer = self._remat(s.layer)
         x = s.prologue(params, batch)
         x = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params[s.stack])[0]
-        return s.epilogue(params, x, batch)
+        return s.weighted_loss(params, x, batch)
 
     def _local_loss_and_grads(self, params: nnx.State, batch: dict):
-        """Mean loss and gradients of one data-parallel replica's batch (inside shard_map)."""
+        """(loss sum, weight, gradients of the sum) of one data-parallel replica's batch, summed
+        over its microbatches (inside shard_map); :meth:`_replica_mean` normalizes them."""
         m = self.plan.microbatches
-        vg = jax.value_and_grad(self._microbatch_loss)
+        vg = jax.value_and_grad(self._microbatch_loss, has_aux=True)
+
+        def one(mb):
+            (total, weight), grads = vg(params, mb)
+            return total, weight, grads
+
         if m == 1:
-            return vg(params, batch)
+            return one(batch)
         mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
         def body(acc, mb):
-            loss, grads = vg(params, mb)
-            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+            return jax.tree.map(jnp.add, acc, one(mb)), None
 
-        zero_loss = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
-        zeros = (zero_loss, jax.tree.map(jnp.zeros_like, params))
-        total = jax.lax.scan(body, zeros, mbs)[0]
-        return jax.tree.map(lambda a: a / m, total)
+        zero = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
+        zeros = (zero, zero, jax.tree.map(jnp.zeros_like, params))
+        return jax.lax.scan(body, zeros, mbs)[0]
+
+    def _replica_mean(self, total, weight, grads):
+        """A replica's loss sum and gradients scaled so that their mean over ``data`` is the
+        step's weighted mean: ``x * data / (sum of all replicas' weights)``. For a mean loss
+        (weight 1 per microbatch) that is ``x / microbatches``, as for equal-sized shards."""
+        n = self.plan.data
+        all_weight = jax.lax.psum(weight, "data") if n > 1 else weight
+        scale = n / all_weight
+        return total * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+    def _reduce_sums(self, total, weight, grads):
+        """The step's loss and gradients from one replica's sums (the pipeline's ``reduce``)."""
+        return self._reduce(*self._replica_mean(total, weight, grads))
 
     def _reduce(self, loss, grads):
         n = self.plan.data
@@ -170,7 +191,8 @@ class Trainer:
             return self._topk_loss_and_grads(params, batch, residual)
         with _encodings(self.plan.encodings):
             if self._pipeline is not None:
-                return self._pipeline.loss_and_grads(params, batch, self._reduce, self._remat)
+                return self._pipeline.loss_and_grads(params, batch, self._reduce_sums,
+                                                     self._remat)
 
             def per_replica(p, b):
                 if self.plan.data > 1:
@@ -178,7 +200,7 @@ class Trainer:
                     # each replica's own gradients (instead of an implicit psum) and the
                     # plan's all-reduce algorithm does the reduction.
                     p = jax.lax.pcast(p, ("data",), to="varying")
-                return self._reduce(*self._local_loss_and_grads(p, b))
+                return self._reduce_sums(*self._local_loss_and_grads(p, b))
 
             if self.plan.data == 1:  # nothing to make manual; GSPMD handles `tensor`
                 return per_replica(params, batch)
@@ -204,7 +226,7 @@ class Trainer:
         def per_replica(p, b, r, *o):
             if n > 1:  # local gradients, as in the dense path
                 p = jax.lax.pcast(p, ("data",), to="varying")
-            loss, grads = self._local_loss_and_grads(p, b)
+            loss, grads = self._replica_mean(*self._local_loss_and_grads(p, b))
             r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
             if local_opt:
                 norm = optax.tree.norm(grads)
@@ -237,7 +259,8 @@ class Trainer:
         if self._pipeline is not None:  # the pipeline runs forward and backward together
             return self._sharded_loss_and_grads(state.params, batch)[0]
         with _encodings(self.plan.encodings):
-            return self._microbatch_loss(state.params, batch)
+            total, weight = self._microbatch_loss(state.params, batch)
+            return total / weight
 
     def _loss_and_grads_impl(self, state: TrainState, batch: dict):
         loss, grads = self._sharded_loss_and_grads(state.params, batch)
@@ -251,7 +274,7 @@ class Trainer:
         opt_specs = jax.tree.map(
             lambda s: P("pipe") if s.spec and s.spec[0] == "pipe" else P(), self.opt_shardings)
         losses, norms, prev, params, opt_state = self._pipeline.train_2bw(
-            [state.prev_params, state.params], state.opt_state, batches, self._reduce,
+            [state.prev_params, state.params], state.opt_state, batches, self._reduce_sums,
             self._remat, self.optimizer, opt_specs)
         new = TrainState(state.step + k, params, opt_state, None, prev)
         return new, {"loss": losses, "grad_norm": norms}
@@ -437,7 +460,8 @@ class Trainer:
         if self._batch_spec is None:
             return
         want = self._batch_spec(b)
-        if set(want) != set(batch):
+        # Extra keys are allowed: a loss passed to parallelize may read more (e.g. a mask).
+        if not set(want) <= set(batch):
             raise ValueError(
                 f"{self.model_name} expects batch keys {sorted(want)}, got {sorted(batch)}")
         for k, spec in want.items():

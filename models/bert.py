@@ -71,10 +71,13 @@ class BERT(nnx.Module):
         bias = self.mlm_bias[...]
         return self.ln_f(x) @ self.mlm[...] + bias
 
-    def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
+    def loss(self, logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+        """Token-weighted: (summed loss of the masked positions, their count). fiddlejax sums
+        both over microbatches and data shards before dividing, so the masked-LM loss is the
+        mean over the whole batch's masked tokens however it is split."""
         ce = cross_entropy(logits, batch["targets"], self.config.vocab_size)
         w = batch["weights"]
-        return (ce * w).sum() / w.sum()
+        return (ce * w).sum(), w.sum()
 
     def batch_spec(self, batch_size: int) -> dict:
         shape = (batch_size, self.config.seq_len)

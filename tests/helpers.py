@@ -25,7 +25,9 @@ def reference_loss_fn(model: nnx.Module):
 
     def loss(p, batch):
         m = nnx.merge(graphdef, p, rest, copy=True)
-        return m.loss(m.head(_scan(m, m.prologue(batch))), batch)
+        from fiddlejax.staged import mean_loss
+
+        return mean_loss(m.loss(m.head(_scan(m, m.prologue(batch))), batch))
 
     return loss, params
 

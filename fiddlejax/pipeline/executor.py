@@ -32,7 +32,8 @@ class Carry(NamedTuple):
     wdy: Any            # [num_wdy, lmax, *activation] (split backwards), else None
     g_local: list       # weight gradients of the stage's layers [versions, v, lmax, ...]
     g_outer: list       # gradients of the parameters outside the stack [versions, ...]
-    loss: jax.Array     # [steps]: summed microbatch losses per optimizer step
+    loss: jax.Array     # [steps]: summed microbatch loss sums per optimizer step
+    weight: jax.Array   # [steps]: summed microbatch loss weights per optimizer step
 
 
 def read(buf, i):
@@ -93,7 +94,7 @@ def microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def make_context(shard: Shard, staged, mbs: dict, vary: Callable, m: int) -> stage_lib.Context:
+def make_context(shard: Shard, staged, mbs: dict, vary: Callable) -> stage_lib.Context:
     """How actions reach ``shard``'s current weights and the microbatches ``mbs``."""
     local, outer = shard.local, shard.outer
     local_shapes = [x[0] for x in local]  # the prologue and epilogue skip the stack
@@ -105,9 +106,9 @@ def make_context(shard: Shard, staged, mbs: dict, vary: Callable, m: int) -> sta
         chunk_params=chunk_params,
         outer=lambda ver: [vary(read(o, ver)) for o in outer],
         prologue=lambda o, mb: staged.prologue(shard.assemble(o, local_shapes), mb),
-        epilogue=lambda o, y, mb: staged.epilogue(shard.assemble(o, local_shapes), y, mb),
+        epilogue=lambda o, y, mb: staged.weighted_loss(shard.assemble(o, local_shapes), y, mb),
         microbatch=lambda i: jax.tree.map(lambda a: read(a, i), mbs),
-        vary=vary, inv_m=1.0 / m)
+        vary=vary)
 
 
 def idle_row(tables: tb.Tables) -> np.ndarray:
@@ -124,8 +125,9 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
 
     ``versions`` is ``[params]``, or for 2BW ``[previous, current]``; then
     ``update(k, params, grads, loss)`` applies step k's optimizer update between the scans over
-    the ticks of consecutive steps and returns (new params, reduced loss). Returns (loss,
-    gradients) or, for 2BW, (losses [K], [W(t+K-1), W(t+K)]).
+    the ticks of consecutive steps and returns (new params, reduced loss). Returns the stage's
+    (loss sum, loss weight, unnormalized gradients) summed over ``pipe``, or, for 2BW,
+    (losses [K], [W(t+K-1), W(t+K)]); ``update`` gets (k, params, grads, loss sum, weight).
     """
     s, m, p, lmax = pipeline.staged, pipeline.m, pipeline.p, pipeline.lmax
     steps = len(tables.step_ends) if update is not None else 1
@@ -137,7 +139,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     mbs = microbatches(batch, steps * m)
 
     def context() -> stage_lib.Context:  # over the current weights (2BW replaces them)
-        return make_context(shard, s, mbs, vary, m)
+        return make_context(shard, s, mbs, vary)
 
     ctx = context()
     uneven = len(set(pipeline.counts)) > 1
@@ -156,7 +158,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     nothing = stage_lib.TickOut(
         out=zeros(act.shape, act.dtype), res=None, wdy=None,
         dcp=jax.tree.map(jnp.zeros_like, cp0), d_outer=[jnp.zeros_like(o) for o in ctx.outer(0)],
-        loss=zeros((), jnp.float32))
+        loss=zeros((), jnp.float32), weight=zeros((), jnp.float32))
     fwd_perm = [(i, (i + 1) % p) for i in range(p)]
     bwd_perm = [(i, (i - 1) % p) for i in range(p)]
 
@@ -183,7 +185,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
                 wdy=write(c.wdy, row.wdy, out.wdy) if split else None,
                 g_local=add_at(c.g_local, (row.version, row.chunk), out.dcp),
                 g_outer=add_at(c.g_outer, (row.version,), out.d_outer),
-                loss=add_at([c.loss], (row.step,), [out.loss])[0]), None
+                loss=add_at([c.loss], (row.step,), [out.loss])[0],
+                weight=add_at([c.weight], (row.step,), [out.weight])[0]), None
 
         return tick
 
@@ -195,11 +198,11 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
                                   (unroll - len(table) % unroll, *table.shape[1:]))
             table = np.concatenate([table, pad])
         carry = jax.lax.scan(make_tick(), carry, jnp.asarray(table), unroll=unroll)[0]
-        loss = jax.lax.psum(carry.loss[0], "pipe") / m
         grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in carry.g_outer],
                                [g[0][None] for g in carry.g_local])
-        return loss, grads
-    return _steps_2bw(carry, shard, tables, make_tick, update, m)
+        return (jax.lax.psum(carry.loss[0], "pipe"), jax.lax.psum(carry.weight[0], "pipe"),
+                grads)
+    return _steps_2bw(carry, shard, tables, make_tick, update)
 
 def initial_carry(tables: tb.Tables, res_abs: list, act, shard: Shard, steps: int, lmax: int,
                   zeros: Callable) -> Carry:
@@ -217,11 +220,11 @@ def initial_carry(tables: tb.Tables, res_abs: list, act, shard: Shard, steps: in
         wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if tables.split else None,
         g_local=[zeros(x.shape, x.dtype) for x in shard.local],
         g_outer=[zeros(x.shape, x.dtype) for x in shard.outer],
-        loss=zeros((steps,), jnp.float32))
+        loss=zeros((steps,), jnp.float32), weight=zeros((steps,), jnp.float32))
 
 
 def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callable,
-               update: Callable, m: int):
+               update: Callable):
     """PipeDream-2BW: one scan per step's ticks, each followed by that step's update."""
     table = tables.stacked()
     start, losses = 0, []
@@ -233,7 +236,8 @@ def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callabl
                                [g[j][None] for g in carry.g_local])
         current = shard.assemble([o[1 - j] for o in shard.outer],
                                  [x[1 - j][None] for x in shard.local])
-        new, loss_k = update(k, current, grads, jax.lax.psum(carry.loss[k], "pipe") / m)
+        new, loss_k = update(k, current, grads, jax.lax.psum(carry.loss[k], "pipe"),
+                             jax.lax.psum(carry.weight[k], "pipe"))
         new_outer, new_local = shard.split(new)  # W(k+1) replaces W(k-1)
         shard.outer = [o.at[j].set(n) for o, n in zip(shard.outer, new_outer)]
         shard.local = [x.at[j].set(n) for x, n in zip(shard.local, new_local)]

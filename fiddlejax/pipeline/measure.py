@@ -54,7 +54,7 @@ def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
     place, last = sched.placement, sched.num_chunks - 1
     shard = executor.Shard([prm], s.stack)
     ctx = executor.make_context(shard, s, executor.microbatches(batch, pl.m),
-                                executor.varying(("pipe",)), pl.m)
+                                executor.varying(("pipe",)))
     layer = remat(s.layer)
     outer = ctx.outer(0)
     g_local = [jnp.zeros_like(x) for x in shard.local]
@@ -92,11 +92,11 @@ def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
                 vjps.append(vjp)
             held[(i, c)] = vjps
             if c == last:
-                value, (d_outer, dy) = jax.value_and_grad(ctx.epilogue, argnums=(0, 1))(
-                    outer, x, mb)
+                (value, _), (d_outer, dy) = jax.value_and_grad(
+                    ctx.epilogue, argnums=(0, 1), has_aux=True)(outer, x, mb)
                 loss = loss + value
-                g_outer = executor.add_at(g_outer, (0,), [d * ctx.inv_m for d in d_outer])
-                own[("dy", i, c)] = dy * ctx.inv_m
+                g_outer = executor.add_at(g_outer, (0,), d_outer)
+                own[("dy", i, c)] = dy
             else:
                 emit(("x", i, c + 1), place[c + 1], x)
         elif op in ("B", "I"):
@@ -120,7 +120,7 @@ def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
     grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in g_outer],
                            [g[0][None] for g in g_local])
     sent = sent or [jnp.zeros(feed.shape[1:], feed.dtype)]
-    return jax.lax.psum(loss, "pipe") * ctx.inv_m, grads, jnp.stack(sent)[None]
+    return jax.lax.psum(loss, "pipe"), grads, jnp.stack(sent)[None]
 
 
 __all__ = ["stage_flops"]

@@ -131,7 +131,8 @@ class Pipeline:
 
     # -- execution ---------------------------------------------------------------------------
     def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable):
-        """Mean loss and gradients of one step (each data replica's reduced by ``reduce``)."""
+        """Loss and gradients of one step: ``reduce(loss sum, weight, gradients)`` turns each
+        data replica's sums into the step's weighted mean over ``data``."""
         manual = self._manual()
         spec_tree = self.stack_specs(params)
 
@@ -173,8 +174,8 @@ class Pipeline:
             b = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), b)  # steps' rows in order
             box = {"opt": opt, "norms": []}
 
-            def update(k, current, grads, loss):
-                loss, grads = reduce(loss, grads)
+            def update(k, current, grads, total, weight):
+                loss, grads = reduce(total, weight, grads)
                 updates, box["opt"] = optimizer.update(grads, box["opt"], current)
                 box["norms"].append(norm(grads))
                 return optax.apply_updates(current, updates), loss

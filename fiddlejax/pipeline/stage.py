@@ -36,7 +36,8 @@ class TickOut(NamedTuple):
     wdy: Any        # wdy slot contents to write back (new cotangents after I)
     dcp: list       # weight gradients of the chunk's layers, leaves [lmax, ...]
     d_outer: list   # gradients of the parameters outside the stack (embedding, head)
-    loss: jax.Array  # this microbatch's loss (last chunk's forward), else 0
+    loss: jax.Array  # this microbatch's summed loss (last chunk's forward), else 0
+    weight: jax.Array  # and its weight (the loss is sum / weight over the whole step)
 
 
 class ChunkLayers:
@@ -107,10 +108,9 @@ class Context(NamedTuple):
     chunk_params: Callable  # (local chunk, version) -> the chunk's layer params [lmax, ...]
     outer: Callable         # version -> leaves of the parameters outside the stack
     prologue: Callable      # (outer leaves, microbatch) -> activation entering chunk 0
-    epilogue: Callable      # (outer leaves, activation, microbatch) -> loss
+    epilogue: Callable      # (outer leaves, activation, microbatch) -> (loss sum, weight)
     microbatch: Callable    # index -> the microbatch's batch dict
     vary: Callable          # marks a value varying over the manual axes (branches must agree)
-    inv_m: float            # 1 / microbatches: the step's loss is the microbatch mean
 
 
 def branches(ctx: Context, layers: ChunkLayers, zeros: TickOut, split: bool) -> list[Callable]:
@@ -137,10 +137,13 @@ def branches(ctx: Context, layers: ChunkLayers, zeros: TickOut, split: bool) -> 
         y, res = layers.forward(cp, x, r.layers)
         if not last:
             return done(zeros._replace(out=y, res=res, wdy=i.wdy))
-        loss, (d_outer, dy) = jax.value_and_grad(ctx.epilogue, argnums=(0, 1))(outer, y, mb)
-        return done(zeros._replace(out=(dy * ctx.inv_m).astype(y.dtype), res=res, wdy=i.wdy,
-                                   d_outer=[d * ctx.inv_m for d in d_outer],
-                                   loss=loss.astype(zeros.loss.dtype)))
+        # Seeded with the gradient of the loss *sum*: the step divides by the total weight once
+        # all microbatches and data shards are in (an exact weighted mean).
+        (total, weight), (d_outer, dy) = jax.value_and_grad(
+            ctx.epilogue, argnums=(0, 1), has_aux=True)(outer, y, mb)
+        return done(zeros._replace(out=dy.astype(y.dtype), res=res, wdy=i.wdy,
+                                   d_outer=list(d_outer), loss=total.astype(zeros.loss.dtype),
+                                   weight=weight.astype(zeros.weight.dtype)))
 
     def backward(i: TickIn, first: bool, whole: bool) -> TickOut:
         r = i.row
