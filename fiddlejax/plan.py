@@ -53,7 +53,16 @@ class Plan:
       (Lin et al. 2018) carried over to adaptive optimizers, whose per-coordinate scaling
       otherwise shrinks the delayed bursts error feedback releases (Adam's second moment grows
       with their square).
-    - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1).
+    - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1); 3 shards the
+      parameters, gradients and optimizer state (ZeRO-3 / FSDP): each layer's weights are
+      all-gathered over ``data`` just before use, forward and backward, and its gradients are
+      reduce-scattered.
+    - ``compute_dtype``: the dtype of matmuls, activations, stashes and the messages between
+      stages (``"bfloat16"`` for mixed precision; also ``jnp.bfloat16``). Parameters, their
+      gradients, the gradient reduction, the optimizer state and the loss stay float32.
+    - ``rules``: logical axis name -> mesh axis (or None), merged over
+      ``fiddlejax.sharding.DEFAULT_RULES``, so a model annotated with its own names (``fsdp``,
+      ``kv``, ...) is sharded as it is: ``Plan(rules={"kv": "tensor", "fsdp": None})``.
     - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
     - ``memory_budget``: bytes per device, for ``remat="auto"``.
     - ``split_backward``: run each whole backward B as I then W on consecutive ticks, so every
@@ -85,8 +94,16 @@ class Plan:
     memory_budget: int | None = None
     check_inputs: bool = False
     split_backward: bool | None = None
+    compute_dtype: object = "float32"
+    rules: object = None
 
     def __post_init__(self):
+        self._check_mesh_and_schedule()
+        self._check_sizes_and_options()
+        self._check_precision_and_rules()
+        self._check_names()
+
+    def _check_mesh_and_schedule(self) -> None:
         if not isinstance(self.mesh, Mesh) or tuple(self.mesh.axis_names) != AXES:
             names = getattr(self.mesh, "axis_names", None)
             raise ValueError(
@@ -124,12 +141,21 @@ class Plan:
                 f"({', '.join(repr(k) for k in users)}), got {self.schedule!r}; set "
                 "virtual_stages=1 or change the schedule"
             )
+
+    def _check_sizes_and_options(self) -> None:
         if self.schedule == "2bw" and self.zero:
             raise ValueError(
                 "schedule='2bw' keeps two weight versions per stage and updates them inside the "
                 "pipeline; it does not shard the optimizer state: set zero=0")
-        if self.zero not in (0, 1):
-            raise ValueError(f"zero={self.zero!r} must be 0 (off) or 1 (shard optimizer state)")
+        if self.zero not in (0, 1, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"zero={self.zero!r} must be 0 (off), 1 (shard the optimizer "
+                             "state over data) or 3 (FSDP: shard parameters, gradients and "
+                             "optimizer state over data)")
+        if self.zero == 3 and self.grad_allreduce not in ("xla",):
+            raise ValueError(
+                f"zero=3 reduce-scatters each gradient as the transpose of its all-gather; "
+                f"grad_allreduce={self.grad_allreduce!r} would all-reduce whole gradients. "
+                "Use grad_allreduce='xla' with zero=3, or zero=1")
         if self.partition not in PARTITIONS:
             raise ValueError(
                 f"partition={self.partition!r} must be 'uniform', 'params' or 'cost'"
@@ -171,7 +197,42 @@ class Plan:
         if isinstance(self.encodings, str):
             object.__setattr__(self, "encodings", (self.encodings,))
         object.__setattr__(self, "encodings", tuple(self.encodings))
-        self._check_names()
+
+    def _check_precision_and_rules(self) -> None:
+        import numpy as np
+
+        try:
+            dtype = np.dtype(self.compute_dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"compute_dtype={self.compute_dtype!r} must be a floating dtype: 'float32' "
+                "(default), 'bfloat16' (mixed precision, float32 master weights) or 'float16'")
+        object.__setattr__(self, "compute_dtype", dtype.name)
+        rules = self.rules
+        if rules is None:
+            rules = ()
+        elif hasattr(rules, "items"):
+            rules = tuple(rules.items())
+        if not all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
+                   for r in rules):
+            raise TypeError(f"rules={self.rules!r} must map logical axis names to mesh axes, "
+                            "e.g. rules={'fsdp': None, 'kv': 'tensor'}")
+        for name, axis in rules:
+            axes = axis if isinstance(axis, tuple) else (axis,)
+            bad = [a for a in axes if a is not None and a not in AXES]
+            if bad:
+                raise ValueError(f"rules[{name!r}]={axis!r} names no mesh axis; use one of "
+                                 f"{AXES} or None (replicated)")
+        object.__setattr__(self, "rules", tuple(rules))
+
+    @property
+    def axis_rules(self) -> dict:
+        """The logical-axis rules this plan shards by: the defaults, updated by ``rules``."""
+        from fiddlejax.sharding import DEFAULT_RULES
+
+        return {**DEFAULT_RULES, **dict(self.rules)}
 
     def _check_names(self) -> None:
         """remat policy, all-reduce algorithm and encodings: names their modules know."""
@@ -211,6 +272,7 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh"}
         d["remat"] = getattr(self.remat, "name", self.remat)
         d["encodings"] = list(self.encodings)
+        d["rules"] = {k: v for k, v in self.rules}
         d["mesh"] = {a: axis_size(self.mesh, a) for a in AXES}
         return d
 

@@ -79,7 +79,7 @@ class Trainer:
             self._pipeline = None
         internal = jax.eval_shape(self._to_internal, canonical)
         spec_tree = (self._pipeline.param_specs(internal) if self._pipeline
-                     else layout.specs(internal))
+                     else layout.specs(internal, plan.axis_rules))
         layout.check_divisible(internal, spec_tree, self.mesh)
         self.param_shardings = layout.shardings(self.mesh, spec_tree)
         opt_abstract = jax.eval_shape(optimizer.init, internal)

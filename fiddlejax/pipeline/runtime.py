@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from fiddlejax.pipeline import costs, executor, measure, schedules
 from fiddlejax.pipeline.partition import partition
 from fiddlejax.pipeline.tables import Row, Tables, build_tables
-from fiddlejax.sharding import DEFAULT_RULES, logical_to_spec
+from fiddlejax.sharding import logical_to_spec
 
 
 def _is_var(x) -> bool:
@@ -114,11 +114,13 @@ class Pipeline:
         def names(v):
             return tuple(v.get_metadata().get("out_sharding") or ())
 
+        rules = self.plan.axis_rules
+
         def stacked(v):  # [p, v, lmax, ...]: stages over `pipe`, the "layers" name dropped
-            return v.replace(P("pipe", None, None, *logical_to_spec(names(v)[1:], DEFAULT_RULES)))
+            return v.replace(P("pipe", None, None, *logical_to_spec(names(v)[1:], rules)))
 
         def other(v):
-            return v.replace(logical_to_spec(names(v), DEFAULT_RULES))
+            return v.replace(logical_to_spec(names(v), rules))
 
         return self._map_stack(stacked, internal, other)
 
