@@ -109,8 +109,14 @@ def unpad_outputs(outputs: Any, vocab_pads: tuple[tuple[int, int], ...]) -> Any:
     return jax.tree.map(cut, outputs)
 
 
-def split(model: nnx.Module, loss_fn: Loss | None = None) -> tuple[StagedModel, nnx.State]:
-    """Split ``model`` into its static :class:`StagedModel` and its parameters."""
+def split(model: nnx.Module, loss_fn: Loss | None = None,
+          layers: str | None = None) -> tuple[StagedModel, nnx.State]:
+    """Split ``model`` into its static :class:`StagedModel` and its parameters.
+
+    ``layers``: the path of the repeated blocks of a model without the staged protocol.
+    """
+    if layers is not None:
+        raise NotImplementedError("parallelize(..., layers=) is not implemented yet")
     for attr in ("stack", "prologue", "head"):
         if not hasattr(model, attr):
             raise TypeError(

@@ -51,12 +51,12 @@ class Trainer:
     """Pure, jitted functions for one model, optimizer and plan. Build with :func:`parallelize`."""
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,
-                 loss: staged.Loss | None = None):
+                 loss: staged.Loss | None = None, layers: str | None = None):
         self.plan = plan
         self.mesh = plan.mesh
         self.optimizer = optimizer
         self.model_name = type(model).__name__
-        self.staged, canonical = staged.split(model, loss)
+        self.staged, canonical = staged.split(model, loss, layers=layers)
         # Vocabulary padded for `tensor` is sliced off the outputs before any loss sees it.
         self.staged = dataclasses.replace(
             self.staged, vocab_pads=layout.vocab_pads(canonical, plan.tensor))
@@ -517,11 +517,13 @@ class Trainer:
 
 
 def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,
-                loss: staged.Loss | None = None) -> Trainer:
+                loss: staged.Loss | None = None, layers: str | None = None) -> Trainer:
     """Lay ``model`` out by ``plan`` and return its :class:`Trainer`.
 
-    ``loss(outputs, batch) -> scalar`` replaces the model's own ``loss`` (for GPT: mean
-    next-token cross-entropy).
+    ``loss(outputs, batch)`` replaces the model's own ``loss``: a scalar mean, or a pair
+    ``(sum, weight)`` for a weighted mean (see :mod:`fiddlejax.staged`). ``layers`` names the
+    attribute holding the repeated blocks of a model that does not declare the staged protocol
+    (a dotted path such as ``"decoder.blocks"``).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fiddlejax.Plan, got {type(plan).__name__}")
@@ -532,7 +534,7 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
             and callable(getattr(optimizer, "update", None))):
         raise TypeError(f"optimizer must be an optax.GradientTransformation, e.g. "
                         f"optax.adamw(1e-3), got {optimizer!r}")
-    return Trainer(model, optimizer, plan, loss)
+    return Trainer(model, optimizer, plan, loss, layers)
 
 
 def _leafwise(optimizer: optax.GradientTransformation) -> bool:
