@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_command(rest)
     if cmd == "plan":
-        from fiddlejax.planner.cli import plan_command
+        from fiddlejax.planner.command import plan_command
 
         return plan_command(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fiddlejax import planner
-from fiddlejax.planner import cli, published
-from fiddlejax.planner.layout import Layout
+from fiddlejax.planner import command, published
+from fiddlejax.planner.space import Layout
 
 TINY = dict(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=4, d_ff=256)
 MB = 4  # sequences per microbatch
@@ -87,7 +87,7 @@ def test_analytic_gpt_matches_the_flax_model():
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
-    code = cli.plan_command(list(args))
+    code = command.plan_command(list(args))
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -10,10 +10,10 @@ Pure Python except ``from_flax`` (which measures a Flax model with JAX).
 """
 
 from fiddlejax.planner.cluster import ClusterSpec, GPUSpec, cluster
-from fiddlejax.planner.layout import Layout, validate
-from fiddlejax.planner.model import ModelSpec, from_flax, gpt, preset
 from fiddlejax.planner.predict import Memory, Prediction, StepTime, memory, predict
 from fiddlejax.planner.search import search
+from fiddlejax.planner.space import Layout, validate
+from fiddlejax.planner.workload import ModelSpec, from_flax, gpt, preset
 
 __all__ = [
     "ClusterSpec", "GPUSpec", "Layout", "Memory", "ModelSpec", "Prediction", "StepTime",

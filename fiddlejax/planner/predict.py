@@ -52,8 +52,8 @@ import math
 from typing import Any
 
 from fiddlejax.planner.cluster import ClusterSpec
-from fiddlejax.planner.layout import MAX_BUILT_ACTIONS, Layout, schedule_for, validate
-from fiddlejax.planner.model import ModelSpec
+from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for, validate
+from fiddlejax.planner.workload import ModelSpec
 
 STASH_COPIES = 2  # fiddlejax's pipeline runtime: stash in the scan carry + the switch's output
 MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form

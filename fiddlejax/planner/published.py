@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 from fiddlejax.planner.cluster import cluster, nodes_for
-from fiddlejax.planner.layout import Layout
-from fiddlejax.planner.model import gpt
 from fiddlejax.planner.predict import predict
+from fiddlejax.planner.space import Layout
+from fiddlejax.planner.workload import gpt
 
 SEQ, VOCAB = 2048, 51200
 

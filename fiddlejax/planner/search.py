@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from fiddlejax.planner.cluster import ClusterSpec
-from fiddlejax.planner.layout import SCHEDULES, Layout, validate
-from fiddlejax.planner.model import ModelSpec
 from fiddlejax.planner.predict import Prediction, memory, predict
+from fiddlejax.planner.space import SCHEDULES, Layout, validate
+from fiddlejax.planner.workload import ModelSpec
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
 

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 
 from fiddlejax.planner.cluster import ClusterSpec
-from fiddlejax.planner.model import ModelSpec
+from fiddlejax.planner.workload import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw")
 PRECISIONS = ("fp32", "bf16-mixed")

@@ -14,12 +14,12 @@ import argparse
 import json
 import sys
 
-from fiddlejax.planner import model as model_mod
+from fiddlejax.planner import workload
 from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
-from fiddlejax.planner.layout import PRECISIONS, SCHEDULES, Layout
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
+from fiddlejax.planner.space import PRECISIONS, SCHEDULES, Layout
 
 GIB = 2**30
 
@@ -27,7 +27,7 @@ GIB = 2**30
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="gpt",
-                   help=f"'gpt' (with the flags below) or a preset: {', '.join(model_mod.PRESETS)}")
+                   help=f"'gpt' (with the flags below) or a preset: {', '.join(workload.PRESETS)}")
     for f in ("layers", "hidden", "heads", "seq", "vocab", "ffn"):
         g.add_argument(f"--{f}", type=int)
     c = p.add_argument_group("cluster")
@@ -40,15 +40,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _model(a: argparse.Namespace) -> model_mod.ModelSpec:
+def _model(a: argparse.Namespace) -> workload.ModelSpec:
     if a.model != "gpt":
-        return model_mod.preset(a.model)
+        return workload.preset(a.model)
     missing = [f"--{f}" for f in ("layers", "hidden", "heads", "seq", "vocab")
                if getattr(a, f) is None]
     if missing:
         raise ValueError(f"--model gpt needs {' '.join(missing)} (or a preset such as "
                          "--model gpt3-175b)")
-    return model_mod.gpt(a.layers, a.hidden, a.heads, a.seq, a.vocab, ffn=a.ffn)
+    return workload.gpt(a.layers, a.hidden, a.heads, a.seq, a.vocab, ffn=a.ffn)
 
 
 def _precision(a: argparse.Namespace) -> str:
@@ -68,14 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--schedule", choices=SCHEDULES)
     pp.add_argument("--steps-per-call", type=int, default=1,
                     help="2bw: optimizer steps per call without a pipeline flush (K)")
-    pp.add_argument("--remat", default="none", choices=model_mod.POLICIES)
+    pp.add_argument("--remat", default="none", choices=workload.POLICIES)
     pp.add_argument("--zero", type=int, default=0, choices=(0, 1))
     pp.add_argument("--dp-overlap", type=float, default=0.0,
                     help="share of the gradient all-reduce hidden under the backward")
     ps = sub.add_parser("search", help="rank every layout that fits memory")
     _common(ps)
     ps.add_argument("--top", type=int, default=10)
-    ps.add_argument("--remat", nargs="+", default=["none", "full"], choices=model_mod.POLICIES)
+    ps.add_argument("--remat", nargs="+", default=["none", "full"], choices=workload.POLICIES)
     ps.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES),
                     choices=SCHEDULES, help="pipeline schedules to consider (2bw only when "
                     "named: its updates use one-step-stale gradients)")
