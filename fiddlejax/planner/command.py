@@ -19,7 +19,7 @@ from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
-from fiddlejax.planner.space import PRECISIONS, SCHEDULES, Layout
+from fiddlejax.planner.space import PRECISIONS, ZEROS, Layout, schedule_kinds
 
 GIB = 2**30
 
@@ -65,11 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--data", type=int, help="default: GPUs / (tensor x pipe)")
     pp.add_argument("--virtual-stages", type=int, default=1)
     pp.add_argument("--microbatch-size", type=int, default=1)
-    pp.add_argument("--schedule", choices=SCHEDULES)
+    pp.add_argument("--schedule", choices=schedule_kinds())
     pp.add_argument("--steps-per-call", type=int, default=1,
                     help="2bw: optimizer steps per call without a pipeline flush (K)")
     pp.add_argument("--remat", default="none", choices=workload.POLICIES)
-    pp.add_argument("--zero", type=int, default=0, choices=(0, 1))
+    pp.add_argument("--zero", type=int, default=0, choices=ZEROS,
+                    help="1: optimizer state sharded over data; 3: FSDP")
     pp.add_argument("--dp-overlap", type=float, default=0.0,
                     help="share of the gradient all-reduce hidden under the backward")
     ps = sub.add_parser("search", help="rank every layout that fits memory")
@@ -77,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--top", type=int, default=10)
     ps.add_argument("--remat", nargs="+", default=["none", "full"], choices=workload.POLICIES)
     ps.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES),
-                    choices=SCHEDULES, help="pipeline schedules to consider (2bw only when "
+                    choices=schedule_kinds(), help="pipeline schedules to consider (2bw only when "
                     "named: its updates use one-step-stale gradients)")
     ps.add_argument("--steps-per-call", type=int, default=1,
                     help="2bw: optimizer steps per call without a pipeline flush (K)")

@@ -51,6 +51,7 @@ import functools
 import math
 from typing import Any
 
+from fiddlejax.pipeline.schedules import interleaves
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for, validate
 from fiddlejax.planner.workload import ModelSpec
@@ -205,7 +206,7 @@ def held_microbatches(layout: Layout) -> int:
         return min(k * m, p)
     if layout.kind == "gpipe":
         return m * v
-    if layout.kind == "interleaved-1f1b":
+    if interleaves(layout.kind):
         return min(m * v, (v - 1) * p + 2 * (p - 1) + 1)
     return min(m, p)
 

@@ -1,23 +1,26 @@
 """Layout search: every layout that fits memory, ranked by predicted throughput.
 
 Enumerates tensor x pipe x data factorizations of the cluster (tensor dividing the heads),
-microbatch sizes, schedules (with 2 and 4 virtual stages for interleaving), remat policies and
-ZeRO-1; drops what fails validation or memory; ranks by the closed-form bubble (fast), then
-re-predicts the best with the schedule simulator and re-ranks. Uneven layers are split by
-PipeDream's dynamic program (``pipeline.partition.balanced``) inside the prediction.
+microbatch sizes, schedules (with 2 and 4 virtual stages for the kinds the schedule registry says
+interleave), remat policies and ZeRO 0, 1 and 3 (FSDP, which pays its per-layer all-gathers and
+so wins only where nothing else fits); drops what fails validation or memory; ranks by the
+closed-form bubble (fast), then re-predicts the best with the schedule simulator and re-ranks.
+Uneven layers are split by PipeDream's dynamic program (``pipeline.partition.balanced``) inside
+the prediction.
 
 ``2bw`` is considered only when named in ``schedules``: its updates use one-step-stale
 gradients, a different training rule than the flushing schedules. It is tried with
-``steps_per_call`` steps per call and without ZeRO-1 (which the runtime refuses with it).
+``steps_per_call`` steps per call and without ZeRO (which the runtime refuses with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from fiddlejax.pipeline.schedules import interleaves
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.predict import Prediction, memory, predict
-from fiddlejax.planner.space import SCHEDULES, Layout, validate
+from fiddlejax.planner.space import Layout, schedule_kinds, validate
 from fiddlejax.planner.workload import ModelSpec
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
@@ -29,7 +32,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                schedules: Sequence[str] = DEFAULT_SCHEDULES, steps_per_call: int = 1,
-               remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1),
+               remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 3),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
                precision: str = "fp32", max_tensor: int | None = None) -> Iterator[Layout]:
     """Every layout worth predicting (unvalidated)."""
@@ -49,9 +52,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                     continue
                 scheds: list[tuple[str | None, int]] = [(None, 1)]
                 if p > 1:
-                    scheds = [(s, 1) for s in schedules if s != "interleaved-1f1b"]
-                    if "interleaved-1f1b" in schedules:
-                        scheds += [("interleaved-1f1b", v) for v in (2, 4)]
+                    scheds = [(s, v) for s in schedules
+                              for v in ((2, 4) if interleaves(s) else (1,))]
                 for sched, v in scheds:
                     k = steps_per_call if sched == "2bw" else 1
                     for remat in remats:
@@ -67,9 +69,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: in
     """Predictions of every layout that fits, fastest first (tokens/s; ties: less memory)."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int")
-    unknown = [s for s in kw.get("schedules", ()) if s not in SCHEDULES]
+    kinds = schedule_kinds()
+    unknown = [s for s in kw.get("schedules", ()) if s not in kinds]
     if unknown:
-        raise ValueError(f"schedules {unknown} unknown; use some of {SCHEDULES}")
+        raise ValueError(f"schedules {unknown} unknown; use some of {kinds}")
     k = kw.get("steps_per_call", 1)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"steps_per_call={k!r} must be a positive int")
@@ -86,7 +89,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: in
         raise ValueError(
             f"no layout of {model.name} fits {cluster.memory_budget / 2**30:.1f} GiB per GPU on "
             f"{cluster.num_gpus} GPUs with global_batch={global_batch}; add nodes, use a GPU with "
-            "more memory, or allow remat='full' and ZeRO-1")
+            "more memory, or allow remat='full' and zero=3")
 
     def key(pr: Prediction):
         return (-pr.tokens_per_second, pr.memory.total)

@@ -9,12 +9,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from fiddlejax.pipeline.schedules import interleaves
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.workload import ModelSpec
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw")
 PRECISIONS = ("fp32", "bf16-mixed")
+ZEROS = (0, 1, 3)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
+
+
+def schedule_kinds() -> tuple[str, ...]:
+    """The pipeline schedule kinds: the schedule registry's, the same list ``fj.Plan`` accepts."""
+    from fiddlejax.pipeline.schedules import kinds
+
+    return tuple(kinds())
 
 
 @functools.lru_cache(maxsize=512)
@@ -31,11 +39,14 @@ class Layout:
     """``tensor x pipe x data`` GPUs; ``global_batch`` samples per step split into
     ``data`` replicas x ``microbatches`` x ``microbatch_size``.
 
-    ``precision``: ``fp32`` is what fiddlejax trains in today (4-byte parameters, gradients,
-    Adam moments and activations); ``bf16-mixed`` is Megatron's mixed precision (2-byte
-    parameters and activations, fp32 gradients, fp32 master weights and moments: 18 bytes per
-    parameter). ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under
-    the backward (0 for fiddlejax, which reduces after the last microbatch).
+    ``precision``: ``fp32`` is ``fj.Plan()`` (4-byte parameters, gradients, Adam moments and
+    activations); ``bf16-mixed`` is ``fj.Plan(compute_dtype="bfloat16")``: the same float32
+    parameters (master weights), gradients and moments in the state, each layer's weights cast to
+    bf16 just before use, bf16 activations, stashes and stage-to-stage messages. ``zero``: 1
+    shards the optimizer state over ``data``; 3 (FSDP) shards parameters, gradients and
+    optimizer state, and all-gathers each layer's weights just before use. ``dp_overlap`` is
+    the share of the data-parallel gradient reduction hidden under the backward (0 for
+    fiddlejax, which reduces after the last microbatch).
 
     ``steps_per_call`` (K, ``2bw`` only): optimizer steps one ``trainer.steps`` call runs
     without a pipeline flush; the fill and drain are paid once per K steps. Predictions stay
@@ -71,12 +82,17 @@ class Layout:
             return None
         return self.schedule or ("interleaved-1f1b" if self.virtual_stages > 1 else "1f1b")
 
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO-3: parameters, gradients and optimizer state sharded over ``data``."""
+        return self.zero == 3 and self.data > 1
+
     def short(self) -> str:
         s = f"t{self.tensor} p{self.pipe} d{self.data} mb{self.microbatch_size}"
         if self.pipe > 1:
             s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             s += f" K{self.steps_per_call}" if self.kind == "2bw" else ""
-        s += f" remat={self.remat}" + (" zero1" if self.zero else "")
+        s += f" remat={self.remat}" + (f" zero{self.zero}" if self.zero else "")
         return s
 
     def to_dict(self) -> dict:
@@ -118,41 +134,33 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
             f"global_batch={lo.global_batch} is not a multiple of data x microbatch_size = "
             f"{lo.data} x {lo.microbatch_size} = {per}; use e.g. "
             f"{max(per, lo.global_batch // per * per)}")
-    if lo.schedule is not None and lo.schedule not in SCHEDULES:
-        raise ValueError(f"schedule={lo.schedule!r} is unknown; use one of {SCHEDULES}")
-    if lo.virtual_stages > 1 and lo.kind != "interleaved-1f1b":
-        raise ValueError(f"virtual_stages={lo.virtual_stages} needs schedule "
-                         f"'interleaved-1f1b' (got {lo.kind!r}); set virtual_stages=1")
+    kinds = schedule_kinds()
+    if lo.schedule is not None and lo.schedule not in kinds:
+        raise ValueError(f"schedule={lo.schedule!r} is unknown; use one of {kinds}")
+    if lo.virtual_stages > 1 and not interleaves(lo.kind or ""):
+        users = [k for k in kinds if interleaves(k)]
+        raise ValueError(f"virtual_stages={lo.virtual_stages} needs an interleaved schedule "
+                         f"({', '.join(users)}), got {lo.kind!r}; set virtual_stages=1")
     k = lo.steps_per_call
     if k > 1 and lo.kind != "2bw":
         raise ValueError(f"steps_per_call={k} needs schedule '2bw' (got {lo.kind!r}, which "
                          f"flushes the pipeline every step); set steps_per_call=1")
     if lo.schedule == "2bw" and lo.zero:
-        raise ValueError("zero=1 with schedule '2bw': 2BW keeps two weight versions per stage "
-                         "and updates them inside the pipeline, so the runtime does not shard "
-                         "the optimizer state; set zero=0 or use another schedule")
+        raise ValueError(f"zero={lo.zero} with schedule '2bw': 2BW keeps two weight versions "
+                         "per stage and updates them inside the pipeline, so the runtime does "
+                         "not shard them; set zero=0 or use another schedule")
     if lo.pipe > 1:
-        if lo.kind == "interleaved-1f1b" and lo.microbatches % lo.pipe:
-            raise ValueError(
-                f"microbatches={lo.microbatches} must be a multiple of pipe={lo.pipe} for "
-                f"interleaved-1f1b; change global_batch or microbatch_size")
-        if lo.kind == "2bw" and k >= 3 and lo.microbatches < lo.pipe - 1:  # K <= 2: no step 2 back
-            raise ValueError(
-                f"microbatches={lo.microbatches} < pipe - 1 = {lo.pipe - 1} for 2bw: a step "
-                f"would start before the step two back has finished its backwards, needing a "
-                f"third weight version; use global_batch >= {(lo.pipe - 1) * per}")
-        if lo.microbatches * (k if lo.kind == "2bw" else 1) < lo.pipe:
-            raise ValueError(
-                f"microbatches={lo.microbatches} < pipe={lo.pipe}: the pipeline never fills; "
-                f"use global_batch >= {lo.pipe * per}"
-                + (" or steps_per_call >= 2" if lo.kind == "2bw" else ""))
+        # The runtime runs whatever the schedule registry builds (any m for interleaving, m < p,
+        # 2bw's limits): build is the one rulebook. Larger schedules, which would be slow to
+        # build, have enough microbatches for every generator's minimum.
         if lo.pipe * lo.microbatches * lo.virtual_stages * k <= MAX_BUILT_ACTIONS:
             schedule_for(lo.kind, lo.pipe, lo.microbatches, lo.virtual_stages, k)
     if lo.remat not in model.act:
         raise ValueError(f"remat={lo.remat!r} is not described for {model.name}; use one of "
                          f"{sorted(model.act)}")
-    if lo.zero not in (0, 1):
-        raise ValueError(f"zero={lo.zero!r} must be 0 or 1 (ZeRO stage 1)")
+    if lo.zero not in ZEROS or isinstance(lo.zero, bool):
+        raise ValueError(f"zero={lo.zero!r} must be 0 (off), 1 (optimizer state sharded over "
+                         "data) or 3 (FSDP: parameters, gradients and optimizer state)")
     if lo.precision not in PRECISIONS:
         raise ValueError(f"precision={lo.precision!r} must be one of {PRECISIONS}")
     if lo.optimizer not in ("adam", "sgd"):
