@@ -13,9 +13,9 @@ from fiddlejax.planner.cluster import ClusterSpec, GPUSpec, cluster
 from fiddlejax.planner.predict import Memory, Prediction, StepTime, memory, predict
 from fiddlejax.planner.search import search
 from fiddlejax.planner.space import Layout, validate
-from fiddlejax.planner.workload import ModelSpec, from_flax, gpt, preset
+from fiddlejax.planner.workload import ModelSpec, from_flax, gpt, llama, preset
 
 __all__ = [
     "ClusterSpec", "GPUSpec", "Layout", "Memory", "ModelSpec", "Prediction", "StepTime",
-    "cluster", "from_flax", "gpt", "memory", "predict", "preset", "search", "validate",
+    "cluster", "from_flax", "gpt", "llama", "memory", "predict", "preset", "search", "validate",
 ]

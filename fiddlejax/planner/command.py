@@ -26,9 +26,10 @@ GIB = 2**30
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
+    presets = ", ".join([*workload.PRESETS, *workload.LLAMA_PRESETS])
     g.add_argument("--model", default="gpt",
-                   help=f"'gpt' (with the flags below) or a preset: {', '.join(workload.PRESETS)}")
-    for f in ("layers", "hidden", "heads", "seq", "vocab", "ffn"):
+                   help=f"'gpt' or 'llama' (with the flags below) or a preset: {presets}")
+    for f in ("layers", "hidden", "heads", "kv-heads", "seq", "vocab", "ffn"):
         g.add_argument(f"--{f}", type=int)
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="h100", choices=sorted(CLUSTERS))
@@ -41,13 +42,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _model(a: argparse.Namespace) -> workload.ModelSpec:
-    if a.model != "gpt":
+    if a.model not in ("gpt", "llama"):
         return workload.preset(a.model)
-    missing = [f"--{f}" for f in ("layers", "hidden", "heads", "seq", "vocab")
-               if getattr(a, f) is None]
+    need = ("layers", "hidden", "heads", "seq", "vocab") + (
+        ("kv_heads", "ffn") if a.model == "llama" else ())
+    missing = [f"--{f.replace('_', '-')}" for f in need if getattr(a, f) is None]
     if missing:
-        raise ValueError(f"--model gpt needs {' '.join(missing)} (or a preset such as "
-                         "--model gpt3-175b)")
+        raise ValueError(f"--model {a.model} needs {' '.join(missing)} (or a preset such as "
+                         "--model gpt3-175b or --model llama3-8b)")
+    if a.model == "llama":
+        return workload.llama(a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.seq, a.vocab)
     return workload.gpt(a.layers, a.hidden, a.heads, a.seq, a.vocab, ffn=a.ffn)
 
 

@@ -162,10 +162,10 @@ class Prediction:
 
 
 def _bytes(layout: Layout) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes per parameter."""
-    if layout.precision == "fp32":
-        return 4, 4, (8 if layout.optimizer == "adam" else 0)
-    return 2, 4, (12 if layout.optimizer == "adam" else 4)  # fp32 master (+ Adam moments)
+    """(parameter, gradient, optimizer-state) bytes per parameter: float32 in both precisions
+    (``bf16-mixed`` keeps float32 master weights in the state and casts each layer to bf16 just
+    before use, a transient counted in the working set)."""
+    return 4, 4, (8 if layout.optimizer == "adam" else 0)
 
 
 def _act_bytes(layout: Layout) -> int:
@@ -291,6 +291,21 @@ def stage_params(model: ModelSpec, layout: Layout) -> float:
     return stage_layers * (ls / t + lr) + (ps + es) / t + pr + er
 
 
+def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
+    """Transient bytes of weights materialised for use: with FSDP, one layer gathered over
+    ``data`` in the compute dtype, the next one prefetched, and its full-size float32 gradient
+    before the reduce-scatter; or the embedding or head, gathered with its gradient (whichever
+    is larger). Without FSDP, in bf16, the bf16 copy of the largest of those."""
+    t, ab = layout.tensor, _act_bytes(layout)
+    ls, lr = model.layer_params
+    layer = ls / t + lr
+    outer = max(sum(x / y for x, y in zip(part, (t, 1), strict=True))
+                for part in (model.prologue_params, model.epilogue_params))
+    if layout.fsdp:
+        return max(layer * (2 * ab + 4), outer * (ab + 4))
+    return max(layer, outer) * ab if ab < 4 else 0.0
+
+
 def memory(model: ModelSpec, layout: Layout) -> Memory:
     """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
     t, p, d = layout.tensor, layout.pipe, layout.data
@@ -306,6 +321,7 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     if two_bw:
         grads_copies = 3
     opt = n * ob / (d if layout.zero else 1)
+    shard = d if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
     mb = layout.microbatch_size
     per_layer = model.act_elems(layout.remat, t) * mb * ab
     held = held_microbatches(layout)
@@ -323,8 +339,9 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
         working += inbox_slots(layout) * mb * model.boundary * ab
     if two_bw:  # the update, computed inside the pipeline program; XLA keeps each further
         working += n * pb + (_steps(layout) - 1) * n * ob  # step's optimizer state (measured)
-    return Memory(params=n * pb * param_copies, grads=n * gb * grads_copies, optimizer=opt,
-                  activations=stash, working=working)
+    working += _weights_in_use(model, layout)
+    return Memory(params=n * pb * param_copies / shard, grads=n * gb * grads_copies / shard,
+                  optimizer=opt, activations=stash, working=working)
 
 
 # ----------------------------------------------------------------------------- time
@@ -365,6 +382,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     pb, gb, ob = _bytes(layout)
     n_params = stage_params(model, layout)
     dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
+    if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
+        # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce
+        dp = m * (allreduce_seconds(cluster, d, t * p, n_params * ab)
+                      + allreduce_seconds(cluster, d, t * p, n_params * gb) / 2)
     opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
     opt = opt_bytes / gpu.hbm_bandwidth
     time = StepTime(

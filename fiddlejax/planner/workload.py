@@ -147,6 +147,58 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
     )
 
 
+def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int,
+          *, head_dim: int | None = None, tied: bool = False,
+          name: str | None = None) -> ModelSpec:
+    """Analytic ``models.llama.Llama``: RMSNorm, grouped-query attention with rotary
+    embeddings, SwiGLU MLP of width ``ffn``, no biases.
+
+    FLOPs per layer and sample: 2s(2h*a*dh + 2h*kv*dh + 3h*ffn) for the projections and MLP,
+    4s^2*a*dh for attention. Activations per policy as JAX's autodiff keeps them for
+    ``models.llama.LlamaBlock`` (XLA's attention, which keeps the s x s scores: what the CPU
+    compiles; cuDNN's fused attention on a GPU keeps less).
+    """
+    for n, v in (("layers", layers), ("hidden", hidden), ("heads", heads),
+                 ("kv_heads", kv_heads), ("ffn", ffn), ("seq", seq), ("vocab", vocab)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{n}={v!r} must be a positive int")
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    if head_dim is None and hidden % heads:
+        raise ValueError(f"hidden={hidden} must be divisible by heads={heads}, or give head_dim")
+    h, a, kv, f, s, v = hidden, heads, kv_heads, ffn, seq, vocab
+    dh = head_dim or h // a
+    q, k = a * dh, kv * dh
+    act = {  # per token: (split over tensor, whole); measured with saved_residuals
+        # none: q (GQA-reshaped), k after rotary, v; the masked scores, exp and probabilities
+        #       (4as) and two per-head statistics; gate, up and three SiLU intermediates (5f);
+        #       input, two norm outputs and the residual sum (4h), norm statistics, rotary tables
+        "none": (q + 2 * k + 4 * a * s + 2 * a + 5 * f, 4 * h + 4 + 4 * dh),
+        "full": (0.0, h),
+        "dots": (q + 2 * k + a * s + 2 * f, 2 * h),
+        "dots_no_batch": (q + 2 * k + 2 * f, 2 * h),
+        "minimal": (q + 2 * k + 2 * f, 2 * h),
+    }
+    act = {key: (sp * s, rp * s) for key, (sp, rp) in act.items()}
+    return ModelSpec(
+        name=name or f"llama-l{layers}-h{hidden}",
+        num_layers=layers, seq_len=s, hidden=h,
+        layer_params=(2 * h * q + 2 * h * k + 3 * h * f, 2 * h),
+        prologue_params=(v * h, 0), epilogue_params=(0 if tied else h * v, h),
+        layer_flops=2.0 * s * (2 * h * q + 2 * h * k + 3 * h * f) + 4.0 * s * s * q,
+        prologue_flops=0.0, epilogue_flops=2.0 * s * h * v,
+        act=act, act_none_full=float(sum(act["none"])), boundary=s * h, logits=s * v,
+        heads=a, vocab=v, ffn=f,
+    )
+
+
+# name: (layers, hidden, heads, kv_heads, ffn, seq, vocab)
+LLAMA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "llama3-8b": (32, 4096, 32, 8, 14336, 8192, 128256),
+    "llama3-70b": (80, 8192, 64, 8, 28672, 8192, 128256),
+}
+
+
 # name: (layers, hidden, heads, seq, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "gpt2-small": (12, 768, 12, 1024, 50257),
@@ -161,12 +213,31 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
 
 
 def preset(name: str) -> ModelSpec:
-    """An analytic GPT by preset name (see ``PRESETS``)."""
+    """An analytic GPT or Llama by preset name (see ``PRESETS`` and ``LLAMA_PRESETS``)."""
+    if name in LLAMA_PRESETS:
+        return llama(*LLAMA_PRESETS[name], name=name)
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} "
+        raise ValueError(f"unknown model preset {name!r}; presets: "
+                         f"{', '.join([*PRESETS, *LLAMA_PRESETS])} "
                          "(or --model gpt with --layers/--hidden/--heads/--seq/--vocab)")
     layers, hidden, heads, seq, vocab = PRESETS[name]
     return gpt(layers, hidden, heads, seq, vocab, name=name)
+
+
+def activation_residuals(f: Any, x: Any) -> list[tuple[int, ...]]:
+    """Shapes of the residuals ``f``'s backward keeps that are computed from ``x``: parameters
+    and trace-time constants (masks, rotary tables) are not activations.
+
+    Private JAX API, pinned (``jax>=0.10.2,<0.11`` in pyproject.toml) and tested
+    (``test_activation_residuals_private_api``): ``jax.ad_checkpoint.print_saved_residuals`` is
+    the public face of ``saved_residuals`` but only prints. The public alternative, the leaves
+    of ``jax.vjp``'s function, cannot tell constants from activations (measured: +28% for a
+    Llama block without remat).
+    """
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return [tuple(r.shape) for r, why in saved_residuals(f, x)
+            if not why.startswith(("from a constant", "from a literal"))]
 
 
 def from_flax(model: Any, example: dict, *, name: str | None = None,
@@ -180,7 +251,6 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
     """
     import jax
     import numpy as np
-    from jax._src.ad_checkpoint import saved_residuals
 
     from fiddlejax import staged
     from fiddlejax.memory import remat_layer
@@ -221,13 +291,10 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
     act = {}
     for pol in policies:
         f = remat_layer(sm.layer, pol)
-        res = saved_residuals(lambda h, f=f: f(layer, h), x)
         sp = rp = 0.0
-        for r, why in res:
-            if why.startswith("from a constant") or why.startswith("from a literal"):
-                continue  # parameters and constants: not activations
-            n = float(np.prod(r.shape))
-            if tuple(r.shape) == tuple(x.shape) or n < np.prod(x.shape) / max(x.shape[-1], 1) + 1:
+        for shape in activation_residuals(lambda h, f=f: f(layer, h), x):
+            n = float(np.prod(shape))
+            if tuple(shape) == tuple(x.shape) or n < np.prod(x.shape) / max(x.shape[-1], 1) + 1:
                 rp += n
             else:
                 sp += n
