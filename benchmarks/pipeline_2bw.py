@@ -118,13 +118,15 @@ def reference(overrides: list[str], stale: bool) -> float:
     import optax
     from flax import nnx
 
-    from fiddlejax import config, run
+    from fiddlejax import config
+    from fiddlejax.app import build
 
     cfg = config.load(None, ["optimizer.clip=0", *overrides])
-    model = run.build_model(cfg["model"], cfg["train"]["seed"])
+    model = build.build_model(cfg["model"], cfg["train"]["seed"])
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = run.make_optimizer(cfg)
-    train_it, val_it, _ = run.build_data(cfg, model, 0, 1)
+    tx = build.make_optimizer(cfg)
+    data = build.build_data(cfg, model)
+    train_it, val_it = data.train, data.validation
     val = [next(val_it) for _ in range(cfg["train"]["eval_batches"])]
 
     def loss(p, batch):

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fiddlejax import config as config_lib  # noqa: E402
-from fiddlejax import run  # noqa: E402
+from fiddlejax.app import build  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "topk.md"
 
@@ -47,9 +47,9 @@ def make_trainer(cfg: dict, model, algorithm: str, density: float, topk_on: str 
 
     import fiddlejax as fj
 
-    plan = dataclasses.replace(run.make_plan(cfg), grad_allreduce=algorithm,
+    plan = dataclasses.replace(build.make_plan(cfg), grad_allreduce=algorithm,
                                topk_density=density, topk_on=topk_on)
-    return fj.parallelize(model, run.make_optimizer(cfg), plan)
+    return fj.parallelize(model, build.make_optimizer(cfg), plan)
 
 
 def train(cfg: dict, algorithm: str, density: float, dense_warmup: int = 0,
@@ -60,9 +60,10 @@ def train(cfg: dict, algorithm: str, density: float, dense_warmup: int = 0,
     import numpy as np
 
     tcfg = cfg["train"]
-    model = run.build_model(cfg["model"], tcfg["seed"])
+    model = build.build_model(cfg["model"], tcfg["seed"])
     trainer = make_trainer(cfg, model, algorithm, density, topk_on)
-    train_it, val_it, _ = run.build_data(cfg, model, 0, 1)
+    data = build.build_data(cfg, model)
+    train_it, val_it = data.train, data.validation
     val_batches = [next(val_it) for _ in range(tcfg["eval_batches"])]
     first = next(train_it)
     compiled = trainer.compiled_step(trainer.init(), first)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         overrides.append(f"train.steps={args.steps}")
     cfg = config_lib.load(None, overrides)
-    run.setup_devices(cfg)
+    build.setup_devices(cfg)
 
     res = {"overrides": overrides, "density": args.density, "dense_warmup": args.dense_warmup,
            "args": {k: getattr(args, k) for k in ("density", "data", "tensor", "steps",

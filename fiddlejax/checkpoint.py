@@ -32,21 +32,17 @@ before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead a
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import shutil
-import signal
-import statistics
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fiddlejax.checkfreq import CheckFreq
+from fiddlejax.preemption import Preemption
 
 FORMAT = 1  # bump when the layout of a step directory changes
 
@@ -131,116 +127,6 @@ class Restored:
     config: dict | None = None
     plan: dict | None = None
     model: str | None = None
-
-
-# -- preemption ---------------------------------------------------------------------------------
-class Preemption:
-    """Tells the training loop when to save and stop after a SIGTERM.
-
-    One process: a SIGTERM handler sets a flag that the loop polls after each step. Several
-    processes (``jax.distributed`` initialized): JAX's preemption sync manager already listens for
-    SIGTERM and :func:`jax.experimental.multihost_utils.reached_preemption_sync_point` makes every
-    process agree on the same step, so no handler is installed; call :meth:`reached` every step.
-    """
-
-    def __init__(self):
-        self._flag = threading.Event()
-        self._previous = None
-        self._installed = False
-        self._last: tuple[int, bool] | None = None
-        self._interrupts = 0
-
-    @staticmethod
-    def _distributed() -> bool:
-        return jax.process_count() > 1
-
-    def install(self) -> Preemption:
-        """Handle SIGTERM and SIGINT (Ctrl-C) alike: save at the end of this step and stop.
-
-        A second Ctrl-C interrupts at once. With several processes SIGINT is turned into the
-        SIGTERM JAX's preemption manager listens for, so every process saves the same step.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        self._previous = {}
-        if not self._distributed():
-            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
-        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
-        self._installed = True
-        return self
-
-    def _on_signal(self, sig, frame) -> None:
-        if sig == signal.SIGINT:
-            self._interrupts += 1
-            if self._interrupts > 1:
-                signal.default_int_handler(sig, frame)  # second Ctrl-C: stop now
-            if self._distributed():  # JAX's preemption manager agrees on the step to save
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-        self._flag.set()
-
-    def uninstall(self) -> None:
-        if self._installed:
-            for sig, previous in self._previous.items():
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-            self._installed = False
-
-    def trigger(self) -> None:
-        """Act as if SIGTERM arrived (tests, or a scheduler that warns some other way)."""
-        self._flag.set()
-
-    def reached(self, step: int) -> bool:
-        """True at the step every process should save at and then stop (cached per step)."""
-        if self._last is not None and self._last[0] == step:
-            return self._last[1]
-        hit = self._flag.is_set()
-        if self._distributed():
-            from jax.experimental import multihost_utils
-
-            try:
-                hit = bool(multihost_utils.reached_preemption_sync_point(step)) or hit
-            except RuntimeError:  # preemption service disabled: only our own flag counts
-                pass
-        self._last = (step, hit)
-        return hit
-
-
-# -- CheckFreq ------------------------------------------------------------------------------------
-class CheckFreq:
-    """Chooses the checkpoint interval from measured costs (CheckFreq, FAST'21).
-
-    ``cost`` per checkpoint = snapshot stall + slowdown of the steps that overlap its background
-    persist; the interval ``k`` is the smallest with ``cost / (k * step_time) <= overhead`` and
-    ``k * step_time > persist_time`` (so a snapshot never waits for the previous persist).
-    The first checkpoint is taken right after ``warmup`` measured steps to profile the costs.
-    """
-
-    def __init__(self, overhead: float = 0.035, warmup: int = 3, window: int = 64):
-        if not 0 < overhead < 1:
-            raise ValueError(f"checkfreq_overhead={overhead!r} must be a fraction in (0, 1), "
-                             "e.g. 0.035 for 3.5%")
-        self.overhead, self.warmup = overhead, warmup
-        self.steps: deque[float] = deque(maxlen=window)  # step times without a persist running
-        self.snapshots: deque[float] = deque(maxlen=8)
-        self.persists: deque[float] = deque(maxlen=8)
-        self.interference: deque[float] = deque(maxlen=8)
-
-    def step_time(self) -> float | None:
-        return statistics.median(self.steps) if len(self.steps) >= self.warmup else None
-
-    def interval(self) -> int | None:
-        """Steps between checkpoints, or None until the first costs are measured."""
-        t = self.step_time()
-        if t is None or not self.snapshots:
-            return None
-        t = max(t, 1e-9)
-        cost = statistics.median(self.snapshots)
-        if self.interference:
-            cost += statistics.median(self.interference)
-        k = math.ceil(cost / (self.overhead * t))
-        if self.persists:
-            k = max(k, math.floor(statistics.median(self.persists) / t) + 1)
-        return max(k, 1)
 
 
 # -- the manager ---------------------------------------------------------------------------------
@@ -376,7 +262,7 @@ class CheckpointManager:
         with self._lock:
             self._persist_start = self._persist_end = None
         ranked = self.best_metric is not None and self.best_metric in (metrics or {})
-        self._mngr.save(step, args=args, metrics=_jsonable(metrics) if ranked else None,
+        self._mngr.save(step, args=args, metrics=jsonable(metrics) if ranked else None,
                         force=True)
         self._pending, self._last_saved, self._saves = step, step, self._saves + 1
         end = time.perf_counter()
@@ -404,9 +290,9 @@ class CheckpointManager:
             rng_meta = {"typed": bool(typed), "data": np.asarray(data).tolist(),
                         "impl": str(jax.random.key_impl(rng)) if typed else None}
         return {"format": FORMAT, "step": step, "model": self.trainer.model_name,
-                "plan": _jsonable(self.trainer.plan.describe()), "config": _jsonable(self.config),
-                "arrays": arrays, "data_state": _jsonable(data_state), "rng": rng_meta,
-                "extra": _jsonable(extra), "metrics": _jsonable(metrics), "time": time.time()}
+                "plan": jsonable(self.trainer.plan.describe()), "config": jsonable(self.config),
+                "arrays": arrays, "data_state": jsonable(data_state), "rng": rng_meta,
+                "extra": jsonable(extra), "metrics": jsonable(metrics), "time": time.time()}
 
     def _persisted(self) -> None:  # Orbax's post-finalization callback (background thread)
         with self._lock:
@@ -506,6 +392,10 @@ class CheckpointManager:
         self.close()
 
     # -- restoring -------------------------------------------------------------------------------
+    def reload(self) -> None:
+        """Re-read the directory's steps (after another tool moved or removed some)."""
+        self._mngr.reload()
+
     def latest_step(self) -> int | None:
         """The newest committed step (temporary directories of interrupted saves never count)."""
         return self._mngr.latest_step()
@@ -639,187 +529,14 @@ def _rng(meta: dict | None):
     return jax.random.wrap_key_data(data, impl=meta["impl"]) if meta["typed"] else data
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """``x`` with numpy/JAX scalars and arrays turned into plain Python for JSON."""
     if x is None or isinstance(x, bool | int | float | str):
         return x
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.generic | np.ndarray | jax.Array):
         return np.asarray(x).tolist()
     return str(x)
-
-
-# -- fiddlejax train ------------------------------------------------------------------------------
-ROLLED_BACK = "rolled_back"  # where resume=N moves the checkpoints after N (never deleted)
-
-# Config keys whose change on resume alters what the run computes, and what it changes.
-_ANNOUNCE = {"train.steps": "the learning-rate schedule stretches to the new length",
-             "optimizer": "the optimizer", "data": "the data stream", "model": "the model",
-             "plan": "the layout (the checkpoint converts exactly)", "mesh": "the layout",
-             "train.steps_per_call": "steps per call"}
-
-
-def check_directory(cfg: dict) -> None:
-    """Refuse an unusable ``checkpoint.dir`` before anything runs: a regular file, a directory
-    that cannot be written, or a disk without room for a probe write."""
-    d = cfg["checkpoint"]["dir"]
-    if not d:
-        return
-    path = Path(d)
-    for parent in (path, *path.parents):
-        if parent.exists() and not parent.is_dir():
-            raise NotADirectoryError(
-                f"checkpoint.dir={d} cannot be used: {parent} is a regular file; name a "
-                "directory (it is created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".fiddlejax-write-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(
-            f"checkpoint.dir={d} is not writable ({e.strerror or e}); give a directory this "
-            "user can write to, with free space, or leave checkpoint.dir unset") from None
-
-
-class JobCheckpoints:
-    """The ``checkpoint:`` and ``resume`` parts of ``fiddlejax train``, kept out of the loop.
-
-    ``resume=N`` before the latest step rolls back: the newer steps are moved, untouched, into
-    ``<checkpoint.dir>/rolled_back/<time>/`` (announced), and the run continues from N exactly.
-    Numbered directories that hold nothing (a save killed before it wrote) are removed.
-    """
-
-    def __init__(self, cfg: dict, trainer, data_iter, log: Callable[[str], None] = print):
-        c = cfg["checkpoint"]
-        self.cfg, self.trainer, self.data_iter, self.log = cfg, trainer, data_iter, log
-        self.resume, self.steps = cfg.get("resume"), cfg["train"]["steps"]
-        every = c["every"]
-        self.directory = Path(c["dir"]).absolute()
-        self._remove_empty_steps()
-        self.preemption = Preemption()
-        self.mgr = CheckpointManager(
-            c["dir"], trainer, every=every if every == "auto" else int(every or 0),
-            max_to_keep=c["max_to_keep"], best_metric=c["best_metric"], best_mode=c["best_mode"],
-            async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
-            config=cfg, preemption=self.preemption)
-        self.preemption.install()  # after the manager exists: a failure leaves no handler
-
-    def _remove_empty_steps(self) -> None:
-        if jax.process_index() != 0 or not self.directory.is_dir():
-            return
-        for p in self.directory.iterdir():
-            if p.name.isdigit() and p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
-                self.log(f"removed {p}: an empty step directory, not a checkpoint")
-
-    def start(self):
-        """(state, first step): restored when resuming (``resume=auto`` or a step), else fresh."""
-        latest = self.mgr.latest_step()
-        if self.resume not in (None, "auto") and not isinstance(self.resume, int):
-            raise ValueError(f"resume={self.resume!r} must be null, auto or a step number")
-        if self.resume is None:
-            if latest is not None:
-                raise ValueError(
-                    f"checkpoint.dir={self.mgr.directory} already holds checkpoints (latest "
-                    f"step {latest}); pass resume=auto to continue from them, resume=N to go "
-                    "back to step N, or use an empty directory")
-            return self._fresh()
-        if latest is None and self.resume == "auto":
-            self.log(f"resume=auto: no checkpoint in {self.mgr.directory}, starting fresh")
-            return self._fresh()
-        r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
-        newer = [s for s in self.mgr.all_steps() if s > r.step]
-        if newer:
-            self._roll_back(newer)
-        self.mgr.warm_up(r.state)
-        if not hasattr(self.data_iter, "set_state"):
-            self.log("warning: this data pipeline cannot be checkpointed; it restarts")
-        elif r.data_state is not None:
-            self.data_iter.set_state(r.data_state)
-        self.log(f"resumed from {self.mgr.directory} at step {r.step} "
-                 f"(saved with layout {r.plan['mesh'] if r.plan else '?'})")
-        self._announce_changes(r.config)
-        return r.state, r.step + 1
-
-    def _roll_back(self, newer: list[int]) -> None:
-        """Move the steps after the resumed one aside: they would block new saves."""
-        self.mgr.wait()
-        dest = self.directory / ROLLED_BACK / time.strftime("%Y%m%d-%H%M%S")
-        if jax.process_index() == 0:
-            dest.mkdir(parents=True, exist_ok=True)
-            for s in newer:
-                shutil.move(str(self.directory / str(s)), str(dest / str(s)))
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("fiddlejax_roll_back")
-        self.mgr._mngr.reload()
-        self.log(f"rolled back: steps {newer} moved to {dest} (delete it, or move a step back "
-                 "to return to it)")
-
-    def _announce_changes(self, saved: dict | None) -> None:
-        if not isinstance(saved, dict):
-            return
-        from fiddlejax.config import leaves
-
-        old, new = leaves(saved), leaves(_jsonable(self.cfg))
-        for key in sorted(set(old) | set(new)):
-            if key not in old or old[key] == new.get(key) \
-                    or key.startswith(("run.", "checkpoint.", "resume")):
-                continue
-            what = _ANNOUNCE.get(key) or _ANNOUNCE.get(key.split(".")[0])
-            if what:
-                self.log(f"config changed since the checkpoint: {key} {old.get(key)!r} -> "
-                         f"{new.get(key)!r} ({what})")
-
-    def _fresh(self):
-        state = self.trainer.init()
-        self.mgr.warm_up(state)
-        return state, 1
-
-    def last_good(self) -> int | None:
-        """The newest committed step (waits for a write in flight)."""
-        try:
-            self.mgr.wait()
-        except RuntimeError:
-            pass
-        return self.mgr.latest_step()
-
-    def after_step(self, step: int, state, rec: dict) -> bool:
-        """Save if due (interval, CheckFreq, preemption, last step); True when it must stop."""
-        preempted = self.mgr.reached_preemption(step)
-        data_state = self.data_iter.get_state() if hasattr(self.data_iter, "get_state") else None
-        self.mgr.save(step, state, force=preempted or step == self.steps,
-                      metrics={k: v for k, v in rec.items() if isinstance(v, int | float)},
-                      data_state=data_state)
-        rec.update(self.mgr.stats())
-        if preempted:
-            self.mgr.wait()
-            self.log(f"preempted: saved step {step} to {self.mgr.directory}; exiting")
-        return preempted
-
-    def close(self, quiet: bool = False) -> None:
-        """Wait for the last save and release Orbax. ``quiet``: an error is already on its way,
-        so a failure here is not raised over it."""
-        try:
-            self.mgr.close()
-        except Exception:
-            if not quiet:
-                raise
-
-
-def for_run(cfg: dict, trainer, data_iter, log: Callable[[str], None] = print
-            ) -> JobCheckpoints | None:
-    """Checkpointing for ``fiddlejax train``, or None when ``checkpoint.dir`` is not set."""
-    if not cfg["checkpoint"]["dir"]:
-        if cfg.get("resume") is not None:
-            raise ValueError(f"resume={cfg['resume']!r} needs checkpoint.dir=DIR")
-        return None
-    return JobCheckpoints(cfg, trainer, data_iter, log)

@@ -1,4 +1,8 @@
-"""The ``fiddlejax`` command: ``train``, ``schedule``, ``plan``."""
+"""The ``fiddlejax`` command: ``train``, ``schedule``, ``plan``, ``export``.
+
+A dispatcher only: each command lives with what it runs (``fiddlejax.app`` for train and export,
+``fiddlejax.pipeline.render`` for schedule, ``fiddlejax.planner.cli`` for plan).
+"""
 
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="YAML file merged over the defaults")
         p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.data=2")
         args = p.parse_args(rest)
-        from fiddlejax import run
+        from fiddlejax.app import train
 
-        code = run.main(args.config, args.overrides, debug=debug)
+        code = train.main(args.config, args.overrides, debug=debug)
         if code != 0:
             # Saves and logs are closed by now. After a failed restore, tensorstore's callbacks
             # would print "Event loop is closed" tracebacks during interpreter teardown, under
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return schedule_command(rest)
     if cmd == "export":
-        from fiddlejax.export import export_command
+        from fiddlejax.app.export import export_command
 
         return export_command(rest)
     if cmd == "plan":

@@ -29,8 +29,8 @@ class ConfigError(ValueError):
 class Spec:
     """What one key accepts: a type, optional choices and bounds, null, and extra words."""
 
-    kind: type  # int, float, bool, str or list
-    choices: tuple = ()  # allowed values (strings); empty: any
+    kind: type  # int, float, bool, str, list or dict
+    choices: tuple = ()  # allowed values; empty: any
     lo: float | None = None  # inclusive lower bound (exclusive when ``open_lo``)
     hi: float | None = None  # inclusive upper bound (exclusive when ``open_hi``)
     open_lo: bool = False
@@ -46,6 +46,8 @@ class Spec:
             text = "true or false"
         elif self.kind is list:
             text = "a list, e.g. [a, b]"
+        elif self.kind is dict:
+            text = "a mapping, e.g. {a: b}"
         elif self.kind is str:
             text = "a string"
         else:
@@ -68,9 +70,13 @@ class Spec:
             return isinstance(v, bool)
         if self.kind is list:
             return isinstance(v, list)
+        if self.kind is dict:
+            return isinstance(v, dict)
         if self.kind is str:
             return isinstance(v, str) and (not self.choices or v in self.choices)
         if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        if self.choices and v not in self.choices:
             return False
         if self.kind is int and not isinstance(v, int):
             return False
@@ -118,7 +124,9 @@ SPECS: dict[str, Spec] = {
     "plan.grad_allreduce": Spec(str),  # choices: fiddlejax.collectives
     "plan.topk_density": Spec(float, lo=0, hi=1, open_lo=True),
     "plan.topk_on": Spec(str, choices=("gradients", "updates")),
-    "plan.zero": Spec(int, lo=0, hi=1),
+    "plan.zero": Spec(int, choices=(0, 1, 3)),
+    "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
+    "plan.rules": Spec(dict, null=True),
     "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
     "plan.check_inputs": Spec(bool),
     "optimizer.name": Spec(str, choices=("adamw", "muon")),
@@ -142,6 +150,10 @@ SPECS: dict[str, Spec] = {
     "resume": Spec(int, lo=1, null=True, words=("auto",)),
 }
 
+# Keys whose value is a free mapping, not a section: overrides merge into it
+# (``plan.rules.kv=tensor``) and validation sees it whole.
+MAPPINGS = ("plan.rules",)
+
 # A fix for a key whose bad value the default alone does not explain.
 HINTS = {
     "checkpoint.every": "a step count such as checkpoint.every=100, or checkpoint.every=auto "
@@ -149,6 +161,7 @@ HINTS = {
     "resume": "resume=auto continues from the latest checkpoint, resume=N from step N",
     "plan.memory_budget": "bytes per device, e.g. plan.memory_budget=2GiB",
     "mesh.data": "a device count, or -1 to use the devices the other axes leave",
+    "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={kv: tensor, fsdp: null}",
 }
 
 
@@ -173,7 +186,7 @@ def leaves(cfg: dict, where: str = "") -> dict[str, Any]:
     """``{"a.b": value}`` for every non-section key of ``cfg``."""
     out = {}
     for k, v in cfg.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and f"{where}{k}" not in MAPPINGS:
             out.update(leaves(v, f"{where}{k}."))
         else:
             out[f"{where}{k}"] = v
@@ -194,7 +207,9 @@ def _merge(base: dict, new: dict, where: str = "") -> dict:
             hint = _suggest(key, known + sorted({n.rsplit(".", 1)[0] for n in known}))
             raise ConfigError(f"unknown config key {key!r}"
                               + (hint or f"; known keys here: {sorted(base)}"))
-        if isinstance(base[k], dict):
+        if key in MAPPINGS:
+            out[k] = {**base[k], **v} if isinstance(base[k], dict) and isinstance(v, dict) else v
+        elif isinstance(base[k], dict):
             if not isinstance(v, dict):
                 raise ConfigError(f"config key {key!r} is a section; give {key}.<field>=value")
             out[k] = _merge(base[k], v, key + ".")

@@ -1,0 +1,223 @@
+"""Example models, and what the ``fiddlejax train`` job needs to know about each (:data:`REGISTRY`).
+
+The library never imports this package; the job (``fiddlejax.app``) looks a model up by its
+config name and asks the entry to build it, feed it, count its FLOPs and name its Muon matrices,
+so the job holds no per-model code. Importing this package is cheap: each entry imports its
+model module only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+# Muon orthogonalizes each layer's matrices: which axes of a stacked block leaf are the matrix's
+# input (reduction) and output axes, counted from the end so every parallel layout agrees.
+TRANSFORMER_MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,), (-2, -1)),
+                         "wk": ((-3,), (-2, -1)), "wv": ((-3,), (-2, -1)),
+                         "wo": ((-3, -2), (-1,))}
+LLAMA_MUON_AXES = {**TRANSFORMER_MUON_AXES, "w3": ((-2,), (-1,))}  # SwiGLU's up projection
+CNN_MUON_AXES = {"k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """What a model's data looks like to the job: iterators of global-batch dicts (this
+    process's rows) and how many items (tokens or examples) one step consumes."""
+
+    train: Iterator[dict]
+    validation: Iterator[dict]
+    items_per_step: int
+    unit: str = "tokens"  # what items_per_step counts: "tokens" or "examples"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """One model as the ``fiddlejax train`` job sees it.
+
+    - ``build(mcfg, seed)``: the model from the config's ``model:`` section.
+    - ``batches(cfg, model, process_index, process_count)``: its :class:`Batches`.
+    - ``flops_per_step(model, batch_size)``: analytic training FLOPs of one step (forward +
+      backward, no remat) of the whole global batch, for TFLOP/s and MFU.
+    - ``muon_axes``: stacked block leaf name -> (reduction axes, output axes) for Muon.
+    """
+
+    name: str
+    build: Callable[[dict, int], Any]
+    batches: Callable[[dict, Any, int, int], Batches]
+    flops_per_step: Callable[[Any, int], float]
+    muon_axes: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+
+    def muon_dims(self, params):
+        """Muon's dimension numbers for the block matrices; None (AdamW) for the rest:
+        embeddings, heads, norms and biases, as Muon's authors recommend. Pass it as optax's
+        ``muon_weight_dimension_numbers``."""
+        import jax
+        from optax.contrib import MuonDimensionNumbers
+
+        def dims(path, _):
+            keys = [getattr(k, "key", None) for k in path]
+            axes = (self.muon_axes.get(keys[1]) if len(keys) > 1 and keys[0] == "blocks"
+                    else None)
+            return MuonDimensionNumbers(*axes) if axes else None
+
+        return jax.tree_util.tree_map_with_path(dims, params)
+
+    def uniform_loss(self, model) -> float:
+        """The loss of a uniform guess over the model's outputs (classes or vocabulary)."""
+        c = getattr(model, "config", None)
+        n = getattr(c, "num_classes", None) or getattr(c, "vocab_size", None)
+        return math.log(n) if n else math.nan
+
+
+# -- shared pieces ----------------------------------------------------------------------------
+def _pick(mcfg: dict, cls) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in mcfg.items() if k in names}
+
+
+def token_batches(cfg: dict, seq_len: int, vocab: int | None, process_index: int,
+                  process_count: int) -> tuple[Iterator[dict], Iterator[dict]]:
+    """Windows of the stdlib corpus, ``{"tokens": int32[B, seq_len + 1]}`` (inputs and
+    next-token targets); ids checked once against ``vocab`` (the model's vocabulary)."""
+    from fiddlejax import data
+
+    b, seed = cfg["data"]["batch_size"], cfg["data"]["seed"]
+    shard = {"process_index": process_index, "process_count": process_count}
+    corpus = data.stdlib_corpus("train")
+    if vocab is not None:
+        data.check_tokens(corpus, vocab, "the stdlib corpus (model.vocab_size)")
+    train = data.token_batches(corpus, seq_len, b, seed=seed, **shard)
+    val = data.token_batches(data.stdlib_corpus("validation"), seq_len, b, shuffle=False,
+                             **shard)
+    return iter(train), iter(val)
+
+
+def transformer_flops(model, batch_size: int, lookups: tuple[str, ...] = ("wte", "wpe"),
+                      tied: str | None = None) -> float:
+    """6 N per token for the N matmul parameters plus 12 L T d for attention scores.
+
+    ``lookups`` are embedding tables (gathers, not matmuls); ``tied``: the table that is also
+    the head's matmul."""
+    import jax
+    from flax import nnx
+
+    c = model.config
+    params = nnx.state(model, nnx.Param)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    n -= sum(params[k][...].size for k in lookups if k != tied)
+    tokens = batch_size * c.seq_len
+    return 6.0 * n * tokens + 12.0 * c.n_layers * c.seq_len * c.d_model * tokens
+
+
+# -- the models -----------------------------------------------------------------------------------
+def _gpt_build(mcfg: dict, seed: int):
+    from flax import nnx
+
+    from models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(**_pick(mcfg, GPTConfig)), rngs=nnx.Rngs(seed))
+
+
+def _gpt_batches(cfg, model, process_index, process_count) -> Batches:
+    seq = cfg["model"]["seq_len"]
+    train, val = token_batches(cfg, seq, model.config.vocab_size, process_index,
+                               process_count)
+    return Batches(train, val, cfg["data"]["batch_size"] * seq)
+
+
+def _gpt_flops(model, batch_size: int) -> float:
+    return transformer_flops(model, batch_size,
+                             tied="wte" if model.config.tie_embeddings else None)
+
+
+def _llama_build(mcfg: dict, seed: int):
+    from flax import nnx
+
+    from models.llama import Llama, LlamaConfig
+
+    if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
+        return Llama.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
+    return Llama(LlamaConfig(
+        vocab_size=mcfg["vocab_size"], hidden_size=mcfg["d_model"],
+        intermediate_size=mcfg["d_ff"], num_hidden_layers=mcfg["n_layers"],
+        num_attention_heads=mcfg["n_heads"], num_key_value_heads=mcfg["n_kv_heads"],
+        rope_theta=float(mcfg["rope_theta"]), tie_word_embeddings=mcfg["tie_embeddings"],
+        max_position_embeddings=mcfg["seq_len"], seq_len=mcfg["seq_len"]), rngs=nnx.Rngs(seed))
+
+
+def _llama_flops(model, batch_size: int) -> float:
+    """Dims from the model: ``model.from_pretrained`` overrides the config's."""
+    import jax
+    from flax import nnx
+
+    c = model.config
+    params = nnx.state(model, nnx.Param)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if not c.tie_word_embeddings:
+        n -= params["embed"][...].size  # a lookup; tied, it is the head's matmul as well
+    tokens = batch_size * c.seq_len
+    attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_dim
+    return 6.0 * n * tokens + attn * tokens
+
+
+def _bert_build(mcfg: dict, seed: int):
+    from flax import nnx
+
+    from models.bert import BERT, BERTConfig
+
+    fields = _pick(mcfg, BERTConfig)
+    fields["vocab_size"] = mcfg["vocab_size"] + 1  # + [MASK]
+    return BERT(BERTConfig(**fields), rngs=nnx.Rngs(seed))
+
+
+def _bert_batches(cfg, model, process_index, process_count) -> Batches:
+    from models.bert import masked_batches
+
+    return masked_batches(cfg, model, process_index, process_count)
+
+
+def _cnn_build(mcfg: dict, seed: int):
+    from flax import nnx
+
+    from models.cnn import CNN, CNNConfig
+
+    return CNN(CNNConfig(channels=mcfg["channels"], n_layers=mcfg["n_layers"]),
+               rngs=nnx.Rngs(seed))
+
+
+def _cnn_batches(cfg, model, process_index, process_count) -> Batches:
+    from models.cnn import digit_batches
+
+    return digit_batches(cfg, process_index, process_count)
+
+
+def _cnn_flops(model, batch_size: int) -> float:
+    from models.cnn import flops_per_step
+
+    return flops_per_step(model.config, batch_size)
+
+
+REGISTRY: dict[str, ModelEntry] = {
+    "gpt": ModelEntry("gpt", _gpt_build, _gpt_batches, _gpt_flops, TRANSFORMER_MUON_AXES),
+    "bert": ModelEntry("bert", _bert_build, _bert_batches, transformer_flops,
+                       TRANSFORMER_MUON_AXES),
+    "cnn": ModelEntry("cnn", _cnn_build, _cnn_batches, _cnn_flops, CNN_MUON_AXES),
+    "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
+}
+
+
+def get(name: str) -> ModelEntry:
+    """The registry entry for ``model.name``; an error naming the known models otherwise."""
+    if name not in REGISTRY:
+        raise ValueError(f"model.name={name!r} must be one of {', '.join(REGISTRY)}; add a "
+                         "models.ModelEntry to models.REGISTRY for a new model")
+    return REGISTRY[name]
+
+
+def register(entry: ModelEntry) -> ModelEntry:
+    """Add (or replace) a model the job can train by ``model.name``."""
+    REGISTRY[entry.name] = entry
+    return entry

@@ -106,3 +106,49 @@ def mlm_batch(tokens: np.ndarray, config: BERTConfig, seed: int, first_row: int 
     np.put_along_axis(weights, pos, 1.0, axis=1)
     inputs = np.where(weights > 0, config.mask_id, tokens).astype(np.int32)
     return {"inputs": inputs, "targets": tokens, "weights": weights}
+
+
+# -- what the fiddlejax train job feeds it (models.REGISTRY["bert"]) --------------------------
+VALIDATION_MASK_SEED = 1 << 20  # validation masks come from seeds the training batches never use
+
+
+class MaskedBatches:
+    """BERT's masked-LM batches over a token-batch iterator. Batch n is masked with seed
+    ``seed + n``, each process masking its own rows of the global batch. The state (the token
+    stream's and n) is checkpointed, so a resumed run sees the batches and masks the
+    uninterrupted run would have."""
+
+    def __init__(self, tokens, config: BERTConfig, seed: int, first_row: int = 0,
+                 global_rows: int | None = None):
+        self.tokens, self.config, self.seed, self.n = tokens, config, seed, 0
+        self.rows = {"first_row": first_row, "global_rows": global_rows}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.tokens)
+        self.n += 1
+        return mlm_batch(np.asarray(batch["tokens"]), self.config, self.seed + self.n,
+                         **self.rows)
+
+    def get_state(self) -> dict:
+        return {"tokens": self.tokens.get_state(), "batches": self.n}
+
+    def set_state(self, state: dict) -> None:
+        self.tokens.set_state(state["tokens"])
+        self.n = int(state["batches"])
+
+
+def masked_batches(cfg: dict, model: BERT, process_index: int, process_count: int):
+    """The job's train and validation streams: stdlib-corpus windows of ``model.seq_len``
+    bytes, masked per batch (:class:`MaskedBatches`); ids checked against the byte vocabulary
+    (the [MASK] id excluded)."""
+    from models import Batches, token_batches
+
+    b, seed, seq = cfg["data"]["batch_size"], cfg["data"]["seed"], cfg["model"]["seq_len"]
+    train, val = token_batches(cfg, seq - 1, cfg["model"]["vocab_size"], process_index,
+                               process_count)  # windows of seq tokens: no shifted targets
+    rows = {"first_row": process_index * (b // process_count), "global_rows": b}
+    return Batches(MaskedBatches(train, model.config, seed, **rows),
+                   MaskedBatches(val, model.config, seed + VALIDATION_MASK_SEED, **rows), b * seq)

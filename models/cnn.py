@@ -79,3 +79,23 @@ class CNN(nnx.Module):
 
     def __call__(self, images: jax.Array) -> jax.Array:
         return self.head(scan_layers(self.blocks, self.prologue({"images": images})))
+
+
+# -- what the fiddlejax train job needs (models.REGISTRY["cnn"]) ------------------------------
+def flops_per_step(config: CNNConfig, batch_size: int) -> float:
+    """Training FLOPs of one step: two 3x3 convolutions per layer, forward + backward (3x)."""
+    c, hw = config.channels, config.image_size ** 2
+    per_example = config.n_layers * 2 * (2 * 9 * c * c * hw)
+    return 3.0 * per_example * batch_size
+
+
+def digit_batches(cfg: dict, process_index: int, process_count: int):
+    """The job's train and validation streams: 8x8 digits, ``{"images", "labels"}``."""
+    from fiddlejax import data
+    from models import Batches
+
+    b, seed = cfg["data"]["batch_size"], cfg["data"]["seed"]
+    shard = {"process_index": process_index, "process_count": process_count}
+    train = data.image_batches(*data.digits("train"), b, seed=seed, **shard)
+    val = data.image_batches(*data.digits("validation"), b, shuffle=False, repeat=True, **shard)
+    return Batches(iter(train), iter(val), b, unit="examples")

@@ -20,6 +20,7 @@ from flax import nnx
 
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
+from fiddlejax.app import checkpoints as job_ckpt
 from fiddlejax.train import TrainState
 from models.gpt import GPT, GPTConfig
 
@@ -112,9 +113,10 @@ def test_muon_and_stale_correction_state_restores_onto_another_layout(tmp_path):
     parameter-shaped where they should be, so they convert like Adam's moments."""
     from optax.contrib import muon
 
-    from fiddlejax.run import muon_dimensions
+    import models
 
-    opt = fj.stale_correction(muon(1e-2, muon_weight_dimension_numbers=muon_dimensions))
+    opt = fj.stale_correction(muon(1e-2, muon_weight_dimension_numbers=models.REGISTRY[
+        "gpt"].muon_dims))
     src, dst = trainer(2, 1, 2, opt=opt), trainer(8, 1, 1, zero=1, opt=opt)
     canonical = random_canonical(opt=opt)
     with ckpt.CheckpointManager(tmp_path, src) as m:
@@ -338,13 +340,13 @@ def test_job_refuses_to_overwrite_and_to_resume_a_mismatch(saved, tmp_path):
     d = _copy(saved, tmp_path / "c")
     before = dir_digest(d)
     with pytest.raises(ValueError, match="already holds checkpoints .*latest step 2.*resume=auto"):
-        job = ckpt.for_run(job_cfg(d), trainer(1, 1, 1), iter([]))
+        job = job_ckpt.for_run(job_cfg(d), trainer(1, 1, 1), iter([]))
         try:
             job.start()
         finally:
             job.close()
     wide = trainer(1, 1, 1, cfg=GPTConfig(**{**CFG.__dict__, "d_ff": 128}))
-    job = ckpt.for_run(job_cfg(d, resume="auto"), wide, iter([]))
+    job = job_ckpt.for_run(job_cfg(d, resume="auto"), wide, iter([]))
     with pytest.raises(ValueError, match=r"params\.blocks\.w1 of shape \(2, 32, 64\)"):
         job.start()
     job.close()
@@ -352,7 +354,7 @@ def test_job_refuses_to_overwrite_and_to_resume_a_mismatch(saved, tmp_path):
     with pytest.raises(ValueError, match="resume='auto' needs checkpoint.dir"):
         cfg = job_cfg(d, resume="auto")
         cfg["checkpoint"]["dir"] = None
-        ckpt.for_run(cfg, trainer(1, 1, 1), iter([]))
+        job_ckpt.for_run(cfg, trainer(1, 1, 1), iter([]))
 
 
 STEPS = 30
@@ -390,11 +392,12 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_state(run_dir: Path):
     """The run's last checkpoint, restored through the CLI's own builders, canonical layout."""
-    from fiddlejax import config, run
+    from fiddlejax import config
+    from fiddlejax.app import build
 
     cfg = config.load(None, TINY)
     mesh = fj.make_mesh(data=2, pipe=1, tensor=1, devices=jax.devices()[:2])
-    tr = fj.parallelize(run.build_model(cfg["model"], 0), run.make_optimizer(cfg),
+    tr = fj.parallelize(build.build_model(cfg["model"], 0), build.make_optimizer(cfg),
                         fj.Plan(mesh=mesh))
     with ckpt.CheckpointManager(run_dir / "ckpt", tr) as m:
         assert m.latest_step() == STEPS
@@ -442,7 +445,7 @@ def test_cli_rollback_sigint_nan_and_unusable_dirs(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "an empty step directory, not a checkpoint" in r.stdout
     assert "rolled back: steps [8] moved to" in r.stdout and "config changed" not in r.stdout
-    assert [p.name for p in (a / "ckpt" / ckpt.ROLLED_BACK).iterdir()][0]
+    assert [p.name for p in (a / "ckpt" / job_ckpt.ROLLED_BACK).iterdir()][0]
     steps = [json.loads(x)["step"] for x in (a / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))  # re-run steps replace their records
     assert losses(a) == want  # exact continuation from step 4
@@ -466,7 +469,7 @@ def test_cli_rollback_sigint_nan_and_unusable_dirs(tmp_path):
 
 
 def test_unusable_checkpoint_dir_is_refused_before_the_first_step(tmp_path, capsys):
-    from fiddlejax import run
+    from fiddlejax.app import train as run
 
     f = tmp_path / "file"
     f.write_text("x")
@@ -485,13 +488,11 @@ def test_unusable_checkpoint_dir_is_refused_before_the_first_step(tmp_path, caps
 
 
 def test_resume_announces_config_changes():
-    said = []
-    job = ckpt.JobCheckpoints.__new__(ckpt.JobCheckpoints)
-    job.log = said.append
     from fiddlejax import config
 
-    job.cfg = config.load(None, ["train.steps=20", "optimizer.lr=1e-3", "run.dir=elsewhere"])
-    job._announce_changes(config.load(None, ["train.steps=10"]))
+    said = job_ckpt.config_changes(
+        config.load(None, ["train.steps=10"]),
+        config.load(None, ["train.steps=20", "optimizer.lr=1e-3", "run.dir=elsewhere"]))
     assert any("train.steps 10 -> 20 (the learning-rate schedule" in s for s in said), said
     assert any("optimizer.lr 0.003 -> 0.001" in s for s in said), said
     assert not any("run.dir" in s for s in said)

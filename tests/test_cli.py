@@ -61,18 +61,18 @@ def test_short_training_run_learns(tmp_path):
 def test_topk_keys_reach_the_plan():
     """plan.topk_density and plan.topk_on reach fiddlejax.Plan (no compile, no training)."""
     import fiddlejax as fj
-    from fiddlejax import run
+    from fiddlejax.app import build
 
     base = ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "plan.schedule=null",
             "plan.virtual_stages=1"]
-    plan = run.make_plan(config.load(None, base + ["plan.grad_allreduce=topk",
+    plan = build.make_plan(config.load(None, base + ["plan.grad_allreduce=topk",
                                                    "plan.topk_on=updates",
                                                    "plan.topk_density=0.05"]))
     assert (plan.grad_allreduce, plan.topk_on, plan.topk_density) == ("topk", "updates", 0.05)
-    default = run.make_plan(config.load(None, base))
+    default = build.make_plan(config.load(None, base))
     assert (default.topk_density, default.topk_on) == (fj.Plan.topk_density, fj.Plan.topk_on)
     with pytest.raises(ValueError, match="topk_on='weights' must be 'gradients' or 'updates'"):
-        run.make_plan(config.load(None, base + ["plan.topk_on=weights"]))
+        build.make_plan(config.load(None, base + ["plan.topk_on=weights"]))
 
 
 def test_optimizer_keys_build_the_named_optimizer():
@@ -81,7 +81,7 @@ def test_optimizer_keys_build_the_named_optimizer():
     import jax.numpy as jnp
     import numpy as np
 
-    from fiddlejax import run
+    from fiddlejax.app import build
 
     params = {"blocks": {"w1": jnp.zeros((2, 4, 3)), "b1": jnp.zeros((2, 3))},
               "wte": jnp.zeros((5, 4))}  # zeros: no weight decay in the updates
@@ -89,7 +89,7 @@ def test_optimizer_keys_build_the_named_optimizer():
     grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
 
     def first_update(*keys):
-        opt = run.make_optimizer(config.load(None, ["optimizer.clip=0", *keys]))
+        opt = build.make_optimizer(config.load(None, ["optimizer.clip=0", *keys]))
         # warm-up starts at lr 0: take the second update
         state = opt.init(params)
         _, state = opt.update(grads, state, params)
@@ -109,16 +109,17 @@ def test_optimizer_keys_build_the_named_optimizer():
     corrected = first_update("optimizer.stale_correction=1")
     assert not np.allclose(corrected["wte"], adamw["wte"])
     with pytest.raises(ValueError, match="optimizer.name='sgd' must be 'adamw' or 'muon'"):
-        run.make_optimizer(config.load(None, ["optimizer.name=sgd"]))
+        build.make_optimizer(config.load(None, ["optimizer.name=sgd"]))
 
 
 def _bert_data(process_index: int = 0, process_count: int = 1):
     """The CLI's BERT (train, validation) iterators for a small model."""
-    from fiddlejax import run
+    from fiddlejax.app import build
 
     cfg = config.load(None, ["model.name=bert", "model.seq_len=32", "model.n_layers=1"])
-    model = run.build_model(cfg["model"], cfg["train"]["seed"])
-    return run.build_data(cfg, model, process_index, process_count)[:2]
+    model = build.build_model(cfg["model"], cfg["train"]["seed"])
+    data = build.build_data(cfg, model, process_index, process_count)
+    return data.train, data.validation
 
 
 def test_bert_data_resumes_with_the_same_batches_and_masks():

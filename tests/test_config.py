@@ -9,7 +9,9 @@ import sys
 import pytest
 import yaml
 
-from fiddlejax import config, run
+import models
+from fiddlejax import config
+from fiddlejax.app import build, train
 
 # (overrides, words the one-line error must hold). All fail before any device work.
 BAD = [
@@ -38,7 +40,7 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,words", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_value_is_one_line_naming_key_and_fix(overrides, words, capsys):
-    assert run.main(None, overrides) == 2
+    assert train.main(None, overrides) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("fiddlejax train: "), err
     for w in words:
@@ -47,16 +49,16 @@ def test_bad_value_is_one_line_naming_key_and_fix(overrides, words, capsys):
 
 def test_config_file_errors_name_the_file(tmp_path, capsys):
     missing = tmp_path / "nope.yaml"
-    assert run.main(str(missing), []) == 2
+    assert train.main(str(missing), []) == 2
     assert f"--config {missing} does not exist" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  steps: [1\n")
-    assert run.main(str(bad), []) == 2
+    assert train.main(str(bad), []) == 2
     err = capsys.readouterr().err
     assert f"--config {bad} is not valid YAML" in err and "line 3" in err
     assert "<unicode string>" not in err
     bad.write_text("- 1\n- 2\n")
-    assert run.main(str(bad), []) == 2
+    assert train.main(str(bad), []) == 2
     assert "must hold a mapping" in capsys.readouterr().err
     good = tmp_path / "good.yaml"
     good.write_text("train:\n  steps: 7\nmesh: {pipe: 1}\nplan: {schedule: null}\n")
@@ -90,20 +92,20 @@ def test_names_come_from_their_modules():
 def test_null_schedule_ignores_the_default_virtual_stages():
     """The README's `mesh.pipe=1 plan.schedule=null mesh.data=4` must build a plan."""
     cfg = config.load(None, ["mesh.pipe=1", "plan.schedule=null", "mesh.data=4"])
-    plan = run.make_plan(cfg)
+    plan = build.make_plan(cfg)
     assert (plan.schedule, plan.virtual_stages) == (None, 1)
-    assert run.make_plan(config.load(None, [])).virtual_stages == 2  # interleaved: 2 chunks
-    assert run.make_plan(config.load(None, ["plan.schedule=1f1b"])).virtual_stages == 1
+    assert build.make_plan(config.load(None, [])).virtual_stages == 2  # interleaved: 2 chunks
+    assert build.make_plan(config.load(None, ["plan.schedule=1f1b"])).virtual_stages == 1
 
 
 def test_remat_auto_takes_a_memory_budget():
     """plan.remat=auto was unusable from the CLI (no budget reached the Plan)."""
     base = ["plan.remat=auto", "plan.schedule=1f1b"]
-    plan = run.make_plan(config.load(None, base + ["plan.memory_budget=64MiB"]))
+    plan = build.make_plan(config.load(None, base + ["plan.memory_budget=64MiB"]))
     assert (plan.remat, plan.memory_budget) == ("auto", 64 << 20)
     assert config.parse_bytes("2GiB") == 2 << 30 and config.parse_bytes(1e9) == 10**9
     with pytest.raises(config.ConfigError, match="plan.remat=auto needs plan.memory_budget"):
-        run.make_plan(config.load(None, base))  # CPU devices report no memory
+        build.make_plan(config.load(None, base))  # CPU devices report no memory
 
 
 def test_uniform_guess_is_the_models_own():
@@ -112,8 +114,8 @@ def test_uniform_guess_is_the_models_own():
 
     for name, n in (("gpt", 256), ("bert", 257), ("cnn", 10)):
         cfg = config.load(None, [f"model.name={name}", "model.n_layers=1", "model.seq_len=16"])
-        model = run.build_model(cfg["model"], 0)
-        assert run.uniform_loss(model) == pytest.approx(math.log(n)), name
+        model = build.build_model(cfg["model"], 0)
+        assert models.get(name).uniform_loss(model) == pytest.approx(math.log(n)), name
 
 
 def test_debug_shows_the_traceback():
@@ -126,9 +128,33 @@ def test_debug_shows_the_traceback():
     assert loud.returncode != 0 and "Traceback" in loud.stderr and "ConfigError" in loud.stderr
 
 
-def test_resolved_config_round_trips():
+def test_resolved_config_round_trips(tmp_path):
     """The config.yaml a run writes loads back as a --config file unchanged."""
-    cfg = config.load(None, ["mesh.pipe=1", "plan.schedule=null", "plan.memory_budget=1GiB"])
-    again = config._merge(config.defaults(), yaml.safe_load(yaml.safe_dump(cfg)))
-    config.validate(again)
-    assert again == cfg
+    cfg = config.load(None, ["mesh.pipe=1", "plan.schedule=null", "plan.memory_budget=1GiB",
+                             "plan.rules={kv: tensor}"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert config.load(tmp_path / "config.yaml") == cfg
+
+
+def test_model_names_are_the_registrys():
+    """model.name accepts exactly the models the job can build (models.REGISTRY)."""
+    assert set(config.specs()["model.name"].choices) == set(models.REGISTRY)
+
+
+def test_precision_zero_and_rules_reach_the_plan():
+    """plan.compute_dtype (auto: float32 on the CPU), plan.zero=3 and plan.rules reach
+    fiddlejax.Plan; bad values fail in the config with the accepted ones."""
+    base = ["mesh.pipe=1", "plan.schedule=null", "mesh.data=4"]
+    plan = build.make_plan(config.load(None, base))
+    assert (plan.compute_dtype, plan.zero, plan.rules) == ("float32", 0, ())  # auto on the CPU
+    plan = build.make_plan(config.load(None, base + [
+        "plan.compute_dtype=bfloat16", "plan.zero=3", "plan.rules={kv: tensor}",
+        "plan.rules.fsdp=null", "plan.rules.wide=[data, tensor]"]))
+    assert (plan.compute_dtype, plan.zero) == ("bfloat16", 3)
+    assert dict(plan.rules) == {"kv": "tensor", "fsdp": None, "wide": ("data", "tensor")}
+    for bad, words in (("plan.zero=2", "0, 1 or 3"), ("plan.compute_dtype=fp8", "'bfloat16'"),
+                       ("plan.rules=tensor", "a mapping")):
+        with pytest.raises(config.ConfigError, match=words):
+            config.load(None, base + [bad])
+    with pytest.raises(ValueError, match="names no mesh axis"):
+        build.make_plan(config.load(None, base + ["plan.rules={kv: tensr}"]))

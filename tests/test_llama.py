@@ -181,21 +181,22 @@ def test_missing_and_unexpected_tensors(tmp_path):
 
 
 def test_cli_builds_llama_from_the_config():
-    from fiddlejax import config, run
+    from fiddlejax import config
+    from fiddlejax.app import build
 
     cfg = config.load(None, ["model.name=llama", "model.n_kv_heads=1", "model.d_model=64",
                              "model.n_layers=1", "model.d_ff=32"])
-    model = run.build_model(cfg["model"], 0)
+    model = build.build_model(cfg["model"], 0)
     c = model.config
     assert (type(model), c.hidden_size, c.num_key_value_heads, c.num_attention_heads,
             c.vocab_size, c.seq_len) == (Llama, 64, 1, 4, 256, 128)
     with pytest.raises(ValueError, match="model.from_pretrained='x' needs model.name=llama"):
-        run.build_model(config.load(None, ["model.from_pretrained=x"])["model"], 0)
+        build.build_model(config.load(None, ["model.from_pretrained=x"])["model"], 0)
 
 
 def test_export_refuses_a_run_that_is_not_llama(tmp_path):
     from fiddlejax import config
-    from fiddlejax.export import export
+    from fiddlejax.app.export import export
 
     (tmp_path / "config.yaml").write_text(json.dumps(config.load(None, [])))
     with pytest.raises(ValueError, match="model.name='gpt'; export writes Hugging Face Llama"):

@@ -162,10 +162,10 @@ def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
 def _muon_corrected():
     from optax.contrib import muon
 
-    from fiddlejax.run import muon_dimensions
+    import models
 
-    return fj.stale_correction(muon(1e-2, adam_learning_rate=1e-2,
-                                    muon_weight_dimension_numbers=muon_dimensions), 1.0)
+    return fj.stale_correction(muon(1e-2, adam_learning_rate=1e-2, muon_weight_dimension_numbers=
+                                    models.REGISTRY["gpt"].muon_dims), 1.0)
 
 
 @pytest.mark.parametrize("make_opt,layout", [

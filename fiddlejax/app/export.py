@@ -41,15 +41,15 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist; pass "
                                 "--checkpoint-dir")
 
-    from fiddlejax import run
+    from fiddlejax.app import build
 
-    run.setup_devices(cfg)
+    build.setup_devices(cfg)
     from flax import nnx
 
     import fiddlejax as fj
 
-    model = run.build_model(cfg["model"], cfg["train"]["seed"])
-    trainer = fj.parallelize(model, run.make_optimizer(cfg), run.make_plan(cfg))
+    model = build.build_model(cfg["model"], cfg["train"]["seed"])
+    trainer = fj.parallelize(model, build.make_optimizer(cfg), build.make_plan(cfg))
     mgr = fj.CheckpointManager(ckpt, trainer)
     try:
         restored = mgr.restore_all(step)

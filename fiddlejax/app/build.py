@@ -1,0 +1,118 @@
+"""A config, as the job builds it: devices, model, data, plan and optimizer.
+
+Per-model knowledge (how to build, feed and count FLOPs, which matrices Muon orthogonalizes)
+lives with the models, in ``models.REGISTRY``; this module only reads the config.
+"""
+
+from __future__ import annotations
+
+import models
+from fiddlejax import config as config_lib
+
+
+def setup_devices(cfg: dict) -> None:
+    """Simulate ``run.cpu_devices`` CPU devices; must run before JAX starts its backends."""
+    n = int(cfg["run"]["cpu_devices"] or 0)
+    if n > 0:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def entry(cfg: dict) -> models.ModelEntry:
+    """The registry entry of ``model.name``."""
+    return models.get(cfg["model"]["name"])
+
+
+def build_model(mcfg: dict, seed: int):
+    """The model of the config's ``model:`` section, initialized from ``seed``."""
+    name = mcfg["name"]
+    if mcfg.get("from_pretrained") and name != "llama":
+        raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
+                         f"model.name=llama (got {name!r})")
+    return models.get(name).build(mcfg, seed)
+
+
+def build_data(cfg: dict, model, process_index: int = 0,
+               process_count: int = 1) -> models.Batches:
+    """This process's train and validation streams (its rows of each global batch)."""
+    return entry(cfg).batches(cfg, model, process_index, process_count)
+
+
+def compute_dtype(name: str) -> str:
+    """``plan.compute_dtype``: ``auto`` is bfloat16 on accelerators, float32 on the CPU (whose
+    XLA upcasts bf16 matmuls, so it would only lose precision)."""
+    if name != "auto":
+        return name
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def make_plan(cfg: dict):
+    """The :class:`~fiddlejax.plan.Plan` of the config's ``mesh:`` and ``plan:`` sections."""
+    import fiddlejax as fj
+    from fiddlejax.plan import interleaves
+
+    mesh = fj.make_mesh(**cfg["mesh"])
+    p = cfg["plan"]
+    virtual = p["virtual_stages"]
+    if virtual is None:  # automatic: what the schedule kind expects
+        virtual = 2 if interleaves(p["schedule"]) else 1
+    budget = p.get("memory_budget")
+    if budget is not None:
+        budget = config_lib.parse_bytes(budget, "plan.memory_budget")
+    elif p["remat"] == "auto":
+        budget = default_memory_budget()
+    rules = {k: tuple(v) if isinstance(v, list) else v for k, v in (p.get("rules") or {}).items()}
+    return fj.Plan(mesh=mesh, schedule=p["schedule"], microbatches=p["microbatches"],
+                   virtual_stages=virtual, remat=p["remat"],
+                   encodings=tuple(p["encodings"] or ()), grad_allreduce=p["grad_allreduce"],
+                   topk_density=p["topk_density"], topk_on=p["topk_on"],
+                   zero=p["zero"], partition=p["partition"], memory_budget=budget,
+                   check_inputs=bool(p.get("check_inputs", False)),
+                   compute_dtype=compute_dtype(p.get("compute_dtype", "float32")), rules=rules)
+
+
+def default_memory_budget(share: float = 0.9) -> int:
+    """``plan.memory_budget=null`` with ``remat=auto``: 90% of what the device reports."""
+    import jax
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    if not stats.get("bytes_limit"):
+        raise config_lib.ConfigError(
+            f"plan.remat=auto needs plan.memory_budget=<bytes per device> (e.g. "
+            f"plan.memory_budget=2GiB): the {dev.platform} device does not report its memory")
+    return int(share * stats["bytes_limit"])
+
+
+def make_optimizer(cfg: dict):
+    """The ``optimizer:`` section: AdamW or Muon under a warm-up + cosine schedule, clipped."""
+    import optax
+
+    o, steps = cfg["optimizer"], cfg["train"]["steps"]
+    warm = min(o["warmup_steps"], max(steps - 1, 1))
+
+    def schedule(peak: float):
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(steps, warm + 1),
+                                                  peak * 0.1)
+
+    name = o.get("name", "adamw")
+    if name == "adamw":
+        tx = optax.adamw(schedule(o["lr"]), b1=o["b1"], b2=o["b2"],
+                         weight_decay=o["weight_decay"], nesterov=bool(o.get("nesterov")))
+    elif name == "muon":
+        from optax.contrib import muon
+
+        tx = muon(schedule(o["muon_lr"]), weight_decay=o["weight_decay"],
+                  adam_learning_rate=schedule(o["lr"]), adam_b1=o["b1"], adam_b2=o["b2"],
+                  adam_weight_decay=o["weight_decay"],
+                  muon_weight_dimension_numbers=entry(cfg).muon_dims)
+    else:
+        raise ValueError(f"optimizer.name={name!r} must be adamw or muon")
+    if o.get("stale_correction"):
+        import fiddlejax as fj
+
+        tx = fj.stale_correction(tx, float(o["stale_correction"]))
+    return optax.chain(optax.clip_by_global_norm(o["clip"]), tx) if o["clip"] else tx

@@ -1,0 +1,196 @@
+"""The ``checkpoint:`` and ``resume`` parts of ``fiddlejax train``, kept out of the loop.
+
+The library's :class:`~fiddlejax.checkpoint.CheckpointManager` saves and restores; this module
+adds what a job needs around it: refusing an unusable directory before anything runs, resuming
+(``resume=auto`` or a step, rolling newer steps aside), saving on the job's schedule and on
+preemption, and announcing config changes since the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from fiddlejax.checkpoint import CheckpointManager, Preemption, jsonable
+
+ROLLED_BACK = "rolled_back"  # where resume=N moves the checkpoints after N (never deleted)
+
+# Config keys whose change on resume alters what the run computes, and what it changes.
+_ANNOUNCE = {"train.steps": "the learning-rate schedule stretches to the new length",
+             "optimizer": "the optimizer", "data": "the data stream", "model": "the model",
+             "plan": "the layout (the checkpoint converts exactly)", "mesh": "the layout",
+             "train.steps_per_call": "steps per call"}
+
+
+def config_changes(saved: dict | None, cfg: dict) -> list[str]:
+    """One line per config key whose change since the checkpoint alters what the run computes
+    (``saved``: the config stored in the checkpoint; paths, logging and resume keys ignored)."""
+    if not isinstance(saved, dict):
+        return []
+    from fiddlejax.config import leaves
+
+    old, new = leaves(saved), leaves(jsonable(cfg))
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key not in old or old[key] == new.get(key) \
+                or key.startswith(("run.", "checkpoint.", "resume")):
+            continue
+        what = _ANNOUNCE.get(key) or _ANNOUNCE.get(key.split(".")[0])
+        if what:
+            out.append(f"config changed since the checkpoint: {key} {old.get(key)!r} -> "
+                       f"{new.get(key)!r} ({what})")
+    return out
+
+
+def check_directory(cfg: dict) -> None:
+    """Refuse an unusable ``checkpoint.dir`` before anything runs: a regular file, a directory
+    that cannot be written, or a disk without room for a probe write."""
+    d = cfg["checkpoint"]["dir"]
+    if not d:
+        return
+    path = Path(d)
+    for parent in (path, *path.parents):
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(
+                f"checkpoint.dir={d} cannot be used: {parent} is a regular file; name a "
+                "directory (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".fiddlejax-write-probe-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"checkpoint.dir={d} is not writable ({e.strerror or e}); give a directory this "
+            "user can write to, with free space, or leave checkpoint.dir unset") from None
+
+
+class JobCheckpoints:
+    """The ``checkpoint:`` and ``resume`` parts of ``fiddlejax train``, kept out of the loop.
+
+    ``resume=N`` before the latest step rolls back: the newer steps are moved, untouched, into
+    ``<checkpoint.dir>/rolled_back/<time>/`` (announced), and the run continues from N exactly.
+    Numbered directories that hold nothing (a save killed before it wrote) are removed.
+    """
+
+    def __init__(self, cfg: dict, trainer, data_iter, log: Callable[[str], None] = print):
+        c = cfg["checkpoint"]
+        self.cfg, self.trainer, self.data_iter, self.log = cfg, trainer, data_iter, log
+        self.resume, self.steps = cfg.get("resume"), cfg["train"]["steps"]
+        every = c["every"]
+        self.directory = Path(c["dir"]).absolute()
+        self._remove_empty_steps()
+        self.preemption = Preemption()
+        self.mgr = CheckpointManager(
+            c["dir"], trainer, every=every if every == "auto" else int(every or 0),
+            max_to_keep=c["max_to_keep"], best_metric=c["best_metric"], best_mode=c["best_mode"],
+            async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
+            config=cfg, preemption=self.preemption)
+        self.preemption.install()  # after the manager exists: a failure leaves no handler
+
+    def _remove_empty_steps(self) -> None:
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for p in self.directory.iterdir():
+            if p.name.isdigit() and p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+                self.log(f"removed {p}: an empty step directory, not a checkpoint")
+
+    def start(self):
+        """(state, first step): restored when resuming (``resume=auto`` or a step), else fresh."""
+        latest = self.mgr.latest_step()
+        if self.resume not in (None, "auto") and not isinstance(self.resume, int):
+            raise ValueError(f"resume={self.resume!r} must be null, auto or a step number")
+        if self.resume is None:
+            if latest is not None:
+                raise ValueError(
+                    f"checkpoint.dir={self.mgr.directory} already holds checkpoints (latest "
+                    f"step {latest}); pass resume=auto to continue from them, resume=N to go "
+                    "back to step N, or use an empty directory")
+            return self._fresh()
+        if latest is None and self.resume == "auto":
+            self.log(f"resume=auto: no checkpoint in {self.mgr.directory}, starting fresh")
+            return self._fresh()
+        r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
+        newer = [s for s in self.mgr.all_steps() if s > r.step]
+        if newer:
+            self._roll_back(newer)
+        self.mgr.warm_up(r.state)
+        if not hasattr(self.data_iter, "set_state"):
+            self.log("warning: this data pipeline cannot be checkpointed; it restarts")
+        elif r.data_state is not None:
+            self.data_iter.set_state(r.data_state)
+        self.log(f"resumed from {self.mgr.directory} at step {r.step} "
+                 f"(saved with layout {r.plan['mesh'] if r.plan else '?'})")
+        for line in config_changes(r.config, self.cfg):
+            self.log(line)
+        return r.state, r.step + 1
+
+    def _roll_back(self, newer: list[int]) -> None:
+        """Move the steps after the resumed one aside: they would block new saves."""
+        self.mgr.wait()
+        dest = self.directory / ROLLED_BACK / time.strftime("%Y%m%d-%H%M%S")
+        if jax.process_index() == 0:
+            dest.mkdir(parents=True, exist_ok=True)
+            for s in newer:
+                shutil.move(str(self.directory / str(s)), str(dest / str(s)))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("fiddlejax_roll_back")
+        self.mgr.reload()
+        self.log(f"rolled back: steps {newer} moved to {dest} (delete it, or move a step back "
+                 "to return to it)")
+
+    def _fresh(self):
+        state = self.trainer.init()
+        self.mgr.warm_up(state)
+        return state, 1
+
+    def last_good(self) -> int | None:
+        """The newest committed step (waits for a write in flight)."""
+        try:
+            self.mgr.wait()
+        except RuntimeError:
+            pass
+        return self.mgr.latest_step()
+
+    def after_step(self, step: int, state, rec: dict) -> bool:
+        """Save if due (interval, CheckFreq, preemption, last step); True when it must stop."""
+        preempted = self.mgr.reached_preemption(step)
+        data_state = self.data_iter.get_state() if hasattr(self.data_iter, "get_state") else None
+        self.mgr.save(step, state, force=preempted or step == self.steps,
+                      metrics={k: v for k, v in rec.items() if isinstance(v, int | float)},
+                      data_state=data_state)
+        rec.update(self.mgr.stats())
+        if preempted:
+            self.mgr.wait()
+            self.log(f"preempted: saved step {step} to {self.mgr.directory}; exiting")
+        return preempted
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the last save and release Orbax. ``quiet``: an error is already on its way,
+        so a failure here is not raised over it."""
+        try:
+            self.mgr.close()
+        except Exception:
+            if not quiet:
+                raise
+
+
+def for_run(cfg: dict, trainer, data_iter, log: Callable[[str], None] = print
+            ) -> JobCheckpoints | None:
+    """Checkpointing for ``fiddlejax train``, or None when ``checkpoint.dir`` is not set."""
+    if not cfg["checkpoint"]["dir"]:
+        if cfg.get("resume") is not None:
+            raise ValueError(f"resume={cfg['resume']!r} needs checkpoint.dir=DIR")
+        return None
+    return JobCheckpoints(cfg, trainer, data_iter, log)

@@ -1,0 +1,218 @@
+"""The job behind ``fiddlejax train``: build model, data and plan from a config, train, log.
+
+Logs go to the terminal (a rich progress bar on a TTY, one line per ``log_every`` steps
+otherwise), to ``metrics.jsonl`` and to TensorBoard events in the run directory. Throughput
+figures exclude step 1, which includes compilation. Only process 0 prints and writes logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fiddlejax import config as config_lib
+from fiddlejax.app import build, checkpoints, logs
+
+# Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
+# training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
+USER_ERRORS = (ValueError, TypeError, LookupError, OSError)
+
+
+def main(config_path: str | None, overrides: list[str], debug: bool = False) -> int:
+    """Run ``fiddlejax train``; returns the exit code. Errors become one line on stderr
+    (2 for bad input, 1 for a failure while training); ``debug`` re-raises them instead."""
+    from fiddlejax import distributed
+
+    try:
+        code = _train(config_path, overrides)
+    except BaseException as e:  # noqa: BLE001 - every error ends as one line and an exit code
+        if debug or isinstance(e, SystemExit):
+            distributed.goodbye(1)
+            raise
+        code = report(e)
+    distributed.goodbye(code)
+    return code
+
+
+def report(e: BaseException) -> int:
+    """Print ``e`` as one line on stderr; the exit code for it."""
+    from fiddlejax.checks import NonFiniteLoss
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, KeyboardInterrupt):
+        print("fiddlejax train: interrupted", file=sys.stderr, flush=True)
+        return 130
+    if isinstance(e, NonFiniteLoss | RuntimeError) and not isinstance(e, NotImplementedError):
+        code = 1
+    elif isinstance(e, USER_ERRORS):
+        code = 2
+    else:
+        text = f"{type(e).__name__}: {text} (run with --debug for the traceback)"
+        code = 1
+    print(f"fiddlejax train: {text}", file=sys.stderr, flush=True)
+    return code
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything one run holds: built once by :func:`_start`, walked by :func:`_loop`."""
+
+    cfg: dict
+    trainer: Any
+    data: Any  # models.Batches
+    val_batches: list
+    flops: float
+    uniform_loss: float
+    log: logs.Logger
+    ckpt: checkpoints.JobCheckpoints | None = None
+
+    def evaluate(self, state) -> float:
+        if not self.val_batches:  # train.eval_batches=0: no validation, nothing to compile
+            return math.nan
+        import numpy as np
+
+        return float(np.mean([float(self.trainer.loss(state, b)) for b in self.val_batches]))
+
+
+def _train(config_path: str | None, overrides: list[str]) -> int:
+    cfg = config_lib.load(config_path, overrides)
+    build.setup_devices(cfg)
+    from fiddlejax import distributed
+
+    try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
+        distributed.initialize()
+    except RuntimeError as e:  # start-up problems name their fix: bad input, exit 2
+        raise config_lib.ConfigError(str(e)) from e
+    job = _start(cfg)
+    try:
+        state, start = job.ckpt.start() if job.ckpt else (job.trainer.init(), 1)
+        job.log.begin(start)
+        first_val = job.evaluate(state)
+        job.log.print(f"step {start - 1}: validation loss {first_val:.4f} "
+                      f"(uniform guess: {job.uniform_loss:.4f})")
+        losses, times, val = _loop(job, state, start, first_val)
+        if job.ckpt is not None:
+            job.ckpt.close()
+    finally:
+        if job.ckpt is not None:
+            job.ckpt.close(quiet=True)  # an error is on its way already: wait, release, quiet
+        job.log.close()
+    if job.log.enabled and losses:
+        import jax
+
+        rcfg = cfg["run"]
+        logs.summary(cfg, losses, times, val, first_val, job.data.items_per_step, job.data.unit,
+                     job.flops, jax.device_count(), float(rcfg["peak_tflops"] or 0.0),
+                     Path(rcfg["dir"]))
+    return 0
+
+
+def _start(cfg: dict) -> Job:
+    """Model, plan, trainer, data, logger and checkpoints of the config, checked first."""
+    import jax
+
+    import fiddlejax as fj
+    from fiddlejax import distributed
+
+    is_main = jax.process_index() == 0
+    tcfg, rcfg = cfg["train"], cfg["run"]
+    per_call = int(tcfg.get("steps_per_call", 1))
+    if per_call > 1 and jax.process_count() > 1:
+        raise config_lib.ConfigError(
+            f"train.steps_per_call={per_call} must be 1 when several processes train together; "
+            "set train.steps_per_call=1")
+    checkpoints.check_directory(cfg)  # a file, read-only or full: refused before anything runs
+    if is_main:
+        print("# resolved config\n" + yaml.safe_dump(cfg, sort_keys=False), flush=True)
+    entry = build.entry(cfg)
+    model = build.build_model(cfg["model"], tcfg["seed"])
+    plan = build.make_plan(cfg)
+    trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
+    if is_main and jax.process_count() > 1:
+        print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)
+    # Each process loads only the rows of the data-axis slice its devices own.
+    data = build.build_data(cfg, model, *distributed.data_shard(plan.mesh))
+    val_batches = [next(data.validation) for _ in range(tcfg["eval_batches"])]
+    run_dir = Path(rcfg["dir"])
+    bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
+    job = Job(cfg, trainer, data, val_batches,
+              entry.flops_per_step(model, cfg["data"]["batch_size"]), entry.uniform_loss(model),
+              logs.Logger(run_dir, is_main, bar, tcfg["steps"]))
+    try:
+        if is_main:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        # checkpoint.dir and resume: saving, resuming, SIGTERM/SIGINT (fiddlejax/app/checkpoints)
+        job.ckpt = checkpoints.for_run(cfg, trainer, data.train, job.log.print)
+    except BaseException:
+        job.log.close()
+        raise
+    return job
+
+
+def _loop(job: Job, state, start: int, val: float) -> tuple[list, list, float]:
+    """Steps ``start`` .. ``train.steps``; (losses, step times after the first call, last
+    validation loss). Stops early, saved, when preempted."""
+    import jax
+    import numpy as np
+
+    from fiddlejax.checks import NonFiniteLoss
+
+    cfg, trainer, tcfg = job.cfg, job.trainer, job.cfg["train"]
+    per_call, n_dev = int(tcfg.get("steps_per_call", 1)), jax.device_count()
+    peak = float(cfg["run"]["peak_tflops"] or 0.0)
+    times, losses = [], []
+    t_prev = time.perf_counter()
+    step, stop = start, False
+    while step <= tcfg["steps"] and not stop:
+        # One call runs k steps (several in one program: PipeDream-2BW's unflushed pipeline).
+        k = min(per_call, tcfg["steps"] - step + 1)
+        batches = [next(job.data.train) for _ in range(k)]
+        if k == 1:
+            state, metrics = trainer.step(state, batches[0])
+            metrics = {name: [v] for name, v in metrics.items()}
+        else:
+            state, metrics = trainer.steps(
+                state, {key: np.stack([b[key] for b in batches]) for key in batches[0]})
+        step_losses = [float(x) for x in metrics["loss"]]  # syncs: time runs to completion
+        bad = [i for i, x in enumerate(step_losses) if not math.isfinite(x)]
+        if bad:  # stop before this state is logged as good or checkpointed
+            raise NonFiniteLoss(step + bad[0], step_losses[bad[0]], _nan_hint(cfg, job.ckpt))
+        now = time.perf_counter()
+        dt, t_prev = (now - t_prev) / k, now
+        for i, loss in enumerate(step_losses):
+            s, last = step + i, i == k - 1
+            if step > start:  # the first call compiles
+                times.append(dt)
+            losses.append(loss)
+            rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"][i]), "step_time_s": dt}
+            rec.update(logs.throughput(dt, job.data.items_per_step, job.flops, n_dev, peak))
+            eval_due = tcfg["eval_every"] and any(
+                (j % tcfg["eval_every"] == 0 or j == tcfg["steps"]) for j in range(step, s + 1))
+            if last and eval_due:  # the state exists at the end of a call only
+                val = rec["val_loss"] = job.evaluate(state)
+                t_prev = time.perf_counter()  # evaluation is not step time
+            stop = last and job.ckpt is not None and job.ckpt.after_step(s, state, rec)
+            shown = s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec
+            job.log.log(s, rec, logs.line(s, rec) if shown else None)
+        step += k
+    return losses, times, val
+
+
+def _nan_hint(cfg: dict, ckpt) -> str:
+    where = ""
+    if ckpt is not None:
+        last = ckpt.last_good()
+        where = (f"; the last checkpoint is step {last} in {cfg['checkpoint']['dir']} "
+                 f"(resume=auto or resume={last} continues from it)" if last is not None else "")
+    return (f"; stopped before saving it{where}. Lower optimizer.lr (now "
+            f"{cfg['optimizer']['lr']}) or set plan.check_inputs=true to check the data")
+
+
+if __name__ == "__main__":
+    sys.exit(main(None, sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""The import graph: the library stands apart from the app and the example models.
+
+``fiddlejax/`` outside ``fiddlejax/app/`` never imports ``models`` (statically, anywhere in a
+module, and at run time when every library module is imported), so the library can be used and
+tested without the examples; the app reaches models only through ``models.REGISTRY``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ROOT / "fiddlejax"
+APP = LIBRARY / "app"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports (function-level imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def library_files() -> list[Path]:
+    return [p for p in sorted(LIBRARY.rglob("*.py")) if APP not in p.parents]
+
+
+def test_library_never_imports_models():
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
+                                             if m == "models" or m.startswith("models."))
+           for p in library_files()}
+    assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_app_reaches_models_only_through_the_registry():
+    """The app names no model module: what it knows of a model is a registry entry."""
+    for p in sorted(APP.rglob("*.py")):
+        mods = {m for m in imported_modules(p) if m.startswith("models")}
+        assert mods <= {"models"}, (p.name, mods)
+
+
+def test_importing_every_library_module_loads_no_model():
+    """At run time too (a fresh interpreter): nothing in the library pulls ``models`` in."""
+    names = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in library_files()]
+    names = [n.removesuffix(".__init__") for n in names]
+    code = ("import importlib, sys\n"
+            f"for n in {names!r}:\n    importlib.import_module(n)\n"
+            "print(sorted(m for m in sys.modules if m == 'models' or m.startswith('models.')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_registry_entries_build_feed_and_count_every_model():
+    """Each model the job trains: built from the default config, fed batches its batch_spec
+    accepts, with positive FLOPs and Muon dims on block matrices only."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from optax.contrib import MuonDimensionNumbers
+
+    import models
+    from fiddlejax import config
+
+    for name, entry in models.REGISTRY.items():
+        cfg = config.load(None, [f"model.name={name}", "model.n_layers=1", "model.seq_len=16",
+                                 "model.d_model=32", "model.d_ff=32", "model.channels=8",
+                                 "data.batch_size=8"])
+        model = entry.build(cfg["model"], 0)
+        data = entry.batches(cfg, model, 0, 1)
+        batch, spec = next(data.train), model.batch_spec(8)
+        assert {k: (np.shape(v), np.dtype(v.dtype)) for k, v in batch.items()} == \
+            {k: (s.shape, np.dtype(s.dtype)) for k, s in spec.items()}, name
+        assert entry.flops_per_step(model, 8) > 0 and data.items_per_step > 0
+        dims = entry.muon_dims(nnx.state(model, nnx.Param))
+        muon = jax.tree_util.tree_leaves_with_path(
+            dims, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        kept = {p[1].key for p, d in muon if isinstance(d, MuonDimensionNumbers)}
+        assert kept == set(entry.muon_axes), (name, kept)
+        assert all(p[0].key == "blocks" for p, d in muon if isinstance(d, MuonDimensionNumbers))
