@@ -367,11 +367,20 @@ def _timeout(value: float | None, key: str, default: float) -> float:
 
 
 def _backends_started() -> bool:
+    """Whether JAX's backends already started in this process.
+
+    A private JAX function, on purpose: JAX has no public way to ask (jax 0.10.2), and its own
+    check sits inside ``jax.distributed.initialize``, after our preflight rendezvous would have
+    waited for peers that this process can no longer join. ``pyproject.toml`` pins jax below
+    0.11 and ``tests/test_distributed.py::test_backend_probe_is_pinned`` fails if the function
+    moves or changes meaning. Should it move anyway, we answer "not started" and JAX's own
+    check still raises, later and less clearly.
+    """
     try:
-        from jax._src import xla_bridge
-    except ImportError:  # layout moved: assume not started and let JAX complain itself
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:
         return False
-    return bool(xla_bridge.backends_are_initialized())
+    return bool(backends_are_initialized())
 
 
 # -- preflight rendezvous --------------------------------------------------------------------------

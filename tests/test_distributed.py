@@ -467,3 +467,18 @@ def test_launcher_forwards_sigterm():
 def test_launcher_needs_a_command():
     r = _launch("--nproc", "2")
     assert r.returncode == 2 and "give the command after --" in r.stderr
+
+
+def test_backend_probe_is_pinned():
+    """distributed._backends_started uses a private JAX function (no public one exists): it
+    must still exist and tell a fresh process (False) from one that touched a device (True)."""
+    code = ("from jax._src.xla_bridge import backends_are_initialized\n"
+            "from fiddlejax import distributed as d\n"
+            "import jax\n"
+            "before = d._backends_started()\n"
+            "jax.devices()\n"
+            "print(before, d._backends_started(), backends_are_initialized())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True", "True"]
