@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import checks, layout, staged
+from fiddlejax import checks, compute, layout, staged
 from fiddlejax.plan import Plan
 
 
@@ -67,8 +67,6 @@ class Trainer:
         self._init_params = canonical
         if plan.remat == "auto" and not plan.memory_budget:
             raise ValueError("remat='auto' needs Plan(memory_budget=<bytes per device>)")
-        # remat="auto" is resolved on the first batch, when the step's shapes are known.
-        self._remat = None if plan.remat == "auto" else _resolve_remat(plan.remat)
         self.remat_policy = None if plan.remat == "auto" else plan.remat
         if plan.schedule is not None:
             from fiddlejax.pipeline import runtime
@@ -81,6 +79,9 @@ class Trainer:
         spec_tree = (self._pipeline.param_specs(internal) if self._pipeline
                      else layout.specs(internal, plan.axis_rules))
         layout.check_divisible(internal, spec_tree, self.mesh)
+        spec_tree = self._view_params(internal, spec_tree)
+        # remat="auto" is resolved on the first batch, when the step's shapes are known.
+        self._remat = None if plan.remat == "auto" else self._layer_remat(plan.remat)
         self.param_shardings = layout.shardings(self.mesh, spec_tree)
         opt_abstract = jax.eval_shape(optimizer.init, internal)
         self.opt_shardings = _opt_shardings(optimizer, opt_abstract, spec_tree, plan)
@@ -115,6 +116,43 @@ class Trainer:
         self._to_canonical_jit = jax.jit(self._to_canonical)
 
     # -- layouts -----------------------------------------------------------------------------
+    def _view_params(self, internal: nnx.State, spec_tree: nnx.State) -> nnx.State:
+        """Set up how the computation sees the parameters (``fiddlejax.compute``): FSDP
+        dimensions under zero=3 and the compute dtype; returns the parameters' specs."""
+        plan, s = self.plan, self.staged
+        self._dims = None
+        if plan.zero == 3 and plan.data > 1:
+            lead = 3 if self._pipeline else 1  # [pipe, virtual, layers, ...] or [layers, ...]
+
+            def skip(path):
+                return lead if getattr(path[0], "key", None) == s.stack else 0
+
+            self._dims = compute.fsdp_dims(internal, spec_tree, plan.data, skip)
+            spec_tree = compute.with_data_axis(spec_tree, self._dims)
+        dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
+        self._view = (compute.ParamView(dtype)
+                      if self._dims is not None or dtype is not None else None)
+        if self._view is None:
+            return spec_tree
+        dims = self._dims if self._dims is not None else jax.tree.map(lambda _: -1, internal)
+        lead = 3 if self._pipeline else 1
+        self._layer_dims = jax.tree.map(lambda d: d - lead if d >= 0 else -1, dims[s.stack])
+        outer = jax.tree_util.tree_map_with_path(
+            lambda path, d: -1 if getattr(path[0], "key", None) == s.stack else d, dims)
+        self.staged = compute.ViewedModel(s, lambda p: self._view.tree(p, outer))
+        if self._pipeline is not None:
+            self._pipeline.staged, self._pipeline.data_dims = self.staged, self._dims
+        return spec_tree
+
+    def _layer_remat(self, remat) -> Callable[[Callable], Callable]:
+        """Remat policy ``remat`` for one layer, seeing its parameters through the view."""
+        if self._view is None:
+            return _resolve_remat(remat)
+        from fiddlejax.memory import policies
+
+        jax_policy = policies.resolve(None if remat == "none" else remat).jax_policy
+        return lambda f: self._view.layer(f, self._layer_dims, jax_policy)
+
     def _to_internal(self, canonical: nnx.State) -> nnx.State:
         params = layout.pad_vocab(canonical, self.plan.tensor)
         return self._pipeline.to_internal(params) if self._pipeline else params
@@ -171,7 +209,10 @@ class Trainer:
         if n == 1:  # no data parallelism: nothing to reduce
             return loss, grads
         loss = jax.lax.pmean(loss, "data")
-        if self.plan.grad_allreduce in ("xla", "topk"):  # topk: the exact mean (no residual)
+        if self._dims is not None:  # FSDP leaves arrive reduce-scattered (summed): divide
+            grads = jax.tree.map(lambda d, g: jax.tree.map(
+                lambda a: a / n if d >= 0 else jax.lax.pmean(a, "data"), g), self._dims, grads)
+        elif self.plan.grad_allreduce in ("xla", "topk"):  # topk: the exact mean (no residual)
             grads = jax.lax.pmean(grads, "data")
         else:
             from fiddlejax import collectives
@@ -198,16 +239,24 @@ class Trainer:
                 if self.plan.data > 1:
                     # Mark the replicated params as varying over `data` so autodiff returns
                     # each replica's own gradients (instead of an implicit psum) and the
-                    # plan's all-reduce algorithm does the reduction.
-                    p = jax.lax.pcast(p, ("data",), to="varying")
+                    # plan's all-reduce algorithm does the reduction. FSDP shards vary already.
+                    p = self._vary_replicated(p)
                 return self._reduce_sums(*self._local_loss_and_grads(p, b))
 
             if self.plan.data == 1:  # nothing to make manual; GSPMD handles `tensor`
                 return per_replica(params, batch)
+            specs = P() if self._dims is None else compute.only_data(self._dims, params)
             return jax.shard_map(
-                per_replica, mesh=self.mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                per_replica, mesh=self.mesh, in_specs=(specs, P("data")), out_specs=(P(), specs),
                 axis_names={"data"},
             )(params, batch)
+
+    def _vary_replicated(self, params: nnx.State) -> nnx.State:
+        if self._dims is None:
+            return jax.lax.pcast(params, ("data",), to="varying")
+        return jax.tree.map(lambda d, v: v if d >= 0 else jax.lax.pcast(v, ("data",),
+                                                                         to="varying"),
+                            self._dims, params)
 
     def _topk_loss_and_grads(self, params: nnx.State, batch: dict, residual: Any,
                              opt_state: Any = None):
@@ -309,20 +358,57 @@ class Trainer:
         """A sharded TrainState from the model's weights (or from canonical ``params``)."""
         canonical = self._init_params if params is None else params
         self._check_canonical(canonical)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(canonical)):
+            raise ValueError(
+                f"{self.model_name} is abstract (built with nnx.eval_shape): it has no weights "
+                "to initialise. Measure it with trainer.memory(batch_size) or "
+                "trainer.lower_step(trainer.abstract_state(), batch), or pass real params")
+        return jax.jit(self._init_impl, out_shardings=self.state_shardings)(canonical)
 
-        @partial(jax.jit, out_shardings=self.state_shardings)
-        def init(c):
-            internal = self._to_internal(c)
-            residual = (jax.tree.map(lambda x: jnp.zeros((self.plan.data, *x.shape), x.dtype),
-                                     internal) if self._topk else None)
-            opt_state = self.optimizer.init(internal)
-            if self._local_opt:  # every replica starts from the same optimizer state
-                opt_state = jax.tree.map(
-                    lambda x: jnp.broadcast_to(x, (self.plan.data, *jnp.shape(x))), opt_state)
-            prev = internal if self._two_bw else None  # 2BW's first step: W(-1) = W(0)
-            return TrainState(jnp.zeros((), jnp.int32), internal, opt_state, residual, prev)
+    def _init_impl(self, canonical: nnx.State) -> TrainState:
+        internal = self._to_internal(canonical)
+        residual = (jax.tree.map(lambda x: jnp.zeros((self.plan.data, *x.shape), x.dtype),
+                                 internal) if self._topk else None)
+        opt_state = self.optimizer.init(internal)
+        if self._local_opt:  # every replica starts from the same optimizer state
+            opt_state = jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (self.plan.data, *jnp.shape(x))), opt_state)
+        prev = internal if self._two_bw else None  # 2BW's first step: W(-1) = W(0)
+        return TrainState(jnp.zeros((), jnp.int32), internal, opt_state, residual, prev)
 
-        return init(canonical)
+    def abstract_state(self) -> TrainState:
+        """The TrainState as shapes, dtypes and shardings, allocating nothing (also for a model
+        built with ``nnx.eval_shape``): the input of :meth:`lower_step` for measurements."""
+        shapes = jax.eval_shape(self._init_impl, self._canonical_template)
+        def place(s, sub):  # sub: an array's shape, possibly inside an nnx.Variable
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                sub)
+
+        return jax.tree.map(place, self.state_shardings, shapes,
+                            is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    def memory(self, batch_size: int | None = None, batch: dict | None = None) -> dict:
+        """Per-device bytes of one compiled training step, from XLA's ``memory_analysis``,
+        without allocating the model or the batch.
+
+        Give ``batch_size`` (the global batch, for a model with ``batch_spec``) or ``batch``
+        (arrays or ``jax.ShapeDtypeStruct``s). Returns ``argument_bytes`` (state and batch),
+        ``output_bytes``, ``alias_bytes`` (outputs written over donated arguments),
+        ``temp_bytes`` and ``peak_bytes`` = argument + output + temp - alias.
+        """
+        if batch is None:
+            if batch_size is None or self._batch_spec is None:
+                raise ValueError("memory() needs batch_size= (for a model with batch_spec) or "
+                                 "batch= (a dict of arrays or jax.ShapeDtypeStructs)")
+            batch = self._batch_spec(batch_size)
+        batch = {k: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.batch_sharding)
+                 for k, x in batch.items()}
+        m = self.lower_step(self.abstract_state(), batch).compile().memory_analysis()
+        out = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+               "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}
+        out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+                             - out["alias_bytes"])
+        return out
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch; returns the new state and metrics."""
@@ -409,11 +495,11 @@ class Trainer:
         from fiddlejax.memory import choose_policy
 
         def make_step(policy):
-            self._remat = _resolve_remat(policy)
+            self._remat = self._layer_remat(policy)
             return jax.jit(self._step_impl).lower(state, batch)
 
         policy = choose_policy(make_step, int(self.plan.memory_budget))
-        self._remat, self.remat_policy = _resolve_remat(policy), policy
+        self._remat, self.remat_policy = self._layer_remat(policy), policy
 
     def _prepare(self, state: TrainState, batch: dict) -> dict:
         batch = self.shard_batch(batch)
@@ -427,6 +513,11 @@ class Trainer:
         With several processes each passes only its own rows, the slice of the global batch its
         devices own on ``data`` (``fiddlejax.distributed.data_shard(mesh)`` says which).
         """
+        if isinstance(batch, dict) and batch and all(
+                isinstance(x, jax.ShapeDtypeStruct) for x in batch.values()):  # for lowering
+            self.check_batch(batch)
+            return {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding)
+                    for k, x in batch.items()}
         if jax.process_count() == 1 or not isinstance(batch, dict):
             self.check_batch(batch)
             return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
@@ -569,7 +660,7 @@ def _opt_shardings(optimizer, opt_abstract, spec_tree, plan: Plan):
 
     def spec_for(leaf, spec):
         s = spec if isinstance(spec, P) else spec[...]
-        if plan.zero and plan.data > 1:
+        if plan.zero and plan.data > 1 and "data" not in jax.tree.leaves(tuple(s)):
             s = _add_data_axis(s, leaf.shape, plan.data)
         return NamedSharding(mesh, s)
 

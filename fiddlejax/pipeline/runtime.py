@@ -62,6 +62,9 @@ class Pipeline:
             index[st, j, : self.counts[c]] = starts[c] + np.arange(self.counts[c])
         self.index = index
         self._tables_2bw: dict[int, Tables] = {}
+        # FSDP (zero=3): each internal leaf's dimension sharded over `data` (-1: none), set by
+        # the Trainer (fiddlejax.compute); None without FSDP.
+        self.data_dims = None
         # Ticks per scan iteration. Measurement only: cost_analysis counts a loop body once, so
         # bytes(unroll=2) - bytes(unroll=1) is one tick's memory traffic.
         self.tick_unroll = 1
@@ -125,8 +128,20 @@ class Pipeline:
         return self._map_stack(stacked, internal, other)
 
     def stack_specs(self, params: nnx.State) -> nnx.State:
-        """shard_map specs: the stack split over ``pipe``, everything else replicated."""
-        return self._map_stack(lambda v: P("pipe"), params, lambda v: P())
+        """shard_map specs: the stack split over ``pipe``, everything else replicated; under
+        FSDP also each leaf's FSDP dimension over ``data``."""
+        specs = self._map_stack(lambda v: P("pipe"), params, lambda v: P())
+        if self.data_dims is None:
+            return specs
+
+        def add(d, s):
+            if d < 0:
+                return s
+            parts = [*s, *([None] * (d + 1 - len(s)))]
+            parts[d] = "data"
+            return P(*parts)
+
+        return jax.tree.map(add, self.data_dims, specs)
 
     def _manual(self) -> tuple[str, ...]:
         return tuple(sorted({"pipe"} | ({"data"} if self.plan.data > 1 else set())))

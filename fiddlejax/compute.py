@@ -1,0 +1,143 @@
+"""How the computation sees the parameters: cast to the compute dtype and, under FSDP, gathered.
+
+Parameters are stored float32 (master weights) and, with ``Plan(zero=3)``, sharded over ``data``
+on one dimension each. A layer sees them only through :meth:`ParamView.layer`, which all-gathers
+its shards over ``data`` and casts them to ``Plan(compute_dtype=)`` just before use. The layer
+runs under one ``jax.checkpoint`` whose policy never saves a gathered or cast weight, so the
+backward gathers again instead of keeping a full copy: nothing is held longer than one layer
+needs it, and the stash holds activations only. The transpose of the all-gather is a
+reduce-scatter, so each replica's gradient arrives already summed and sharded; the transpose of
+the cast returns float32 gradients, accumulated and reduced in float32.
+
+The prologue and epilogue (embedding, head) see the parameters outside the stack the same way
+(:class:`ViewedModel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+# Parameters this small with no dimension divisible by ``data`` stay replicated under zero=3
+# (norm scales, biases); a larger one is an error that names it.
+SMALL = 1 << 16
+
+# Primitives whose results a layer's checkpoint never saves: the gathered and cast weights.
+_NOT_SAVED = ("all_gather", "convert_element_type")
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def fsdp_dims(params: nnx.State, spec_tree: nnx.State, data: int, lead: Callable) -> nnx.State:
+    """The dimension of each leaf sharded over ``data`` (-1: replicated).
+
+    The largest dimension that ``data`` divides and no other mesh axis shards, after the
+    ``lead(path)`` leading dimensions that index layers or stages. Raises, naming the parameter,
+    for a large leaf with no such dimension.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
+    specs = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
+    dims = []
+    for (path, v), spec in zip(flat, specs, strict=True):
+        parts = tuple(spec) + (None,) * (v.ndim - len(spec))
+        start = lead(path)
+        free = [d for d in range(start, v.ndim) if parts[d] is None and v.shape[d] % data == 0]
+        if free:
+            dims.append(max(free, key=lambda d: (v.shape[d], -d)))
+            continue
+        if int(np.prod(v.shape[start:])) >= SMALL:
+            raise ValueError(
+                f"zero=3 shards every parameter over data={data}, but no free dimension of "
+                f"{jax.tree_util.keystr(path)} (shape {tuple(v.shape)}, sharded as {spec}) is "
+                f"divisible by {data}; use a data size that divides one of its dimensions, or "
+                "zero=1 (only the optimizer state sharded)")
+        dims.append(-1)
+    return jax.tree.unflatten(jax.tree.structure(params, is_leaf=_is_var), dims)
+
+
+def with_data_axis(spec_tree: nnx.State, dims: nnx.State) -> nnx.State:
+    """``spec_tree`` with ``data`` added on each leaf's FSDP dimension."""
+    def add(spec, d):
+        if d < 0:
+            return spec
+        parts = list(spec) + [None] * (d + 1 - len(spec))
+        parts[d] = "data"
+        return P(*parts)
+
+    def one(d, s):
+        return s.replace(add(s.get_value(), d)) if _is_var(s) else add(s, d)
+
+    return jax.tree.map(one, dims, spec_tree)
+
+
+def only_data(dims: Any, spec_tree: Any) -> Any:
+    """shard_map specs over ``data`` alone: ``data`` on each FSDP dimension, else replicated."""
+    return jax.tree.map(lambda d, _: P() if d < 0 else P(*([None] * d), "data"), dims,
+                        spec_tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamView:
+    """Gather (over ``data`` on each leaf's FSDP dimension; -1: none) and cast (to the compute
+    dtype; ``None``: keep) parameters. ``dims`` trees are prefixes of the parameter trees."""
+
+    dtype: Any = None
+
+    def leaf(self, x: jax.Array, dim: int) -> jax.Array:
+        if dim >= 0:
+            x = jax.lax.all_gather(x, "data", axis=dim, tiled=True)
+        if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(self.dtype)
+        return x
+
+    def tree(self, params: Any, dims: Any) -> Any:
+        return jax.tree.map(lambda d, v: jax.tree.map(lambda a: self.leaf(a, d), v), dims,
+                            params)
+
+    def layer(self, layer: Callable, dims: Any, policy: Callable | None,
+              prevent_cse: bool = True) -> Callable:
+        """``layer(params, x)`` on gathered, cast parameters, under a checkpoint ``policy``
+        (``None``: save everything else) that never saves the gathered or cast weights."""
+        base = policy or jax.checkpoint_policies.everything_saveable
+
+        def keep(prim, *args, **kwargs):
+            return False if prim.name in _NOT_SAVED else base(prim, *args, **kwargs)
+
+        def viewed(lp, x):
+            return layer(self.tree(lp, dims), x)
+
+        return jax.checkpoint(viewed, policy=keep, prevent_cse=prevent_cse)
+
+
+class ViewedModel:
+    """A staged model whose prologue and epilogue see the outer parameters through a view.
+
+    Everything else (``stack``, ``num_layers``, ``layer``...) is the wrapped model's.
+    """
+
+    def __init__(self, inner, view: Callable):
+        self._inner, self._view = inner, view
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def prologue(self, params, batch):
+        return self._inner.prologue(self._view(params), batch)
+
+    def weighted_loss(self, params, x, batch):
+        return self._inner.weighted_loss(self._view(params), x, batch)
+
+    def epilogue(self, params, x, batch):
+        return self._inner.epilogue(self._view(params), x, batch)
+
+
+__all__ = ["ParamView", "ViewedModel", "fsdp_dims", "only_data", "with_data_axis"]
