@@ -30,9 +30,12 @@ def param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | 
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+    """LayerNorm with float32 statistics whatever the compute dtype (bf16 sums lose digits)."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return y * scale + bias
 
 
 class LayerNorm(nnx.Module):
