@@ -60,7 +60,7 @@ def main() -> int:
     trainer = fj.parallelize(model, opt, fj.Plan(mesh=mesh))
     state = trainer.init()
     sb = trainer.shard_batch(batch)
-    fj_step = jax.jit(trainer._step_impl)  # same program as trainer.step, without donation
+    fj_step = trainer.step_function()  # same program as trainer.step, without donation
 
     def run_hand():
         jax.block_until_ready(step(params, opt_state, batch))

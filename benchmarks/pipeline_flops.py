@@ -36,6 +36,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
+from fiddlejax.memory import policies  # noqa: E402
 from fiddlejax.pipeline import costs  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -70,11 +71,11 @@ def main() -> int:
         trainer = fj.parallelize(model, optax.sgd(0.1), plan)
         batch = batch_of(cfg, m)
         if (m, remat) not in refs:  # the reference depends on the batch and remat only
-            refs[m, remat] = costs.unpipelined_flops(trainer.staged, trainer._init_params,
-                                                     batch, trainer._remat)
+            refs[m, remat] = costs.unpipelined_flops(
+                trainer.staged, nnx.state(model, nnx.Param), batch,
+                lambda f, remat=remat: policies.remat_layer(f, remat))
         ref = refs[m, remat]
-        params = jax.eval_shape(trainer.init).params
-        stages = trainer._pipeline.stage_flops(params, batch, trainer._remat)
+        stages = trainer.stage_flops(jax.eval_shape(trainer.init), batch)
         dot = sum(s["dot_flops"] for s in stages) / ref["dot_flops"]
         allf = sum(s["flops"] for s in stages) / ref["flops"]
         share = [s["dot_flops"] / ref["dot_flops"] for s in stages]

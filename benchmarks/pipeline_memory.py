@@ -36,7 +36,7 @@ def temp_bytes(kind: str, p: int, m: int, v: int = 1, remat: str = "none") -> tu
     trainer = fj.parallelize(model, optax.sgd(1e-3), plan)
     batch = {"tokens": np.zeros((m * MB, CFG.seq_len + 1), np.int32)}
     state = jax.eval_shape(trainer.init)
-    compiled = trainer._step.lower(state, trainer.shard_batch(batch)).compile()
+    compiled = trainer.compiled_step(state, batch)
     mem = compiled.memory_analysis()
     return int(mem.temp_size_in_bytes), float(compiled.cost_analysis().get("flops", 0.0))
 

@@ -126,10 +126,10 @@ def main() -> int:
             trainer = fiddlejax_step(model, mesh, kind, m, v)
             state = trainer.init()
             sb = trainer.shard_batch(batch)
-            f_temp = trainer._step.lower(state, sb).compile().memory_analysis().temp_size_in_bytes
+            f_temp = trainer.compiled_step(state, sb).memory_analysis().temp_size_in_bytes
             loss, _ = trainer.loss_and_grads(state, batch)
             assert abs(float(loss) - b_loss) < 1e-4 * abs(b_loss), (float(loss), b_loss)
-            fstep = jax.jit(trainer._step_impl)  # no donation: reuse the same state
+            fstep = trainer.step_function()  # no donation: reuse the same state
 
             def run_fj(fstep=fstep, state=state, sb=sb):
                 jax.block_until_ready(fstep(state, sb))

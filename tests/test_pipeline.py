@@ -109,7 +109,7 @@ def test_memory_flat_in_microbatches_for_1f1b():
                                                                microbatches=m))
         batch = trainer.shard_batch(tokens(0, 2 * m, 16, 256))
         state = jax.eval_shape(trainer.init)
-        return trainer._step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+        return trainer.compiled_step(state, batch).memory_analysis().temp_size_in_bytes
 
     assert temp("1f1b", 4) == temp("1f1b", 2)  # the stash holds at most p microbatches
     assert temp("gpipe", 4) > 1.25 * temp("gpipe", 2)  # GPipe holds all m
@@ -135,7 +135,7 @@ def test_cost_and_params_partitions_balance_the_head():
     for method in ("uniform", "params", "cost"):
         trainer = fj.parallelize(model, optax.sgd(0.1), plan(2, 4, 1, schedule="1f1b",
                                                             microbatches=4, partition=method))
-        counts[method] = trainer._pipeline.counts
+        counts[method] = trainer.pipeline.counts
     assert counts["uniform"] == [2, 3, 3, 2]
     assert counts["params"] == [1, 4, 4, 1]  # embedding and head each weigh ~31 layers
     assert counts["cost"][-1] == 1 and sum(counts["cost"]) == 10  # the head's FLOPs dominate
@@ -145,6 +145,7 @@ def test_cost_and_params_partitions_balance_the_head():
                                             "full"), ("zb-h1", 2, 1, "none")])
 def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
     """No stage repeats or masks work: matmul FLOPs over all stages = the unpipelined step's."""
+    from fiddlejax.memory import policies
     from fiddlejax.pipeline import costs
 
     model = gpt(4)
@@ -152,8 +153,9 @@ def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
     trainer = fj.parallelize(model, optax.sgd(0.1), plan(1, 2, 1, schedule=kind,
                                                         microbatches=m, virtual_stages=v,
                                                         remat=remat))
-    per_stage = trainer._pipeline.stage_flops(trainer.init().params, batch, trainer._remat)
-    ref = costs.unpipelined_flops(trainer.staged, trainer._init_params, batch, trainer._remat)
+    per_stage = trainer.stage_flops(trainer.init(), batch)
+    ref = costs.unpipelined_flops(trainer.staged, nnx.state(model, nnx.Param), batch,
+                                  lambda f: policies.remat_layer(f, remat))
     ratio = sum(s["dot_flops"] for s in per_stage) / ref["dot_flops"]
     assert abs(ratio - 1) < 0.02, ratio
     assert all(s["dot_flops"] > 0 for s in per_stage)
@@ -207,7 +209,7 @@ def test_2bw_equals_the_one_step_stale_update_rule(make_opt, layout):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert int(state.step) == 4
     assert rel_err(trainer.params(state), cur) < 1e-5
-    assert rel_err(trainer._to_canonical_jit(state.prev_params), prev) < 1e-5
+    assert rel_err(trainer.to_canonical_state(state).prev_params, prev) < 1e-5
     if layout != (2, 2, 2):
         return
     with pytest.raises(ValueError, match="set zero=0"):
