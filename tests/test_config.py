@@ -158,3 +158,16 @@ def test_precision_zero_and_rules_reach_the_plan():
             config.load(None, base + [bad])
     with pytest.raises(ValueError, match="names no mesh axis"):
         build.make_plan(config.load(None, base + ["plan.rules={kv: tensr}"]))
+
+
+def test_default_yaml_lists_the_registrys_schedule_kinds():
+    """default.yaml's comment on plan.schedule (the docs' config reference shows it) names
+    every registered kind, so a new kind cannot be missing from the documented choices."""
+    from importlib import resources
+
+    from fiddlejax.pipeline import schedules
+
+    text = resources.files("fiddlejax").joinpath("configs/default.yaml").read_text()
+    line = next(x for x in text.splitlines() if x.strip().startswith("schedule:"))
+    listed = [w.strip().split(" ")[0] for w in line.split("#", 1)[1].split("|")]
+    assert sorted(listed) == sorted([*schedules.kinds(), "null"]), listed
