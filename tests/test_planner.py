@@ -21,10 +21,11 @@ LAYOUTS = [
     (1, 4, 2, "1f1b", 4, "full"),
     (1, 4, 2, "zb-h1", 8, "full"),  # + the per-layer cotangents kept from I until W
     (1, 4, 2, "2bw", 4, "full"),  # + the second weight version, two gradient accumulators
-]
+    (8, 1, 1, None, 1, "none", 3, "fp32"),  # FSDP: state / 8 + one gathered layer (15%)
+]  # bf16 with zero=3 through a pipeline: tests/test_scale.py (a Llama, as the benchmark)
 
 
-def compiled_bytes(d, p, t, schedule, m, remat) -> int:
+def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32") -> int:
     """Argument + temp bytes of the compiled training step on one device (outputs alias the
     donated arguments, so they are not counted twice). 2bw: the multi-step program
     (``trainer._steps``) with K = 1, as ``benchmarks/pipeline_2bw.py`` compiles it."""
@@ -37,7 +38,8 @@ def compiled_bytes(d, p, t, schedule, m, remat) -> int:
 
     model = GPT(GPTConfig(**TINY), rngs=nnx.Rngs(0))
     mesh = fj.make_mesh(data=d, pipe=p, tensor=t)
-    plan = fj.Plan(mesh=mesh, schedule=schedule, microbatches=m, remat=remat)
+    plan = fj.Plan(mesh=mesh, schedule=schedule, microbatches=m, remat=remat, zero=zero,
+                   compute_dtype="bfloat16" if precision == "bf16-mixed" else "float32")
     trainer = fj.parallelize(model, optax.adamw(1e-3), plan)
     state = jax.eval_shape(trainer.init)
     shape = (d * m * MB, TINY["seq_len"] + 1)
@@ -54,17 +56,18 @@ def compiled_bytes(d, p, t, schedule, m, remat) -> int:
     return int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
 
 
-@pytest.mark.parametrize("d,p,t,schedule,m,remat", LAYOUTS)
-def test_memory_within_10_percent_of_compiled(d, p, t, schedule, m, remat):
+@pytest.mark.parametrize("row", LAYOUTS, ids=lambda r: "-".join(map(str, r)))
+def test_memory_within_10_percent_of_compiled(row):
+    d, p, t, schedule, m, remat, zero, precision = (*row, 0, "fp32")[:8]
     model = planner.preset("tiny")
     lo = Layout(tensor=t, pipe=p, data=d, microbatch_size=MB, global_batch=d * m * MB,
-                schedule=schedule, remat=remat, precision="fp32")
+                schedule=schedule, remat=remat, precision=precision, zero=zero)
     predicted = planner.memory(model, lo).total
-    measured = compiled_bytes(d, p, t, schedule, m, remat)
+    measured = compiled_bytes(d, p, t, schedule, m, remat, zero, precision)
     err = predicted / measured - 1
     print(f"{lo.short()}: predicted {predicted / 2**20:.2f} MiB, compiled "
           f"{measured / 2**20:.2f} MiB, error {err:+.1%}")
-    assert abs(err) < 0.10
+    assert abs(err) < (0.15 if zero == 3 else 0.10)
 
 
 def test_analytic_gpt_matches_the_flax_model():

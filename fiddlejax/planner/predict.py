@@ -29,6 +29,16 @@ activation per layer of the chunk and held microbatch, carried like the stash: `
 zb-h1 minus 1F1B compiled at (1, 4, 2), m=8, full remat: 1.8 of them per held slot), and a
 working set: one layer's full residuals on this rank, the logits, the pipeline inboxes.
 
+Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
+"bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
+activations, stashes and messages; each layer's bf16 weight copy is a transient. ``zero=1``
+divides the optimizer state by ``data``; ``zero=3`` (FSDP) divides parameters, gradients and
+optimizer state, and adds to the working set what one layer's use materialises: the gathered
+weights in the compute dtype, the next layer's prefetched, and the full-size float32 weight
+gradient before its reduce-scatter (or the embedding or head with its gradient, if larger). Its
+time pays, per microbatch, an all-gather forward and backward and a reduce-scatter of the
+stage's weights instead of one gradient all-reduce per step.
+
 2bw (``Pipeline.train_2bw``) adds, per GPU, the second weight version (W(t-1), in the state),
 the program's stacked copy of both versions, a gradient accumulator per version (two steps
 overlap) and the optimizer update applied inside the program: with the reduced gradient 1F1B
