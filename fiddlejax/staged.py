@@ -116,7 +116,9 @@ def split(model: nnx.Module, loss_fn: Loss | None = None,
     ``layers``: the path of the repeated blocks of a model without the staged protocol.
     """
     if layers is not None:
-        raise NotImplementedError("parallelize(..., layers=) is not implemented yet")
+        from fiddlejax import adapt
+
+        return adapt.adapt(model, loss_fn, layers)
     for attr in ("stack", "prologue", "head"):
         if not hasattr(model, attr):
             raise TypeError(

@@ -1,0 +1,443 @@
+"""An ordinary Flax NNX model as a :class:`~fiddlejax.staged.StagedModel`, without touching its code.
+
+``fj.parallelize(model, optimizer, plan, layers="decoder.blocks", loss=loss_fn)`` names where the
+repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attributes
+(``"decoder.block_*"`` for ``block_0``, ``block_1``...). From that alone:
+
+- the blocks' parameters are stacked on a leading layer axis (under the key ``layers``) and
+  unstacked again for the canonical tree, so ``trainer.params(state)``, gradients and checkpoints
+  keep the model's own ``nnx.state(model, nnx.Param)`` (:meth:`AdaptedModel.to_model`);
+- the model's own ``__call__`` is split around the blocks: the blocks are replaced by stand-ins
+  that stop the forward at the first block (the prologue) or feed the stack's output to what
+  follows the last block (the epilogue), so no part of the model's code is copied;
+- side inputs the blocks receive (masks, positions, segment ids, rotary tables: whatever
+  arrays ``__call__`` passes besides the activation) travel with the activation: the message
+  between layers and stages is one ``[batch, features]`` array packing the activation and the
+  side inputs, which each layer unpacks (side inputs get no gradient);
+- blocks that differ in static attributes (local and global attention...) are grouped into the
+  shortest repeating unit (5 local + 1 global: units of 6 blocks), or refused with an error that
+  names the differing attribute.
+
+The model is called as ``model(batch["inputs"])`` when the batch has ``inputs``, else as
+``model(batch["tokens"][:, :-1])`` (the next-token form of the bundled language models).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+import re
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fiddlejax.staged import Loss, StagedModel, as_weighted, unpad_outputs
+
+# What the stand-ins do in the current trace: ("prologue",), ("epilogue", x) or
+# ("record", blocks, log).
+_MODE: contextvars.ContextVar = contextvars.ContextVar("fiddlejax_adapt_mode", default=None)
+
+
+class _Stop(Exception):  # noqa: N818 -- control flow, not an error
+    def __init__(self, args, kwargs):
+        self.args_, self.kwargs_ = args, kwargs
+
+
+class _StandIn:
+    """Takes block ``i``'s place inside the model while its forward is split."""
+
+    def __init__(self, i: int):
+        self.i = i
+
+    def __eq__(self, other):
+        return isinstance(other, _StandIn) and other.i == self.i
+
+    def __hash__(self):
+        return hash(("fiddlejax-block", self.i))
+
+    def __repr__(self):
+        return f"<fiddlejax block {self.i}>"
+
+    def __call__(self, *args, **kwargs):
+        mode = _MODE.get()
+        if mode is None:
+            raise RuntimeError("a fiddlejax stand-in block was called outside fiddlejax")
+        if mode[0] == "prologue":
+            raise _Stop(args, kwargs)
+        if mode[0] == "epilogue":
+            return mode[1] if self.i == 0 else args[0]
+        _, blocks, log = mode  # record: run the real block and note what it got
+        out = blocks[self.i](*args, **kwargs)
+        log.append((self.i, args, kwargs, out))
+        return out
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """How the side inputs of a block call are rebuilt from the packed message."""
+
+    treedef: Any                 # of (args[1:], kwargs) with array leaves as None placeholders
+    statics: tuple               # the non-array leaves, in order (None where an array goes)
+    shapes: tuple                # per-example shapes of the array leaves
+    dtypes: tuple
+    x_shape: tuple               # per-example shape of the activation
+    x_dtype: Any
+
+
+def _block_paths(model: nnx.Module, layers: str) -> tuple[Any, str, list[str | int], list]:
+    """(parent module, attribute, state keys of the blocks, the blocks) for ``layers``."""
+    parts = layers.split(".")
+    parent = model
+    for k, part in enumerate(parts[:-1]):
+        if not hasattr(parent, part):
+            raise ValueError(_not_found(model, ".".join(parts[: k + 1]), layers))
+        parent = getattr(parent, part)
+    last = parts[-1]
+    if last.endswith("*"):
+        prefix = last[:-1]
+        found = {}
+        for name in vars(parent):
+            m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+            if m:
+                found[int(m.group(1))] = name
+        if not found:
+            raise ValueError(_not_found(model, layers, layers))
+        names = [found[i] for i in sorted(found)]
+        return parent, last, names, [getattr(parent, n) for n in names]
+    if not hasattr(parent, last):
+        raise ValueError(_not_found(model, layers, layers))
+    held = getattr(parent, last)
+    if isinstance(held, list | tuple | nnx.List):
+        blocks = list(held)
+        if not blocks or not all(isinstance(b, nnx.Module) for b in blocks):
+            raise TypeError(f"{type(model).__name__}.{layers} must hold nnx.Module blocks; it "
+                            f"holds {[type(b).__name__ for b in blocks][:4]}")
+        return parent, last, list(range(len(blocks))), blocks
+    if isinstance(held, nnx.Module):
+        raise TypeError(
+            f"{type(model).__name__}.{layers} is one module ({type(held).__name__}), not a list "
+            "of blocks: for blocks already stacked with nnx.vmap, declare the explicit staged "
+            "protocol (stack, prologue, head, loss; see fiddlejax.staged); else name the list "
+            "that holds the blocks")
+    raise TypeError(f"{type(model).__name__}.{layers} is a {type(held).__name__}; name a list, "
+                    "an nnx.List or numbered attributes ('block_*') holding the blocks")
+
+
+def _not_found(model, what: str, layers: str) -> str:
+    attrs = sorted(k for k, v in vars(model).items()
+                   if isinstance(v, nnx.Module | list | tuple) and not k.startswith("_"))
+    return (f"layers={layers!r}: {type(model).__name__} has no {what!r}; its submodules are "
+            f"{attrs}. Name the attribute path of the repeated blocks, e.g. layers='decoder."
+            "blocks', or 'decoder.block_*' for numbered attributes")
+
+
+def _static_diff(a: Any, b: Any, path: str = "") -> str | None:
+    """The first static attribute (path and both values) in which two blocks differ."""
+    if isinstance(a, nnx.Module) and isinstance(b, nnx.Module):
+        if type(a) is not type(b):
+            return f"{path or 'the block'} is {type(a).__name__} vs {type(b).__name__}"
+        for k in sorted(set(vars(a)) | set(vars(b))):
+            if k.startswith("_"):
+                continue
+            va, vb = vars(a).get(k), vars(b).get(k)
+            if isinstance(va, nnx.Variable) or isinstance(vb, nnx.Variable):
+                if np.shape(va) != np.shape(vb):
+                    return f"{path}{k} has shape {np.shape(va)} vs {np.shape(vb)}"
+                continue
+            found = _static_diff(va, vb, f"{path}{k}.")
+            if found:
+                return found
+        return None
+    if isinstance(a, list | tuple | nnx.List) and isinstance(b, list | tuple | nnx.List):
+        if len(a) != len(b):
+            return f"{path[:-1]} has {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = _static_diff(x, y, f"{path}{i}.")
+            if found:
+                return found
+        return None
+    try:
+        same = bool(a == b)
+    except Exception:  # arrays and the like: not static
+        same = True
+    return None if same else f"{path[:-1]} = {a!r} vs {b!r}"
+
+
+def _unit(model: nnx.Module, layers: str, blocks: list) -> int:
+    """The shortest period ``k`` (dividing the block count) after which blocks repeat."""
+    defs = [nnx.split(b)[0] for b in blocks]
+    n = len(blocks)
+    for k in range(1, n + 1):
+        if n % k == 0 and all(defs[i] == defs[i % k] for i in range(n)):
+            break
+    if k > 1:
+        j = next(i for i in range(1, n) if defs[i] != defs[0])
+        diff = _static_diff(blocks[0], blocks[j]) or "their structure"
+        if k == n:
+            raise ValueError(
+                f"{type(model).__name__}.{layers}: block {j} differs from block 0 in {diff}, "
+                f"and the {n} blocks repeat in no pattern that divides {n}; fiddlejax stacks "
+                "identical blocks (or a repeating unit of them). Make the blocks identical, or "
+                "a whole number of repeats of a unit")
+        warnings.warn(
+            f"{type(model).__name__}.{layers}: blocks differ in {diff}; stacking units of {k} "
+            f"blocks ({n // k} units: a pipeline cuts between units)", stacklevel=4)
+    return k
+
+
+def check_dropout(model: nnx.Module) -> None:
+    """Refuse dropout > 0 (fiddlejax runs deterministic models); rate-0 RNG streams are fine."""
+    for path, m in nnx.iter_graph(model):
+        rate = (getattr(m, "rate", 0.0) if isinstance(m, nnx.Dropout)
+                else getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0)
+        if isinstance(rate, int | float) and rate > 0:
+            where = ".".join(str(p) for p in path) or "the model"
+            raise ValueError(
+                f"{type(model).__name__}.{where} has dropout rate {rate}: parallelized training "
+                "runs deterministic models only for now; build the model with dropout 0.0")
+
+
+def _bad_state(model: nnx.Module, blocks: list, layers: str) -> None:
+    for i, b in enumerate(blocks):
+        other = nnx.state(b, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+        leaves = jax.tree_util.tree_flatten_with_path(other)[0]
+        if leaves:
+            path = jax.tree_util.keystr(leaves[0][0])
+            raise ValueError(
+                f"{type(model).__name__}.{layers}[{i}]{path} is non-parameter state (batch "
+                "statistics, a cache?); fiddlejax trains blocks whose only state is nnx.Param")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedModel(StagedModel):
+    """A :class:`StagedModel` of an unmodified NNX model (build with :func:`adapt`)."""
+
+    unit: int = 1                      # blocks per stacked layer
+    unit_graphdefs: tuple = ()         # graph definitions of a unit's blocks
+    unit_rest: tuple = ()              # their non-parameter state (rate-0 RNG streams)
+    block_keys: tuple = ()             # state paths of the blocks in the model's tree
+    template: Any = None               # the model's canonical parameters (shapes, metadata)
+    sides: dict = dataclasses.field(default_factory=dict)  # message width -> _Side
+    callsite: str = ""
+
+    # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) -----------
+    def to_staged(self, params: nnx.State) -> nnx.State:
+        """The model's parameter tree with the blocks stacked under ``self.stack``."""
+        flat = dict(nnx.to_flat_state(params))
+        n = len(self.block_keys)
+        per_block = [{} for _ in range(n)]
+        outer = []
+        for path, v in flat.items():
+            i = self._block_index(path)
+            if i is None:
+                outer.append((path, v))
+            else:
+                per_block[i][path[len(self.block_keys[i]):]] = v
+        stacked = []
+        for j in range(self.unit):
+            for sub, v0 in per_block[j].items():
+                vals = [per_block[u * self.unit + j][sub] for u in range(n // self.unit)]
+                arr = jnp.stack([_value(v) for v in vals])
+                key = (self.stack, j, *sub) if self.unit > 1 else (self.stack, *sub)
+                stacked.append((key, _with_value(v0, arr, stacked=True)))
+        return nnx.from_flat_state(outer + stacked)
+
+    def to_model(self, params: nnx.State) -> nnx.State:
+        """The inverse of :meth:`to_staged`: blocks unstacked into the model's own tree."""
+        flat = dict(nnx.to_flat_state(params))
+        template = dict(nnx.to_flat_state(self.template))
+        out = []
+        for path, t in template.items():
+            i = self._block_index(path)
+            if i is None:
+                out.append((path, _with_value(t, _value(flat[path]))))
+                continue
+            sub = path[len(self.block_keys[i]):]
+            u, j = divmod(i, self.unit)
+            key = (self.stack, j, *sub) if self.unit > 1 else (self.stack, *sub)
+            out.append((path, _with_value(t, _value(flat[key])[u])))
+        return nnx.from_flat_state(out)
+
+    def _block_index(self, path: tuple) -> int | None:
+        for i, key in enumerate(self.block_keys):
+            if path[: len(key)] == key:
+                return i
+        return None
+
+    # -- the forward, split around the blocks ------------------------------------------------
+    def _outer(self, params: nnx.State) -> nnx.Module:
+        outer = nnx.State({k: v for k, v in params.items() if k != self.stack})
+        return nnx.merge(self.graphdef, outer, self.rest, copy=True)
+
+    def _inputs(self, batch: dict) -> Any:
+        if "inputs" in batch:
+            return batch["inputs"]
+        if "tokens" in batch:
+            return batch["tokens"][:, :-1]
+        raise KeyError(f"the batch has keys {sorted(batch)}; fiddlejax calls an adapted model "
+                       "as model(batch['inputs']) (or model(batch['tokens'][:, :-1]) for next-"
+                       "token batches): name the model's input 'inputs'")
+
+    def prologue(self, params: nnx.State, batch: dict) -> jax.Array:
+        """Runs the model's ``__call__`` up to its first block: the packed message."""
+        model = self._outer(params)
+        token = _MODE.set(("prologue",))
+        try:
+            model(self._inputs(batch))
+        except _Stop as stop:
+            args, kwargs = stop.args_, stop.kwargs_
+        else:
+            raise ValueError(f"{self.callsite}: the model's __call__ never called its blocks "
+                             f"({self.stack}); name the blocks __call__ runs")
+        finally:
+            _MODE.reset(token)
+        if not args or not isinstance(args[0], jax.Array):
+            raise TypeError(f"{self.callsite}: block 0 is called without an array as its first "
+                            "argument; fiddlejax passes the activation as the first argument")
+        return self._pack(args[0], args[1:], kwargs)
+
+    def layer(self, layer_params: nnx.State, x: jax.Array) -> jax.Array:
+        """One stacked unit of blocks on the packed message."""
+        side = self.sides[x.shape[1:]]
+        h, args, kwargs = self._unpack(x, side)
+        for j, gd in enumerate(self.unit_graphdefs):
+            p = layer_params[j] if self.unit > 1 else layer_params
+            block = nnx.merge(gd, p, self.unit_rest[j], copy=True)
+            h = block(h, *args, **kwargs)
+            if not isinstance(h, jax.Array) or h.shape[1:] != side.x_shape:
+                raise TypeError(
+                    f"{self.callsite}: a block returned {_describe(h)}, not an activation of "
+                    f"the shape it was given {side.x_shape}; fiddlejax carries one array "
+                    "between blocks")
+        n = math.prod(side.x_shape)
+        return x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype))
+
+    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+        """Runs the model's ``__call__`` after its blocks on the stack's output, then the loss."""
+        side = self.sides[x.shape[1:]]
+        h, _, _ = self._unpack(x, side)
+        model = self._outer(params)
+        token = _MODE.set(("epilogue", h))
+        try:
+            outputs = model(self._inputs(batch))
+        finally:
+            _MODE.reset(token)
+        outputs = unpad_outputs(outputs, self.vocab_pads)
+        return as_weighted(self.loss_fn(outputs, batch), self.loss_fn)
+
+    # -- the message: activation and side inputs in one [batch, features] array -------------
+    def _pack(self, x: jax.Array, args: tuple, kwargs: dict) -> jax.Array:
+        b = x.shape[0]
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        arrays = [a for a in leaves if isinstance(a, jax.Array)]
+        for a in arrays:
+            if not (jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_
+                    or jnp.issubdtype(a.dtype, jnp.floating)):
+                raise TypeError(f"{self.callsite}: a side input of dtype {a.dtype} cannot travel "
+                                "between stages")
+        per = [a if a.ndim and a.shape[0] == b else jnp.broadcast_to(a, (b, *a.shape))
+               for a in arrays]
+        side = _Side(treedef, tuple(None if isinstance(a, jax.Array) else a for a in leaves),
+                     tuple(a.shape[1:] for a in per), tuple(a.dtype for a in per),
+                     x.shape[1:], x.dtype)
+        parts = [x.reshape(b, -1)] + [jax.lax.stop_gradient(a).reshape(b, -1).astype(x.dtype)
+                                      for a in per]
+        msg = jnp.concatenate(parts, axis=1)
+        known = self.sides.setdefault(msg.shape[1:], side)
+        if known.treedef != side.treedef or known.shapes != side.shapes:
+            raise ValueError(f"{self.callsite}: two batch shapes give the same message width "
+                             f"{msg.shape[1]}; use one batch shape per trainer")
+        return msg
+
+    def _unpack(self, msg: jax.Array, side: _Side):
+        b = msg.shape[0]
+        n = math.prod(side.x_shape)
+        x = msg[:, :n].reshape(b, *side.x_shape).astype(side.x_dtype)
+        start, arrays = n, []
+        for shape, dtype in zip(side.shapes, side.dtypes, strict=True):
+            size = math.prod(shape)
+            a = jax.lax.stop_gradient(msg[:, start:start + size]).reshape(b, *shape)
+            arrays.append(a.astype(dtype))
+            start += size
+        it = iter(arrays)
+        leaves = [next(it) if s is None else s for s in side.statics]
+        args, kwargs = jax.tree.unflatten(side.treedef, leaves)
+        return x, args, kwargs
+
+
+def _value(v):
+    return v.get_value() if isinstance(v, nnx.Variable) else v
+
+
+def _with_value(v, value, stacked: bool = False):
+    """``v`` (a Variable, or a raw leaf) holding ``value``; a stacked one gains the "layers"
+    sharding name in front of its own (or none, when unannotated)."""
+    if not isinstance(v, nnx.Variable):
+        return value
+    names = v.get_metadata().get("out_sharding")
+    if stacked and names:
+        return v.replace(value, out_sharding=("layers", *names))
+    return v.replace(value)
+
+
+def _describe(x) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)}"
+    return type(x).__name__
+
+
+def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[AdaptedModel, nnx.State]:
+    """Split an unmodified ``model`` around the blocks at ``layers``; returns the staged model
+    and the model's own (canonical) parameter tree."""
+    name = type(model).__name__
+    if loss_fn is None:
+        if not callable(getattr(model, "loss", None)):
+            raise TypeError(f"{name} has no loss(outputs, batch); pass parallelize(..., loss=fn) "
+                            "with fn(outputs, batch) -> scalar mean or (sum, weight)")
+        loss_fn = type(model).loss.__get__(model)
+    check_dropout(model)
+    parent, attr, keys, blocks = _block_paths(model, layers)
+    _bad_state(model, blocks, layers)
+    unit = _unit(model, layers, blocks)
+    # The model's state paths of each block (attributes below the root, then the key).
+    prefix = tuple(layers.split(".")[:-1])
+    if attr.endswith("*"):
+        block_keys = tuple((*prefix, k) for k in keys)
+    else:
+        block_keys = tuple((*prefix, attr, k) for k in keys)
+    unit_graphdefs, unit_rest = [], []
+    for b in blocks[:unit]:
+        gd, _, rest = nnx.split(b, nnx.Param, ...)
+        unit_graphdefs.append(gd)
+        unit_rest.append(rest)
+    # The model without its blocks: stand-ins take their places (on a copy).
+    copy = nnx.merge(*nnx.split(model), copy=True)
+    host = copy
+    for part in prefix:
+        host = getattr(host, part)
+    stand_ins = [_StandIn(i) for i in range(len(blocks))]
+    if attr.endswith("*"):
+        for k, s in zip(keys, stand_ins, strict=True):
+            object.__setattr__(host, k, s)
+    else:
+        object.__setattr__(host, attr, tuple(stand_ins))
+    graphdef, _, rest = nnx.split(copy, nnx.Param, ...)
+    canonical = nnx.state(model, nnx.Param)
+    staged = AdaptedModel(
+        graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
+        num_layers=len(blocks) // unit, loss_fn=loss_fn, unit=unit,
+        unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
+        block_keys=block_keys, template=canonical, callsite=f"{name}.{layers}")
+    return staged, canonical
+
+
+__all__ = ["AdaptedModel", "adapt", "check_dropout"]
