@@ -22,9 +22,11 @@ What is saved, per step directory:
   names, shapes and dtypes against the target before reading arrays, and fingerprints after, so a
   different model or a corrupted checkpoint fails with an error naming the array.
 
-CheckFreq (Mohan et al., FAST'21): with ``every="auto"`` the manager times every ``save`` call it
-gets (call it every step): the step time, the snapshot stall, the background persist time and the
-slowdown of steps that overlap a persist, and picks the smallest interval that keeps the measured
+CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkfreq`, SIGTERM handling
+:mod:`fiddlejax.preemption`, the ``fiddlejax train`` glue :mod:`fiddlejax.app.checkpoints`): with
+``every="auto"`` the manager times every ``save`` call it gets (call it every step): the step
+time, the snapshot stall, the background persist time and the slowdown of steps that overlap a
+persist, and picks the smallest interval that keeps the measured
 cost under ``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish
 before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred.
 """

@@ -406,20 +406,42 @@ def _who(p: dict) -> str:
     return f"{p['host']} pid {p['pid']}"
 
 
-def _serve(port: int, me: dict, timeout_s: float) -> None:
-    n = me["num_processes"]
+def _coordinator_socket(port: int) -> socket.socket:
     try:
         if socket.has_dualstack_ipv6():
-            srv = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
-                                       reuse_port=False)
-        else:
-            srv = socket.create_server(("", port))
+            return socket.create_server(("", port), family=socket.AF_INET6,
+                                        dualstack_ipv6=True, reuse_port=False)
+        return socket.create_server(("", port))
     except OSError as e:
         raise RuntimeError(
             f"process 0 cannot listen on coordinator port {port} ({e.strerror or e}): another "
             f"job holds it, or another process also has process_id=0; pick a free port with "
             f"{ENV_COORDINATOR}=HOST:PORT (or {ENV_PORT}) and give each process its own id"
         ) from None
+
+
+def _bad_hello(me: dict, hello: dict, seen: dict[int, dict]) -> str | None:
+    """Why a joining process's hello cannot be accepted, or None."""
+    n = me["num_processes"]
+    pid, their_n = hello["process_id"], hello["num_processes"]
+    if their_n != n:
+        return (f"processes disagree on the job size: process 0 ({_who(me)}) has "
+                f"num_processes={n} but process {pid} ({_who(hello)}) has "
+                f"num_processes={their_n}; give every process the same count")
+    if not 0 <= pid < n:
+        return (f"process_id={pid} ({_who(hello)}) is outside 0..{n - 1}; ids must be "
+                "0, 1, ..., num_processes - 1")
+    if pid in seen:
+        return (f"process_id={pid} is claimed by two processes ({_who(seen[pid])} and "
+                f"{_who(hello)}); every process needs its own id in 0..{n - 1} (check "
+                f"{ENV_PROCESS_ID}, SLURM_PROCID, OMPI_COMM_WORLD_RANK or "
+                "JOB_COMPLETION_INDEX, and FIDDLEJAX_PROCESSES_PER_JOB for JobSets)")
+    return None
+
+
+def _serve(port: int, me: dict, timeout_s: float) -> None:
+    n = me["num_processes"]
+    srv = _coordinator_socket(port)
     deadline = time.monotonic() + timeout_s
     seen: dict[int, dict] = {0: me}
     conns: list[socket.socket] = []
@@ -444,21 +466,9 @@ def _serve(port: int, me: dict, timeout_s: float) -> None:
                 conn.close()
                 continue
             conns.append(conn)
-            pid, their_n = hello["process_id"], hello["num_processes"]
-            if their_n != n:
-                error = (f"processes disagree on the job size: process 0 ({_who(me)}) has "
-                         f"num_processes={n} but process {pid} ({_who(hello)}) has "
-                         f"num_processes={their_n}; give every process the same count")
-            elif not 0 <= pid < n:
-                error = (f"process_id={pid} ({_who(hello)}) is outside 0..{n - 1}; ids must be "
-                         "0, 1, ..., num_processes - 1")
-            elif pid in seen:
-                error = (f"process_id={pid} is claimed by two processes ({_who(seen[pid])} and "
-                         f"{_who(hello)}); every process needs its own id in 0..{n - 1} (check "
-                         f"{ENV_PROCESS_ID}, SLURM_PROCID, OMPI_COMM_WORLD_RANK or "
-                         "JOB_COMPLETION_INDEX, and FIDDLEJAX_PROCESSES_PER_JOB for JobSets)")
-            else:
-                seen[pid] = hello
+            error = _bad_hello(me, hello, seen)
+            if error is None:
+                seen[hello["process_id"]] = hello
                 try:
                     conn.sendall(b'{"wait": true}\n')
                 except OSError:
