@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import checks, compute, layout, staged
+from fiddlejax import checks, compute, layout, staged, stepping
 from fiddlejax.plan import Plan
 
 
@@ -85,17 +85,19 @@ class Trainer:
         self.param_shardings = layout.shardings(self.mesh, spec_tree)
         opt_abstract = jax.eval_shape(optimizer.init, internal)
         self.opt_shardings = _opt_shardings(optimizer, opt_abstract, spec_tree, plan)
+        # How a step exchanges gradients and steps (dense, top-k, 2BW): chosen once.
+        self.stepper = stepping.pick(plan)
         # topk_on="updates": one optimizer state per data replica (leading `data` dimension).
-        self._local_opt = plan.grad_allreduce == "topk" and plan.topk_on == "updates"
+        self._local_opt = self.stepper.local_optimizer
         if self._local_opt:
             self.opt_shardings = jax.tree.map(
                 lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.opt_shardings)
-        self._topk = plan.grad_allreduce == "topk"
+        self._topk = self.stepper.residual
         # The top-k residual is per data replica: a leading `data` dimension on each leaf.
         self.residual_shardings = (jax.tree.map(
             lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.param_shardings)
             if self._topk else None)
-        self._two_bw = plan.schedule == "2bw"
+        self._two_bw = self.stepper.versions == 2
         if self._two_bw and not _leafwise(optimizer):
             raise ValueError(
                 "schedule='2bw' applies the optimizer inside the pipeline, one stage at a time "
@@ -229,7 +231,7 @@ class Trainer:
         that is what ``loss_and_grads`` reports; only ``step`` exchanges sparsified gradients.
         """
         if residual is not None:
-            return self._topk_loss_and_grads(params, batch, residual)
+            return self.stepper.loss_and_grads(self, params, batch, residual)
         with _encodings(self.plan.encodings):
             if self._pipeline is not None:
                 return self._pipeline.loss_and_grads(params, batch, self._reduce_sums,
@@ -258,52 +260,6 @@ class Trainer:
                                                                          to="varying"),
                             self._dims, params)
 
-    def _topk_loss_and_grads(self, params: nnx.State, batch: dict, residual: Any,
-                             opt_state: Any = None):
-        """Top-k exchange with error feedback: each replica sends the largest ``topk_density``
-        fraction of (its gradient + its residual) per leaf, keeps the rest as its new residual;
-        the step's gradient is the mean over replicas of what was sent.
-
-        With a per-replica ``opt_state`` (``topk_on="updates"``) each replica first turns its
-        gradient into its optimizer's update, and the updates are what is sparsified and
-        exchanged; returns (loss, mean sent update, residual, opt_state, gradient norm)."""
-        from fiddlejax.collectives import compression
-
-        n, density = self.plan.data, self.plan.topk_density
-        local_opt = opt_state is not None
-
-        def per_replica(p, b, r, *o):
-            if n > 1:  # local gradients, as in the dense path
-                p = jax.lax.pcast(p, ("data",), to="varying")
-            loss, grads = self._replica_mean(*self._local_loss_and_grads(p, b))
-            r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
-            if local_opt:
-                norm = optax.tree.norm(grads)
-                grads, o = self.optimizer.update(grads, jax.tree.map(lambda x: x[0], o[0]), p)
-                o = (jax.tree.map(lambda x: x[None], o),
-                     jax.lax.pmean(norm, "data") if n > 1 else norm)
-            if n > 1:
-                loss = jax.lax.pmean(loss, "data")
-                summed, r, _ = compression.topk_allreduce(grads, r, "data", density)
-                grads = jax.tree.map(lambda g: g / n, summed)
-            else:  # one replica: nothing to exchange, but train exactly as sparsely
-                pairs = jax.tree.map(lambda g, x: compression._sparse_step(g, x, density),
-                                     grads, r)
-                grads = jax.tree.map(lambda _, pr: pr[0], grads, pairs)
-                r = jax.tree.map(lambda _, pr: pr[1], grads, pairs)
-            return (loss, grads, jax.tree.map(lambda x: x[None], r), *o)
-
-        args = (params, batch, residual) + ((opt_state,) if local_opt else ())
-        with _encodings(self.plan.encodings):
-            if n == 1:
-                return per_replica(*args)
-            return jax.shard_map(
-                per_replica, mesh=self.mesh, in_specs=(P(), P("data"), P("data"))
-                + ((P("data"),) if local_opt else ()),
-                out_specs=(P(), P(), P("data")) + ((P("data"), P()) if local_opt else ()),
-                axis_names={"data"},
-            )(*args)
-
     def _loss_impl(self, state: TrainState, batch: dict) -> jax.Array:
         if self._pipeline is not None:  # the pipeline runs forward and backward together
             return self._sharded_loss_and_grads(state.params, batch)[0]
@@ -317,41 +273,13 @@ class Trainer:
 
     def _steps_impl(self, state: TrainState, batches: dict):
         """K optimizer steps on batches ``[K, batch, ...]`` in one program (metrics ``[K]``)."""
-        if not self._two_bw:
-            return jax.lax.scan(self._step_impl, state, batches)
-        k = jax.tree.leaves(batches)[0].shape[0]
-        opt_specs = jax.tree.map(
-            lambda s: P("pipe") if s.spec and s.spec[0] == "pipe" else P(), self.opt_shardings)
-        losses, norms, prev, params, opt_state = self._pipeline.train_2bw(
-            [state.prev_params, state.params], state.opt_state, batches, self._reduce_sums,
-            self._remat, self.optimizer, opt_specs)
-        new = TrainState(state.step + k, params, opt_state, None, prev)
-        return new, {"loss": losses, "grad_norm": norms}
+        return self.stepper.steps(self, state, batches)
 
     def _step_impl(self, state: TrainState, batch: dict):
-        if self._two_bw:  # one 2BW step: the K = 1 case of `steps`
-            new, metrics = self._steps_impl(state, jax.tree.map(lambda x: x[None], batch))
-            return new, jax.tree.map(lambda x: x[0], metrics)
-        residual = None
-        if self._local_opt:  # the replicas' optimizers ran inside; apply the exchanged update
-            loss, updates, residual, opt_state, norm = self._topk_loss_and_grads(
-                state.params, batch, state.residual, state.opt_state)
-            updates = jax.lax.with_sharding_constraint(updates, self.param_shardings)
-            residual = jax.lax.with_sharding_constraint(residual, self.residual_shardings)
-            params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss, "grad_norm": norm}  # replica mean of local gradient norms
-            return TrainState(state.step + 1, params, opt_state, residual), metrics
-        if self._topk:
-            loss, grads, residual = self._sharded_loss_and_grads(state.params, batch,
-                                                                 state.residual)
-            residual = jax.lax.with_sharding_constraint(residual, self.residual_shardings)
-        else:
-            loss, grads = self._sharded_loss_and_grads(state.params, batch)
-        grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, opt_state, residual), metrics
+        return self.stepper.step(self, state, batch)
+
+    def _encodings(self):
+        return _encodings(self.plan.encodings)
 
     # -- public API --------------------------------------------------------------------------
     def init(self, params: nnx.State | None = None) -> TrainState:

@@ -69,8 +69,10 @@ def test_zero3_matches_single_device(reference, data, pipe, tensor, schedule, m,
     assert rel_err(trainer.params(state), ref_params) < 1e-5
 
 
-def abstract_gpt(cfg=GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=4, n_layers=4,
-                               d_ff=512)):
+SMALL = GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=4, n_layers=4, d_ff=512)
+
+
+def abstract_gpt(cfg=SMALL):
     return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
 
 

@@ -78,7 +78,7 @@ def topk_error_feedback(density: float) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        pairs = jax.tree.map(lambda g, r: _sparse_step(g, r, density), updates, state.residual)
+        pairs = jax.tree.map(lambda g, r: sparse_step(g, r, density), updates, state.residual)
         sent = jax.tree.map(lambda _, pr: pr[0], updates, pairs)
         residual = jax.tree.map(lambda _, pr: pr[1], updates, pairs)
         return sent, TopKState(residual)
@@ -86,7 +86,9 @@ def topk_error_feedback(density: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _sparse_step(g: jax.Array, r: jax.Array, density: float) -> tuple[jax.Array, jax.Array]:
+def sparse_step(g: jax.Array, r: jax.Array, density: float) -> tuple[jax.Array, jax.Array]:
+    """One leaf's sparse step with error feedback: (the sent top-k part of ``g + r``, dense,
+    and the new residual that keeps the rest)."""
     values, idx, left = topk_compress(g, r, density)
     return densify(values, idx, g.shape), left
 

@@ -1,0 +1,160 @@
+"""How one step turns a batch into a new TrainState: the strategies a Trainer picks once.
+
+- :class:`DenseExchange`: each replica's exact gradients, reduced over ``data`` (XLA's
+  all-reduce, a ``fiddlejax.collectives`` algorithm, or FSDP's reduce-scatter), then one
+  optimizer update on the sharded parameters.
+- :class:`TopKExchange`: the largest ``topk_density`` fraction of each gradient (or, with
+  ``topk_on="updates"``, of each replica's optimizer update) is exchanged; the rest stays in a
+  per-replica residual (error feedback, ``TrainState.residual``).
+- :class:`TwoBWStepper`: PipeDream-2BW, K optimizer steps in one pipelined program on two
+  weight versions, the optimizer applied inside the pipeline.
+
+A strategy holds no arrays; it is given the Trainer (its layout, loss and reduction) per call.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+
+def _state(state, **changes):
+    from fiddlejax.train import TrainState
+
+    fields = {"step": state.step + 1, "params": state.params, "opt_state": state.opt_state,
+              "residual": state.residual, "prev_params": state.prev_params, **changes}
+    return TrainState(**fields)
+
+
+class DenseExchange:
+    """Exact gradients, reduced over ``data``; one optimizer update."""
+
+    residual = False      # no TrainState.residual
+    local_optimizer = False  # one optimizer state (sharded by the plan), not one per replica
+    versions = 1          # weight versions in TrainState (2BW keeps two)
+
+    def step(self, t, state, batch):
+        loss, grads = t._sharded_loss_and_grads(state.params, batch)
+        return self.apply(t, state, loss, grads)
+
+    def steps(self, t, state, batches):
+        """K steps on batches ``[K, batch, ...]`` in one program (metrics ``[K]``)."""
+        return jax.lax.scan(partial(self.step, t), state, batches)
+
+    @staticmethod
+    def apply(t, state, loss, grads, **changes):
+        grads = jax.lax.with_sharding_constraint(grads, t.param_shardings)
+        updates, opt_state = t.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = _state(state, params=params, opt_state=opt_state, **changes)
+        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+
+class TopKExchange(DenseExchange):
+    """Top-k sparsified exchange with error feedback, of gradients or of updates.
+
+    ``on="gradients"``: the replicas' gradients are sparsified; one optimizer (state replicated
+    or ZeRO-sharded) steps on their sparse mean. ``on="updates"``: each replica runs the
+    optimizer on its own gradient (one optimizer state per replica) and the *updates* are
+    sparsified (DGC's momentum correction carried over to adaptive optimizers).
+    """
+
+    residual = True
+
+    def __init__(self, on: str = "gradients"):
+        self.on = on
+        self.local_optimizer = on == "updates"
+
+    def step(self, t, state, batch):
+        if not self.local_optimizer:
+            loss, grads, residual = self.loss_and_grads(t, state.params, batch, state.residual)
+            residual = jax.lax.with_sharding_constraint(residual, t.residual_shardings)
+            return self.apply(t, state, loss, grads, residual=residual)
+        # The replicas' optimizers ran inside; apply the exchanged update.
+        loss, updates, residual, opt_state, norm = self.loss_and_grads(
+            t, state.params, batch, state.residual, state.opt_state)
+        updates = jax.lax.with_sharding_constraint(updates, t.param_shardings)
+        residual = jax.lax.with_sharding_constraint(residual, t.residual_shardings)
+        params = optax.apply_updates(state.params, updates)
+        new = _state(state, params=params, opt_state=opt_state, residual=residual)
+        return new, {"loss": loss, "grad_norm": norm}  # replica mean of local gradient norms
+
+    def loss_and_grads(self, t, params, batch, residual: Any, opt_state: Any = None):
+        """Each replica sends the largest ``topk_density`` fraction of (its gradient + its
+        residual) per leaf and keeps the rest as its new residual; the step's gradient is the
+        mean over replicas of what was sent. With a per-replica ``opt_state`` the gradients are
+        first turned into each replica's update; returns (loss, mean sent update, residual,
+        opt_state, gradient norm), else (loss, mean sent gradient, residual)."""
+        from fiddlejax.collectives import compression
+
+        n, density = t.plan.data, t.plan.topk_density
+        local_opt = opt_state is not None
+
+        def per_replica(p, b, r, *o):
+            if n > 1:  # local gradients, as in the dense path
+                p = jax.lax.pcast(p, ("data",), to="varying")
+            loss, grads = t._replica_mean(*t._local_loss_and_grads(p, b))
+            r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
+            if local_opt:
+                norm = optax.tree.norm(grads)
+                grads, o = t.optimizer.update(grads, jax.tree.map(lambda x: x[0], o[0]), p)
+                o = (jax.tree.map(lambda x: x[None], o),
+                     jax.lax.pmean(norm, "data") if n > 1 else norm)
+            if n > 1:
+                loss = jax.lax.pmean(loss, "data")
+                summed, r, _ = compression.topk_allreduce(grads, r, "data", density)
+                grads = jax.tree.map(lambda g: g / n, summed)
+            else:  # one replica: nothing to exchange, but train exactly as sparsely
+                pairs = jax.tree.map(lambda g, x: compression.sparse_step(g, x, density),
+                                     grads, r)
+                grads = jax.tree.map(lambda _, pr: pr[0], grads, pairs)
+                r = jax.tree.map(lambda _, pr: pr[1], grads, pairs)
+            return (loss, grads, jax.tree.map(lambda x: x[None], r), *o)
+
+        args = (params, batch, residual) + ((opt_state,) if local_opt else ())
+        with t._encodings():
+            if n == 1:
+                return per_replica(*args)
+            return jax.shard_map(
+                per_replica, mesh=t.mesh, in_specs=(P(), P("data"), P("data"))
+                + ((P("data"),) if local_opt else ()),
+                out_specs=(P(), P(), P("data")) + ((P("data"), P()) if local_opt else ()),
+                axis_names={"data"},
+            )(*args)
+
+
+class TwoBWStepper(DenseExchange):
+    """PipeDream-2BW: the pipeline is never flushed between the K steps of one call."""
+
+    versions = 2
+
+    def step(self, t, state, batch):  # one 2BW step: the K = 1 case of `steps`
+        new, metrics = self.steps(t, state, jax.tree.map(lambda x: x[None], batch))
+        return new, jax.tree.map(lambda x: x[0], metrics)
+
+    def steps(self, t, state, batches):
+        k = jax.tree.leaves(batches)[0].shape[0]
+        opt_specs = jax.tree.map(
+            lambda s: P("pipe") if s.spec and s.spec[0] == "pipe" else P(), t.opt_shardings)
+        losses, norms, prev, params, opt_state = t.pipeline.train_2bw(
+            [state.prev_params, state.params], state.opt_state, batches, t._reduce_sums,
+            t._remat, t.optimizer, opt_specs)
+        new = _state(state, step=state.step + k, params=params, opt_state=opt_state,
+                     residual=None, prev_params=prev)
+        return new, {"loss": losses, "grad_norm": norms}
+
+
+def pick(plan) -> DenseExchange:
+    """The strategy for ``plan`` (chosen once, by the Trainer)."""
+    if plan.schedule == "2bw":
+        return TwoBWStepper()
+    if plan.grad_allreduce == "topk":
+        return TopKExchange(plan.topk_on)
+    return DenseExchange()
+
+
+__all__ = ["DenseExchange", "TopKExchange", "TwoBWStepper", "pick"]
