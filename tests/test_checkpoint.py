@@ -499,8 +499,14 @@ def test_resume_announces_config_changes():
 
 
 def test_corrupt_message_suggests_resume_and_skips_the_bad_step(saved, tmp_path):
-    with ckpt.CheckpointManager(_copy(saved, tmp_path / "c"), trainer(1, 1, 1)) as m:
+    d = _copy(saved, tmp_path / "c")
+    for step in (1, 2):
+        (d / str(step) / "meta" / "metadata").write_text('{"format": 1, "arr')
+    with ckpt.CheckpointManager(d, trainer(1, 1, 1)) as m:
         assert m.all_steps() == [1, 2]
-        assert m._fallback(2) == ("restore an earlier step: fiddlejax train ... resume=1 "
-                                  "(Python: restore(step=1)); earlier steps: [1]")
-        assert "no earlier checkpoint" in m._fallback(1)
+        with pytest.raises(ValueError) as e:
+            m.restore(2)
+        assert str(e.value).endswith("restore an earlier step: fiddlejax train ... resume=1 "
+                                     "(Python: restore(step=1)); earlier steps: [1]")
+        with pytest.raises(ValueError, match="no earlier checkpoint is left in"):
+            m.restore(1)
