@@ -1,7 +1,7 @@
 """The ``fiddlejax`` command: ``train``, ``schedule``, ``plan``, ``export``.
 
 A dispatcher only: each command lives with what it runs (``fiddlejax.app`` for train and export,
-``fiddlejax.pipeline.render`` for schedule, ``fiddlejax.planner.cli`` for plan).
+``fiddlejax.pipeline.render`` for schedule, ``fiddlejax.planner.command`` for plan).
 """
 
 from __future__ import annotations
