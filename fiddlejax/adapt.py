@@ -1,4 +1,4 @@
-"""An ordinary Flax NNX model as a :class:`~fiddlejax.staged.StagedModel`, without touching its code.
+"""An ordinary Flax NNX model as a :class:`~fiddlejax.staged.StagedModel`, its code untouched.
 
 ``fj.parallelize(model, optimizer, plan, layers="decoder.blocks", loss=loss_fn)`` names where the
 repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attributes
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
 import math
 import re
 import warnings
@@ -69,8 +70,8 @@ class _StandIn:
             raise RuntimeError("a fiddlejax stand-in block was called outside fiddlejax")
         if mode[0] == "prologue":
             raise _Stop(args, kwargs)
-        if mode[0] == "epilogue":
-            return mode[1] if self.i == 0 else args[0]
+        if mode[0] == "epilogue":  # the stack's output, in the structure a block returns
+            return jax.tree.unflatten(mode[2], [mode[1] if self.i == 0 else args[0]])
         _, blocks, log = mode  # record: run the real block and note what it got
         out = blocks[self.i](*args, **kwargs)
         log.append((self.i, args, kwargs, out))
@@ -228,6 +229,8 @@ class AdaptedModel(StagedModel):
     template: Any = None               # the model's canonical parameters (shapes, metadata)
     sides: dict = dataclasses.field(default_factory=dict)  # message width -> _Side
     callsite: str = ""
+    call_names: frozenset = frozenset()  # parameter names of the model's __call__
+    checked: dict = dataclasses.field(default_factory=dict)  # batch shapes -> block output def
 
     # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) -----------
     def to_staged(self, params: nnx.State) -> nnx.State:
@@ -278,32 +281,37 @@ class AdaptedModel(StagedModel):
         outer = nnx.State({k: v for k, v in params.items() if k != self.stack})
         return nnx.merge(self.graphdef, outer, self.rest, copy=True)
 
-    def _inputs(self, batch: dict) -> Any:
-        if "inputs" in batch:
-            return batch["inputs"]
+    def _call(self, model: nnx.Module, batch: dict) -> Any:
+        """The model on a batch: ``tokens[:, :-1]`` for next-token batches, and every batch
+        entry named like a parameter of ``__call__`` as that keyword."""
+        kwargs = {k: v for k, v in batch.items() if k in self.call_names and k != "tokens"}
         if "tokens" in batch:
-            return batch["tokens"][:, :-1]
-        raise KeyError(f"the batch has keys {sorted(batch)}; fiddlejax calls an adapted model "
-                       "as model(batch['inputs']) (or model(batch['tokens'][:, :-1]) for next-"
-                       "token batches): name the model's input 'inputs'")
+            return model(batch["tokens"][:, :-1], **kwargs)
+        if kwargs:
+            return model(**kwargs)
+        raise KeyError(
+            f"the batch has keys {sorted(batch)}, none of them a parameter of "
+            f"{self.callsite.split('.')[0]}.__call__ {sorted(self.call_names)}: fiddlejax calls "
+            "an adapted model with the batch entries named like its parameters (or with "
+            "tokens[:, :-1] for a batch of 'tokens'); rename the batch keys")
 
     def prologue(self, params: nnx.State, batch: dict) -> jax.Array:
         """Runs the model's ``__call__`` up to its first block: the packed message."""
-        model = self._outer(params)
+        if _shape_key(batch) not in self.checked:
+            self._check_split(params, batch)
+        args, kwargs = self._first_call(self._outer(params), batch)
+        return self._pack(args[0], args[1:], kwargs)
+
+    def _first_call(self, model: nnx.Module, batch: dict) -> tuple[tuple, dict]:
         token = _MODE.set(("prologue",))
         try:
-            model(self._inputs(batch))
+            self._call(model, batch)
         except _Stop as stop:
-            args, kwargs = stop.args_, stop.kwargs_
-        else:
-            raise ValueError(f"{self.callsite}: the model's __call__ never called its blocks "
-                             f"({self.stack}); name the blocks __call__ runs")
+            return stop.args_, stop.kwargs_
         finally:
             _MODE.reset(token)
-        if not args or not isinstance(args[0], jax.Array):
-            raise TypeError(f"{self.callsite}: block 0 is called without an array as its first "
-                            "argument; fiddlejax passes the activation as the first argument")
-        return self._pack(args[0], args[1:], kwargs)
+        raise ValueError(f"{self.callsite}: the model's __call__ never called these blocks; "
+                         "name the blocks that __call__ runs")
 
     def layer(self, layer_params: nnx.State, x: jax.Array) -> jax.Array:
         """One stacked unit of blocks on the packed message."""
@@ -312,12 +320,7 @@ class AdaptedModel(StagedModel):
         for j, gd in enumerate(self.unit_graphdefs):
             p = layer_params[j] if self.unit > 1 else layer_params
             block = nnx.merge(gd, p, self.unit_rest[j], copy=True)
-            h = block(h, *args, **kwargs)
-            if not isinstance(h, jax.Array) or h.shape[1:] != side.x_shape:
-                raise TypeError(
-                    f"{self.callsite}: a block returned {_describe(h)}, not an activation of "
-                    f"the shape it was given {side.x_shape}; fiddlejax carries one array "
-                    "between blocks")
+            h = _activation(block(h, *args, **kwargs))
         n = math.prod(side.x_shape)
         return x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype))
 
@@ -325,14 +328,91 @@ class AdaptedModel(StagedModel):
         """Runs the model's ``__call__`` after its blocks on the stack's output, then the loss."""
         side = self.sides[x.shape[1:]]
         h, _, _ = self._unpack(x, side)
-        model = self._outer(params)
-        token = _MODE.set(("epilogue", h))
+        token = _MODE.set(("epilogue", h, self.checked[_shape_key(batch)]))
         try:
-            outputs = model(self._inputs(batch))
+            outputs = self._call(self._outer(params), batch)
         finally:
             _MODE.reset(token)
         outputs = unpad_outputs(outputs, self.vocab_pads)
         return as_weighted(self.loss_fn(outputs, batch), self.loss_fn)
+
+    # -- checks, once per batch shape: the forward splits as assumed --------------------------
+    def _check_split(self, params: nnx.State, batch: dict) -> None:
+        """Trace the whole forward once (shapes only) with the real blocks and check that it
+        calls them once each, in order, back to back, with the same side inputs, and that the
+        side inputs do not depend on the parameters (they get no gradient)."""
+        outer = _abstract(nnx.State({k: v for k, v in params.items() if k != self.stack}))
+        flat = dict(nnx.to_flat_state(self.template))
+        blocks = [nnx.from_flat_state([(p[len(key):], _abstract(v)) for p, v in flat.items()
+                                       if p[: len(key)] == key]) for key in self.block_keys]
+        b = _abstract(batch)
+        info = {}
+
+        def record(o, bps, bt):
+            model = nnx.merge(self.graphdef, o, self.rest, copy=True)
+            real = [nnx.merge(self.unit_graphdefs[i % self.unit], bp,
+                              self.unit_rest[i % self.unit], copy=True)
+                    for i, bp in enumerate(bps)]
+            log = []
+            token = _MODE.set(("record", real, log))
+            try:
+                self._call(model, bt)
+            finally:
+                _MODE.reset(token)
+            info["out"] = self._check_log(log)
+
+        jax.eval_shape(record, outer, blocks, b)
+
+        def side_inputs(o, bt):
+            args, kwargs = self._first_call(nnx.merge(self.graphdef, o, self.rest, copy=True), bt)
+            return [a for a in jax.tree.leaves((args[1:], kwargs)) if isinstance(a, jax.Array)]
+
+        closed = jax.make_jaxpr(side_inputs)(outer, b)
+        if any(_depends(closed.jaxpr, len(jax.tree.leaves(outer)))):
+            raise ValueError(
+                f"{self.callsite}: a side input the blocks receive is computed from the "
+                "parameters (an encoder output for cross-attention?); fiddlejax carries side "
+                "inputs without gradients, so it must depend on the batch only. Name the "
+                "blocks whose extra inputs come from the batch")
+        self.checked[_shape_key(batch)] = info["out"]
+
+    def _check_log(self, log: list) -> Any:
+        n, where = len(self.block_keys), self.callsite
+        order = [i for i, *_ in log]
+        if order != list(range(n)):
+            raise ValueError(f"{where}: __call__ runs the blocks in the order {order[:8]}; "
+                             f"fiddlejax needs each of the {n} blocks called once, in order")
+        out_def = None
+        for i, args, kwargs, out in log:
+            if not args or not isinstance(args[0], jax.Array):
+                raise TypeError(f"{where}: block {i} gets no array as its first argument; "
+                                "fiddlejax passes the activation first")
+            leaves, tdef = jax.tree.flatten(out)
+            arrays = [a for a in leaves if isinstance(a, jax.Array)]
+            if len(arrays) != 1 or arrays[0].shape != args[0].shape:
+                raise TypeError(
+                    f"{where}: block {i} returns {_describe(out)}; fiddlejax carries one "
+                    f"activation between blocks: an array shaped like the input "
+                    f"{tuple(args[0].shape)}, alone or with Nones (e.g. (x, None))")
+            out_def = out_def or tdef
+            if i == 0:
+                continue
+            prev = _activation(log[i - 1][3])
+            if args[0] is not prev:
+                raise ValueError(
+                    f"{where}: __call__ changes the activation between block {i - 1} and block "
+                    f"{i}; fiddlejax runs the blocks back to back. Move that code into the "
+                    "blocks, or declare the staged protocol (fiddlejax.staged)")
+            first, now = jax.tree.flatten((log[0][1][1:], log[0][2])), jax.tree.flatten(
+                (args[1:], kwargs))
+            same = first[1] == now[1] and all(
+                (x is y) if isinstance(x, jax.Array) else _equal(x, y)
+                for x, y in zip(first[0], now[0], strict=True))
+            if not same:
+                raise ValueError(
+                    f"{where}: block {i} receives other side inputs than block 0 (a per-layer "
+                    "cache or mask?); fiddlejax passes every block the same side inputs")
+        return out_def
 
     # -- the message: activation and side inputs in one [batch, features] array -------------
     def _pack(self, x: jax.Array, args: tuple, kwargs: dict) -> jax.Array:
@@ -372,6 +452,38 @@ class AdaptedModel(StagedModel):
         leaves = [next(it) if s is None else s for s in side.statics]
         args, kwargs = jax.tree.unflatten(side.treedef, leaves)
         return x, args, kwargs
+
+
+def _activation(out: Any) -> jax.Array:
+    """The one array a block returns (alone, or in a tuple with Nones)."""
+    arrays = [a for a in jax.tree.leaves(out) if isinstance(a, jax.Array)]
+    if len(arrays) != 1:
+        raise TypeError(f"a block returned {_describe(out)}; fiddlejax carries one activation")
+    return arrays[0]
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _shape_key(batch: dict) -> tuple:
+    return tuple(sorted((k, tuple(np.shape(v))) for k, v in batch.items()))
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _depends(jaxpr: Any, n_inputs: int) -> list[bool]:
+    """Whether each output of ``jaxpr`` depends on its first ``n_inputs`` inputs."""
+    dep = {id(v) for v in jaxpr.invars[:n_inputs]}
+    for eqn in jaxpr.eqns:
+        if any(id(v) in dep for v in eqn.invars):
+            dep.update(id(v) for v in eqn.outvars)
+    return [id(v) in dep for v in jaxpr.outvars]
 
 
 def _value(v):
@@ -436,7 +548,8 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=len(blocks) // unit, loss_fn=loss_fn, unit=unit,
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
-        block_keys=block_keys, template=canonical, callsite=f"{name}.{layers}")
+        block_keys=block_keys, template=_abstract(canonical), callsite=f"{name}.{layers}",
+        call_names=frozenset(inspect.signature(type(model).__call__).parameters) - {"self"})
     return staged, canonical
 
 
