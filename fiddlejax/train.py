@@ -264,8 +264,17 @@ class Trainer:
         if self._pipeline is not None:  # the pipeline runs forward and backward together
             return self._sharded_loss_and_grads(state.params, batch)[0]
         with _encodings(self.plan.encodings):
-            total, weight = self._microbatch_loss(state.params, batch)
-            return total / weight
+            if self._dims is None:
+                total, weight = self._microbatch_loss(state.params, batch)
+                return total / weight
+
+            def per_replica(p, b):  # FSDP: layers gather their weights over `data`
+                total, weight = self._microbatch_loss(p, b)
+                return jax.lax.psum(total, "data") / jax.lax.psum(weight, "data")
+
+            specs = compute.only_data(self._dims, state.params)
+            return jax.shard_map(per_replica, mesh=self.mesh, in_specs=(specs, P("data")),
+                                 out_specs=P(), axis_names={"data"})(state.params, batch)
 
     def _loss_and_grads_impl(self, state: TrainState, batch: dict):
         loss, grads = self._sharded_loss_and_grads(state.params, batch)
