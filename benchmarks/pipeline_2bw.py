@@ -80,7 +80,7 @@ def memory(quick: bool) -> list[dict]:
         else:
             batches = {"tokens": jax.device_put(toks, jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec(None, "data")))}
-            compiled = trainer._steps.lower(state, batches).compile()
+            compiled = trainer.lower_steps(state, batches).compile()
         ma = compiled.memory_analysis()
         param_bytes = sum(x.addressable_shards[0].data.nbytes
                           for x in jax.tree.leaves(state.params))

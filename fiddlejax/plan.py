@@ -20,8 +20,7 @@ def schedule_kinds() -> tuple[str, ...]:
 
 def interleaves(kind: str | None) -> bool:
     """Whether schedule ``kind`` takes ``virtual_stages`` > 1 (the registry says)."""
-    entry = getattr(_schedules, "_REGISTRY", {}).get(kind) if kind else None
-    return bool(getattr(entry, "virtual", False))
+    return bool(kind) and _schedules.interleaves(kind)
 
 
 def __getattr__(name: str):  # SCHEDULES stays a name; it follows the registry

@@ -519,6 +519,14 @@ class Trainer:
         """The lowered step; ``state`` may be abstract (``jax.eval_shape(trainer.init)``)."""
         return self._step.lower(state, self._prepare(state, batch))
 
+    def lower_steps(self, state: TrainState, batches: dict):
+        """The lowered ``steps`` (K optimizer steps on batches ``[K, batch, ...]`` in one
+        program; 2BW's unflushed pipeline); ``state`` may be abstract."""
+        if self._remat is None:
+            first = jax.tree.map(lambda x: x[0], batches)
+            self._prepare(state, first)
+        return self._steps.lower(state, batches)
+
     def lower_loss_and_grads(self, state: TrainState, batch: dict):
         """The lowered ``loss_and_grads``; ``state`` may be abstract."""
         return self._loss_and_grads.lower(state, self._prepare(state, batch))

@@ -28,7 +28,7 @@ LAYOUTS = [
 def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32") -> int:
     """Argument + temp bytes of the compiled training step on one device (outputs alias the
     donated arguments, so they are not counted twice). 2bw: the multi-step program
-    (``trainer._steps``) with K = 1, as ``benchmarks/pipeline_2bw.py`` compiles it."""
+    (``trainer.lower_steps``) with K = 1, as ``benchmarks/pipeline_2bw.py`` compiles it."""
     import jax
     import optax
     from flax import nnx
@@ -49,7 +49,7 @@ def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32") -> int
 
         batches = {"tokens": jax.ShapeDtypeStruct(
             (1, *shape), np.int32, sharding=NamedSharding(mesh, P(None, "data")))}
-        compiled = trainer._steps.lower(state, batches).compile()
+        compiled = trainer.lower_steps(state, batches).compile()
     else:
         compiled = trainer.compiled_step(state, {"tokens": np.zeros(shape, np.int32)})
     mem = compiled.memory_analysis()
