@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fiddlejax import sharding
 from fiddlejax.staged import Loss, StagedModel, as_weighted, unpad_outputs
 
 # What the stand-ins do in the current trace: ("prologue",), ("epilogue", x) or
@@ -234,24 +235,28 @@ class AdaptedModel(StagedModel):
 
     # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) -----------
     def to_staged(self, params: nnx.State) -> nnx.State:
-        """The model's parameter tree with the blocks stacked under ``self.stack``."""
-        flat = dict(nnx.to_flat_state(params))
-        n = len(self.block_keys)
-        per_block = [{} for _ in range(n)]
-        outer = []
-        for path, v in flat.items():
+        """The model's parameter tree with the blocks stacked under ``self.stack``; every leaf
+        takes the variable type and sharding names of the canonical template (so params
+        without metadata, e.g. restored ones, are laid out as the trainer planned)."""
+        values = {p: _value(v) for p, v in nnx.to_flat_state(params)}
+        template = list(nnx.to_flat_state(self.template))
+        missing = [p for p, _ in template if p not in values]
+        if missing:
+            raise ValueError(f"params lack {'/'.join(map(str, missing[0]))} of "
+                             f"{self.callsite.split('.')[0]}'s parameter tree")
+        outer, blocks = [], {}
+        for path, t in template:
             i = self._block_index(path)
             if i is None:
-                outer.append((path, v))
+                outer.append((path, _with_value(t, values[path])))
             else:
-                per_block[i][path[len(self.block_keys[i]):]] = v
+                u, j = divmod(i, self.unit)
+                sub = path[len(self.block_keys[i]):]
+                blocks.setdefault((j, sub), [t, []])[1].append(values[path])
         stacked = []
-        for j in range(self.unit):
-            for sub, v0 in per_block[j].items():
-                vals = [per_block[u * self.unit + j][sub] for u in range(n // self.unit)]
-                arr = jnp.stack([_value(v) for v in vals])
-                key = (self.stack, j, *sub) if self.unit > 1 else (self.stack, *sub)
-                stacked.append((key, _with_value(v0, arr, stacked=True)))
+        for (j, sub), (t, vals) in blocks.items():
+            key = (self.stack, j, *sub) if self.unit > 1 else (self.stack, *sub)
+            stacked.append((key, _with_value(t, jnp.stack(vals), stacked=True)))
         return nnx.from_flat_state(outer + stacked)
 
     def to_model(self, params: nnx.State) -> nnx.State:
@@ -543,7 +548,9 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     else:
         object.__setattr__(host, attr, tuple(stand_ins))
     graphdef, _, rest = nnx.split(copy, nnx.Param, ...)
+    sharding.infer_names(model)
     canonical = nnx.state(model, nnx.Param)
+    sharding.check_ranks(canonical, name)
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=len(blocks) // unit, loss_fn=loss_fn, unit=unit,

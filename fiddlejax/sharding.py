@@ -9,7 +9,9 @@ parallelism: attention heads and the MLP hidden dimension are split over ``tenso
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -73,3 +75,158 @@ def param_specs(
         return logical_to_spec(meta.get("out_sharding"), rules)
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# -- models without annotations, and annotations that do not fit --------------------------------
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _names(v) -> tuple:
+    return tuple(v.get_metadata().get("out_sharding") or ()) if _is_var(v) else ()
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def annotate(model: nnx.Module, table: Mapping[str, Sequence[str | None]]) -> list[str]:
+    """Give parameters logical axis names by a rule table, without changing the model's code.
+
+    ``table`` maps a regular expression on the parameter path (``"blocks/0/attn/q/kernel"``:
+    attribute names and list indices joined by ``/``) to its logical names, as MaxText and
+    EasyDeL do: ``{r"attn/(q|k|v)/kernel": ("embed", "heads"), r"mlp/up/kernel": ("embed",
+    "mlp")}``. The first matching rule wins; it replaces the parameter's own names. Returns the
+    paths it named; a rule that matches nothing is an error (a typo would silently replicate).
+    """
+    import re
+
+    rules = [(re.compile(k), tuple(v)) for k, v in table.items()]
+    used, named = set(), []
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        p = "/".join(str(k) for k in path)
+        for i, (rx, names) in enumerate(rules):
+            if rx.search(p):
+                if len(names) != v.ndim:
+                    raise ValueError(f"rule {rx.pattern!r} names {len(names)} axes {names} for "
+                                     f"{p}, which has shape {tuple(v.shape)}; give one name "
+                                     "(or None) per dimension")
+                v.set_metadata(out_sharding=names)
+                used.add(i)
+                named.append(p)
+                break
+    unused = [rx.pattern for i, (rx, _) in enumerate(rules) if i not in used]
+    if unused:
+        raise ValueError(f"sharding rules {unused} match no parameter of "
+                         f"{type(model).__name__}; paths look like {named[:1] or 'a/b/kernel'}")
+    return named
+
+
+def check_ranks(params: nnx.State, model_name: str) -> None:
+    """A parameter whose logical names do not match its rank would be sharded on the wrong
+    dimensions; raise naming it. Names that are all ``None`` shard nothing and pass."""
+    for path, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]:
+        names = _names(v)
+        if names and any(n is not None for n in names) and len(names) != v.ndim:
+            raise ValueError(
+                f"{model_name}: parameter {_path(path)} has shape {tuple(v.shape)} but "
+                f"{len(names)} sharding names {names}; name every dimension (a stack built with "
+                "nnx.vmap needs transform_metadata={nnx.PARTITION_NAME: 'layers'}), or override "
+                "the names with fj.sharding.annotate(model, {regex: names})")
+
+
+def name_stack(model: nnx.Module, stack: str) -> None:
+    """Prepend ``"layers"`` to the names of stacked parameters that lack it (a stack built
+    without ``nnx.PARTITION_NAME``), which would otherwise shift every name by one dimension.
+    Writes the names into the model's variables, as :func:`annotate` does."""
+    fixed = []
+    for path, v in nnx.to_flat_state(nnx.state(getattr(model, stack), nnx.Param)):
+        names = _names(v)
+        if names and len(names) == v.ndim - 1 and names[0] != "layers":
+            v.set_metadata(out_sharding=("layers", *names))
+            fixed.append("/".join(map(str, path)))
+    if fixed:
+        warnings.warn(f"{type(model).__name__}.{stack}: {len(fixed)} stacked parameters lack the "
+                      f"'layers' name of their leading axis (e.g. {fixed[0]}); fiddlejax added "
+                      "it. Build the stack with transform_metadata={nnx.PARTITION_NAME: "
+                      "'layers'}", stacklevel=3)
+
+
+# Fused projections (q, k and v side by side) are left replicated: splitting their output over
+# `tensor` would cut across the q/k/v boundaries, and re-splitting needs collective-permutes.
+_FUSED = ("qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "attn_qkv")
+_COLUMN = ("q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "up", "gate",
+           "wi", "wi_0", "wi_1", "fc1", "c_fc", "c_attn", "linear1", "q_proj", "k_proj",
+           "v_proj", "up_proj", "gate_proj", "w1", "w3")
+_ROW = ("o", "out", "wo", "proj", "down", "fc2", "c_proj", "linear2", "o_proj", "down_proj",
+        "out_proj", "dense", "w2")
+
+
+def infer_names(model: nnx.Module) -> dict[str, tuple]:
+    """Logical names for a model that has none, from its parameters' shapes and names
+    (Megatron's layout): the vocabulary embedding ``(vocab, embed)``; kernels into a wider or a
+    ``q/k/v/up`` dimension column-parallel ``(embed, mlp)``; kernels back to the model width
+    row-parallel ``(mlp, embed)``; attention kernels ``[embed, heads, head_dim]`` split on heads;
+    the output projection to the vocabulary on ``vocab``; biases like their kernel's output;
+    norms and anything else replicated. Writes the names into the model's variables (as
+    :func:`annotate` does), warns with what it inferred and returns ``{path: names}``."""
+    flat = [(tuple(str(k) for k in p), v)
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    if any(any(n is not None for n in _names(v)) for _, v in flat):
+        return {}  # annotated: the model's names stand
+    embeds = [v.shape for p, v in flat if p[-1] == "embedding" and v.ndim == 2]
+    if not embeds:
+        return {}
+    vocab, d = max(embeds)
+    named: dict[tuple, tuple] = {}
+    for p, v in flat:
+        s, leaf, owner = tuple(v.shape), p[-1], p[-2] if len(p) > 1 else ""
+        names = None
+        if owner in _FUSED:
+            continue
+        if leaf == "embedding" and s == (vocab, d):
+            names = ("vocab", "embed")
+        elif leaf == "kernel" and v.ndim == 2 and d in s:
+            if s[0] == d and s[1] == vocab:
+                names = ("embed", "vocab")
+            elif s[0] == d and (s[1] != d or owner in _COLUMN):
+                names = ("embed", "mlp")
+            elif s[1] == d and (s[0] != d or owner in _ROW):
+                names = ("mlp", "embed")
+        elif leaf == "kernel" and v.ndim == 3 and s[0] == d:
+            names = ("embed", "heads", "head_dim")
+        elif leaf == "kernel" and v.ndim == 3 and s[2] == d:
+            names = ("heads", "head_dim", "embed")
+        if names:
+            named[p] = names
+    for p, v in flat:  # biases follow their kernel's output dimensions
+        kernel = named.get((*p[:-1], "kernel"))
+        if p[-1] == "bias" and kernel and v.ndim <= len(kernel):
+            named[p] = kernel[len(kernel) - v.ndim:]
+    for p, v in flat:
+        if p in named:
+            v.set_metadata(out_sharding=named[p])
+    out = {"/".join(p): n for p, n in named.items()}
+    if out:
+        shown = ", ".join(f"{p}: {n}" for p, n in list(out.items())[:6])
+        warnings.warn(
+            f"{type(model).__name__} has no sharding names; fiddlejax inferred tensor-parallel "
+            f"names for {len(out)} of {len(flat)} parameters ({shown}"
+            f"{', ...' if len(out) > 6 else ''}); the rest are replicated. Override with "
+            "fj.sharding.annotate(model, {regex: names})", stacklevel=4)
+    return out
+
+
+def tensor_unused(spec_tree: Any, tensor: int, model_name: str) -> None:
+    """Warn when ``tensor > 1`` but no parameter is split over ``tensor``: every weight would be
+    replicated and the tensor axis would only repeat work."""
+    if tensor <= 1:
+        return
+    for spec in jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P)):
+        for ax in spec:
+            if ax == "tensor" or (isinstance(ax, tuple) and "tensor" in ax):
+                return
+    warnings.warn(f"tensor={tensor}, but no parameter of {model_name} is mapped to the tensor "
+                  "axis (no sharding names, or rules that map none to 'tensor'): every weight is "
+                  "replicated. Annotate with fj.sharding.annotate(model, {regex: names}) or map "
+                  "the model's names with Plan(rules={name: 'tensor'})", stacklevel=3)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fiddlejax import sharding
+
 Loss = Callable[[Any, dict], jax.Array]
 
 
@@ -44,6 +46,7 @@ class StagedModel:
     # (padded, true) sizes of vocabulary axes padded for sharding: outputs are sliced back
     # before the loss sees them, so padding never reaches a loss (see ``layout.pad_vocab``).
     vocab_pads: tuple[tuple[int, int], ...] = ()
+    layer_rest: Any = None   # a layer's non-parameter state (rate-0 RNG streams), if any
 
     def _bind(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest, copy=True)
@@ -54,7 +57,9 @@ class StagedModel:
 
     def layer(self, layer_params: nnx.State, x: Any) -> Any:
         """One layer of the stack, given that layer's (unstacked) parameters."""
-        return nnx.merge(self.layer_graphdef, layer_params, copy=True)(x)
+        if self.layer_rest is None:
+            return nnx.merge(self.layer_graphdef, layer_params, copy=True)(x)
+        return nnx.merge(self.layer_graphdef, layer_params, self.layer_rest, copy=True)(x)
 
     def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
         """Head and loss on the activations leaving the last layer, as float32
@@ -68,6 +73,17 @@ class StagedModel:
         """Head and loss on the activations leaving the last layer (the scalar loss)."""
         total, weight = self.weighted_loss(params, x, batch)
         return total / weight
+
+    # The canonical tree (the model's own ``nnx.state(model, nnx.Param)``) and the staged tree
+    # (layers stacked under ``stack``) are the same for a model with the staged protocol; an
+    # adapted model (fiddlejax.adapt) stacks its blocks here.
+    def to_staged(self, params: nnx.State) -> nnx.State:
+        """The staged tree of canonical ``params``."""
+        return params
+
+    def to_model(self, params: nnx.State) -> nnx.State:
+        """The canonical tree of staged ``params`` (the inverse of :meth:`to_staged`)."""
+        return params
 
 
 def mean_loss(value: Any) -> jax.Array:
@@ -115,9 +131,10 @@ def split(model: nnx.Module, loss_fn: Loss | None = None,
 
     ``layers``: the path of the repeated blocks of a model without the staged protocol.
     """
-    if layers is not None:
-        from fiddlejax import adapt
+    from fiddlejax import adapt
 
+    explicit = all(hasattr(model, a) for a in ("stack", "prologue", "head"))
+    if layers is not None and not (explicit and layers == model.stack):
         return adapt.adapt(model, loss_fn, layers)
     for attr in ("stack", "prologue", "head"):
         if not hasattr(model, attr):
@@ -131,20 +148,17 @@ def split(model: nnx.Module, loss_fn: Loss | None = None,
     layers = getattr(model, model.stack, None)
     if not isinstance(layers, nnx.Module):
         raise TypeError(f"{type(model).__name__}.{model.stack} must be an nnx.Module of layers")
-    layer_graphdef, layer_state = nnx.split(layers)
-    if nnx.state(layers, nnx.RngState):
-        raise ValueError(
-            f"{type(model).__name__}.{model.stack} holds RNG state (dropout > 0?); parallelized "
-            "training runs deterministic layers only for now: set dropout=0.0"
-        )
+    # RNG streams of rate-0 dropouts are constants; a rate above 0 is refused by name.
+    adapt.check_dropout(model)
+    layer_graphdef, layer_state, _ = nnx.split(layers, nnx.Param, ...)
     leaves = jax.tree.leaves(layer_state)
     if not leaves:
         raise ValueError(f"{type(model).__name__}.{model.stack} has no parameters")
     num_layers = int(leaves[0].shape[0])
+    sharding.name_stack(model, model.stack)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if nnx.state(model, nnx.RngState):
-        raise ValueError(
-            f"{type(model).__name__} holds RNG state (dropout > 0?); parallelized training runs "
-            "deterministic models only for now: set dropout=0.0"
-        )
-    return StagedModel(graphdef, rest, model.stack, layer_graphdef, num_layers, loss_fn), params
+    sharding.check_ranks(params, type(model).__name__)
+    # A rate-0 dropout's RNG streams in the layers: layer 0's serve every layer (never drawn).
+    layer_rest = jax.tree.map(lambda a: a[0], nnx.state(layers, nnx.Not(nnx.Param)))
+    return StagedModel(graphdef, rest, model.stack, layer_graphdef, num_layers, loss_fn,
+                       layer_rest=layer_rest), params
