@@ -154,6 +154,11 @@ def _static_diff(a: Any, b: Any, path: str = "") -> str | None:
             if isinstance(va, nnx.Variable) or isinstance(vb, nnx.Variable):
                 if np.shape(va) != np.shape(vb):
                     return f"{path}{k} has shape {np.shape(va)} vs {np.shape(vb)}"
+                ma, mb = (v.get_metadata() if isinstance(v, nnx.Variable) else {}
+                          for v in (va, vb))
+                if ma != mb:
+                    key = next(m for m in sorted(set(ma) | set(mb)) if ma.get(m) != mb.get(m))
+                    return f"{path}{k} metadata {key}={ma.get(key)!r} vs {mb.get(key)!r}"
                 continue
             found = _static_diff(va, vb, f"{path}{k}.")
             if found:
@@ -524,6 +529,9 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     check_dropout(model)
     parent, attr, keys, blocks = _block_paths(model, layers)
     _bad_state(model, blocks, layers)
+    sharding.infer_names(model)
+    canonical = nnx.state(model, nnx.Param)
+    sharding.check_ranks(canonical, name)
     unit = _unit(model, layers, blocks)
     # The model's state paths of each block (attributes below the root, then the key).
     prefix = tuple(layers.split(".")[:-1])
@@ -548,9 +556,6 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     else:
         object.__setattr__(host, attr, tuple(stand_ins))
     graphdef, _, rest = nnx.split(copy, nnx.Param, ...)
-    sharding.infer_names(model)
-    canonical = nnx.state(model, nnx.Param)
-    sharding.check_ranks(canonical, name)
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=len(blocks) // unit, loss_fn=loss_fn, unit=unit,

@@ -1,4 +1,5 @@
-"""Input checks on values (not just shapes): id ranges of a batch and finite losses.
+"""Input checks on values (not just shapes): id ranges of a batch and finite losses; and a
+name-based remat policy that would find no names in a model's layers.
 
 A token id at or above the vocabulary size does not fail inside XLA: the embedding gather clamps
 or the cross-entropy reads past the logits, and the loss silently turns to NaN. These checks turn
@@ -79,3 +80,48 @@ def check_rank(batch: dict, spec: dict, model_name: str) -> None:
                 f"batch[{key!r}] has {len(shape)} dimension(s), shape {shape}, but "
                 f"{model_name} expects [{dims}]: a leading batch dimension, e.g. x[None] for "
                 "one example")
+
+
+def checkpoint_names(fn: Any, *example: Any) -> set[str]:
+    """The ``checkpoint_name`` tags ``fn(*example)`` applies (traced, nothing runs)."""
+    import jax
+
+    found: set[str] = set()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                found.add(eqn.params["name"])
+            for sub in _sub_jaxprs(eqn.params):
+                visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*example).jaxpr)
+    return found
+
+
+def _sub_jaxprs(params: dict):
+    for v in params.values():
+        for x in v if isinstance(v, tuple | list) else (v,):
+            inner = getattr(x, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield inner
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+def check_remat_names(policy: Any, layer: Any, layer_params: Any, x: Any,
+                      model_name: str) -> None:
+    """A name-based remat policy (``remat="minimal"``, ``"offload"``, ``policy(save=...)``) on a
+    layer that tags none of its names saves nothing: it silently equals ``remat="full"``.
+    Raise naming the missing names and the fix. ``policy`` is a
+    :class:`fiddlejax.memory.policies.Policy`."""
+    wanted = set(getattr(policy, "saved", ())) | set(getattr(policy, "offloaded", ()))
+    if not wanted:
+        return
+    tagged = checkpoint_names(layer, layer_params, x)
+    if not wanted & tagged:
+        raise ValueError(
+            f"remat={policy.name!r} keeps the checkpoint names {sorted(wanted)}, but a layer of "
+            f"{model_name} tags {sorted(tagged) or 'none'} (jax.ad_checkpoint.checkpoint_name), "
+            "so it would save nothing and equal remat='full'. Use remat='full', 'dots' or "
+            "'dots_no_batch' (by primitive), or fj.memory.policy(save=[names the layer tags])")

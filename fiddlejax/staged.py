@@ -1,28 +1,26 @@
 """A Flax NNX model seen as pure functions: prologue, one layer of the stack, head and loss.
 
 Every layout (data, tensor, pipeline) is built from this one declaration, so no user model is
-rewritten per layout. A model qualifies when it has:
+rewritten per layout. There are two ways to give it:
 
-- ``stack: str``: the attribute holding its layers, built with parameters stacked on a leading
-  layer axis (e.g. ``nnx.vmap`` over the layer constructor);
-- ``prologue(batch) -> x``: what runs before the stack (embeddings);
-- ``head(x) -> outputs``: what runs after it (final norm, projection);
-- ``loss(outputs, batch)``: the mean loss as a scalar, or a weighted mean as a pair
-  ``(sum, weight)`` (e.g. summed token losses and the count of real tokens); overridable in
-  ``parallelize``;
-- optionally ``batch_spec(batch_size) -> {name: jax.ShapeDtypeStruct}`` for input checks.
+- any NNX model, unmodified: ``parallelize(model, opt, plan, layers="path.to.blocks",
+  loss=fn)``; :mod:`fiddlejax.adapt` finds the rest (see there);
+- the explicit form, the :class:`Staged` protocol below, for models that stack their layers
+  themselves (``nnx.vmap``) and scan over them.
 
-A pair is reduced exactly: fiddlejax sums numerators and weights over microbatches and data
-shards and divides once, so the loss and gradients equal the single-device weighted mean however
-the batch is split. A scalar counts as ``(mean, 1)`` per microbatch (the mean of equal-sized
-shards). The weight must not depend on the parameters (it is not differentiated).
+A pair ``(sum, weight)`` from a loss is reduced exactly: fiddlejax sums numerators and weights
+over microbatches and data shards and divides once, so the loss and gradients equal the
+single-device weighted mean however the batch is split. A scalar counts as ``(mean, 1)`` per
+microbatch (the mean of equal-sized shards). The weight must not depend on the parameters (it
+is not differentiated). A vocabulary padded for sharding never reaches a loss: the framework
+slices the head's outputs back to the true vocabulary first (:func:`unpad_outputs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +28,30 @@ from flax import nnx
 
 from fiddlejax import sharding
 
-Loss = Callable[[Any, dict], jax.Array]
+Loss = Callable[[Any, dict], Any]  # (outputs, batch) -> scalar mean, or (sum, weight)
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """The explicit staged protocol: what a model declares to be split into stages."""
+
+    stack: str
+    """The attribute holding the layers, parameters stacked on a leading layer axis (e.g.
+    ``nnx.vmap`` over the layer constructor with ``transform_metadata={nnx.PARTITION_NAME:
+    "layers"}``); one layer maps an activation array to one of the same shape."""
+
+    def prologue(self, batch: dict) -> jax.Array:
+        """What runs before the stack (embeddings): the activation entering layer 0."""
+        ...
+
+    def head(self, x: jax.Array) -> Any:
+        """What runs after the stack (final norm, projection): the loss's ``outputs``."""
+        ...
+
+    def loss(self, outputs: Any, batch: dict) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The mean loss, or ``(sum, weight)``; overridable with ``parallelize(loss=)``.
+        ``outputs`` are never vocabulary-padded (fiddlejax slices padding off first)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -283,3 +283,59 @@ def test_wiring_note():
         warnings.warn("Trainer._to_internal/_to_canonical do not call StagedModel.to_staged/"
                       "to_model yet: the new form is tested through tests/test_any_model._Wired",
                       stacklevel=1)
+
+
+# -- silent cases turned into results, warnings or named errors -----------------------------
+def test_rule_table_names_parameters_by_path():
+    model = Local(rngs=nnx.Rngs(0))
+    named = fj.sharding.annotate(model, {r"blocks/\d+/(q|k|v)/kernel": ("embed", "heads"),
+                                         r"embed/embedding": ("vocab", "embed")})
+    assert len(named) == 19 and model.blocks[2].k.kernel.get_metadata()["out_sharding"] == (
+        "embed", "heads")
+    with pytest.raises(ValueError, match=r"rules \['blocks/.*/wq'\] match no parameter"):
+        fj.sharding.annotate(model, {"blocks/.*/wq": ("embed", "heads")})
+    with pytest.raises(ValueError, match=r"names 1 axes .* shape \(16, 16\)"):
+        fj.sharding.annotate(model, {"q/kernel": ("embed",)})
+    # Annotated: nothing is inferred, the model's own names stand.
+    assert fj.sharding.infer_names(model) == {}
+
+
+def test_names_that_do_not_fit_the_rank_are_named():
+    model = Local(rngs=nnx.Rngs(0))
+    model.blocks[0].q.kernel.set_metadata(out_sharding=("embed",))
+    with pytest.raises(ValueError, match=r"blocks/0/q/kernel has shape \(16, 16\) but 1 sharding"):
+        fj.staged.split(model, next_token, layers="blocks")
+
+
+def test_stack_without_the_layers_name_gets_it():
+    from models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32),
+                rngs=nnx.Rngs(0))
+    for _, v in nnx.to_flat_state(nnx.state(model.blocks, nnx.Param)):  # as flax's scan example
+        v.set_metadata(out_sharding=v.get_metadata()["out_sharding"][1:])
+    with pytest.warns(UserWarning, match=r"lack the 'layers' name"):
+        _, params = fj.staged.split(model)
+    for _, v in nnx.to_flat_state(params["blocks"]):
+        assert v.get_metadata()["out_sharding"][0] == "layers"
+
+
+def test_no_parameter_on_tensor_warns():
+    specs = {"w": jax.sharding.PartitionSpec(None, None)}
+    with pytest.warns(UserWarning, match=r"tensor=2, but no parameter of M"):
+        fj.sharding.tensor_unused(specs, 2, "M")
+    fj.sharding.tensor_unused({"w": jax.sharding.PartitionSpec(None, "tensor")}, 2, "M")
+
+
+def test_name_based_remat_without_names_is_refused():
+    from fiddlejax import checks
+    from fiddlejax.memory import policies
+
+    model = Local(pattern=(None,), repeats=2, rngs=nnx.Rngs(0))
+    staged, canonical = fj.staged.split(model, next_token, layers="blocks")
+    params = staged.to_staged(canonical)
+    layer = jax.tree.map(lambda a: a[0], params[staged.stack])
+    msg = staged.prologue(params, {"tokens": jnp.zeros((2, 9), jnp.int32)})
+    with pytest.raises(ValueError, match=r"remat='minimal' keeps .* tags none"):
+        checks.check_remat_names(policies.resolve("minimal"), staged.layer, layer, msg, "Local")
+    checks.check_remat_names(policies.resolve("full"), staged.layer, layer, msg, "Local")
