@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _model(a: argparse.Namespace) -> workload.ModelSpec:
     if a.model not in ("gpt", "llama"):
-        return workload.preset(a.model)
+        return workload.preset(a.model, seq=a.seq)
     need = ("layers", "hidden", "heads", "seq", "vocab") + (
         ("kv_heads", "ffn") if a.model == "llama" else ())
     missing = [f"--{f.replace('_', '-')}" for f in need if getattr(a, f) is None]

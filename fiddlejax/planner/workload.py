@@ -212,16 +212,18 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
-def preset(name: str) -> ModelSpec:
-    """An analytic GPT or Llama by preset name (see ``PRESETS`` and ``LLAMA_PRESETS``)."""
+def preset(name: str, seq: int | None = None) -> ModelSpec:
+    """An analytic GPT or Llama by preset name (see ``PRESETS`` and ``LLAMA_PRESETS``), at its
+    own sequence length or ``seq``."""
     if name in LLAMA_PRESETS:
-        return llama(*LLAMA_PRESETS[name], name=name)
+        layers, hidden, heads, kv, ffn, s, vocab = LLAMA_PRESETS[name]
+        return llama(layers, hidden, heads, kv, ffn, seq or s, vocab, name=name)
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; presets: "
                          f"{', '.join([*PRESETS, *LLAMA_PRESETS])} "
                          "(or --model gpt with --layers/--hidden/--heads/--seq/--vocab)")
-    layers, hidden, heads, seq, vocab = PRESETS[name]
-    return gpt(layers, hidden, heads, seq, vocab, name=name)
+    layers, hidden, heads, s, vocab = PRESETS[name]
+    return gpt(layers, hidden, heads, seq or s, vocab, name=name)
 
 
 def activation_residuals(f: Any, x: Any) -> list[tuple[int, ...]]:
