@@ -4,9 +4,10 @@
 repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attributes
 (``"decoder.block_*"`` for ``block_0``, ``block_1``...). From that alone:
 
-- the blocks' parameters are stacked on a leading layer axis (under the key ``layers``) and
-  unstacked again for the canonical tree, so ``trainer.params(state)``, gradients and checkpoints
-  keep the model's own ``nnx.state(model, nnx.Param)`` (:meth:`AdaptedModel.to_model`);
+- the blocks' parameters are stacked on a leading layer axis (under the key ``layers``, the
+  path itself) and unstacked again for the canonical tree, so ``trainer.params(state)``,
+  gradients and checkpoints keep the model's own ``nnx.state(model, nnx.Param)``
+  (:meth:`AdaptedModel.to_staged` and :meth:`AdaptedModel.to_model`);
 - the model's own ``__call__`` is split around the blocks: the blocks are replaced by stand-ins
   that stop the forward at the first block (the prologue) or feed the stack's output to what
   follows the last block (the epilogue), so no part of the model's code is copied;
@@ -18,8 +19,12 @@ repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attri
   shortest repeating unit (5 local + 1 global: units of 6 blocks), or refused with an error that
   names the differing attribute.
 
-The model is called as ``model(batch["inputs"])`` when the batch has ``inputs``, else as
-``model(batch["tokens"][:, :-1])`` (the next-token form of the bundled language models).
+The model is called with the batch entries named like parameters of its ``__call__`` (plus
+``tokens[:, :-1]`` first for a next-token batch of ``tokens``); the loss gets its outputs and the
+whole batch. One shapes-only trace per batch shape checks that the split is faithful: each block
+called once, in order, back to back, every block given the same side inputs, and no side input
+computed from the parameters. Anything else is an error naming the model, the blocks and the
+fix, never a traceback from inside tracing.
 """
 
 from __future__ import annotations
