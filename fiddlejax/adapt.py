@@ -439,6 +439,13 @@ class AdaptedModel(StagedModel):
                     or jnp.issubdtype(a.dtype, jnp.floating)):
                 raise TypeError(f"{self.callsite}: a side input of dtype {a.dtype} cannot travel "
                                 "between stages")
+            if (jnp.issubdtype(a.dtype, jnp.integer) and jnp.dtype(x.dtype).itemsize < 4):
+                raise TypeError(
+                    f"{self.callsite}: an integer side input ({a.dtype}{list(a.shape)}) would "
+                    f"travel between stages in the {jnp.dtype(x.dtype).name} activation, which "
+                    "rounds integers above 256 (bfloat16) or 2048 (float16). Use "
+                    "compute_dtype='float32' for this model, or pass the blocks a boolean mask "
+                    "or a float side input instead")
         per = [a if a.ndim and a.shape[0] == b else jnp.broadcast_to(a, (b, *a.shape))
                for a in arrays]
         side = _Side(treedef, tuple(None if isinstance(a, jax.Array) else a for a in leaves),

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import checks, compute, layout, staged, stepping
+from fiddlejax import checks, compute, layout, sharding, staged, stepping
 from fiddlejax.plan import Plan
 
 
@@ -60,6 +60,8 @@ class Trainer:
         # Vocabulary padded for `tensor` is sliced off the outputs before any loss sees it.
         self.staged = dataclasses.replace(
             self.staged, vocab_pads=layout.vocab_pads(canonical, plan.tensor))
+        self._model_staged = self.staged  # as the model computes (no FSDP gathers, no casts)
+        self._names_checked = False
         self._batch_spec = getattr(model, "batch_spec", None)
         self._value_ranges = checks.value_ranges(model) if plan.check_inputs else {}
         self._canonical_template = jax.tree.map(
@@ -79,6 +81,7 @@ class Trainer:
         spec_tree = (self._pipeline.param_specs(internal) if self._pipeline
                      else layout.specs(internal, plan.axis_rules))
         layout.check_divisible(internal, spec_tree, self.mesh)
+        sharding.tensor_unused(spec_tree, plan.tensor, self.model_name)
         spec_tree = self._view_params(internal, spec_tree)
         # remat="auto" is resolved on the first batch, when the step's shapes are known.
         self._remat = None if plan.remat == "auto" else self._layer_remat(plan.remat)
@@ -156,12 +159,13 @@ class Trainer:
         return lambda f: self._view.layer(f, self._layer_dims, jax_policy)
 
     def _to_internal(self, canonical: nnx.State) -> nnx.State:
-        params = layout.pad_vocab(canonical, self.plan.tensor)
+        # An adapted model's blocks are stacked first (fiddlejax.adapt), then vocabularies padded.
+        params = layout.pad_vocab(self.staged.to_staged(canonical), self.plan.tensor)
         return self._pipeline.to_internal(params) if self._pipeline else params
 
     def _to_canonical(self, internal: nnx.State) -> nnx.State:
         params = self._pipeline.to_canonical(internal) if self._pipeline else internal
-        return layout.unpad_vocab(params, self._canonical_template)
+        return layout.unpad_vocab(self.staged.to_model(params), self._canonical_template)
 
     # -- the computation ---------------------------------------------------------------------
     def _microbatch_loss(self, params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -406,6 +410,8 @@ class Trainer:
         if not hasattr(self, "_converters"):  # built on first use: most trainers never need them
             def convert(fn, s: TrainState) -> TrainState:
                 def whole(tree):  # fn converts whole parameter trees
+                    if not any(_masked(x) for x in jax.tree.leaves(tree, is_leaf=_masked)):
+                        return fn(tree)  # (an adapted model's two trees differ in structure)
                     # Parameters a part of the state leaves out (optax.MaskedNode: Muon's AdamW
                     # half, optax.masked) ride through as the parameters and are put back after.
                     filled = jax.tree.map(lambda x, p: p if _masked(x) else x, tree, s.params,
@@ -440,9 +446,28 @@ class Trainer:
 
     def _prepare(self, state: TrainState, batch: dict) -> dict:
         batch = self.shard_batch(batch)
+        if not self._names_checked:
+            self._names_checked = True
+            self._check_remat_names(batch)
         if self._remat is None:
             self._choose_remat(state, batch)
         return batch
+
+    def _check_remat_names(self, batch: dict) -> None:
+        """A name-based remat policy on a layer that tags none of its names would silently
+        equal remat='full': refuse it (traced on shapes, nothing runs)."""
+        if self.remat_policy in (None, "none", "auto"):
+            return
+        from fiddlejax.memory import policies
+
+        s = self._model_staged
+        params = s.to_staged(self._canonical_template)
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                             params[s.stack])
+        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), batch)
+        x = jax.eval_shape(s.prologue, params, rows)
+        checks.check_remat_names(policies.resolve(self.remat_policy), s.layer, layer, x,
+                                 self.model_name)
 
     def shard_batch(self, batch: dict) -> dict:
         """Check a global batch and place it sharded over ``data``.

@@ -12,10 +12,8 @@ with local and global attention blocks checks the repeating unit, and GPT the ne
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import sys
 import types
-import warnings
 from pathlib import Path
 
 import jax
@@ -27,7 +25,6 @@ from flax import nnx
 from helpers import rel_err
 
 import fiddlejax as fj
-from fiddlejax import layout, train
 
 EXTERNAL = Path(__file__).parent / "external"
 
@@ -38,27 +35,8 @@ LAYOUTS = [  # (data, pipe, tensor, schedule, microbatches, virtual stages)
 ]
 
 
-def _wired() -> bool:
-    return "to_staged" in inspect.getsource(train.Trainer._to_internal)
-
-
-class _Wired(train.Trainer):
-    """The Trainer with the two canonical-tree hooks of StagedModel applied (what
-    ``Trainer._to_internal/_to_canonical`` do once they call ``to_staged``/``to_model``)."""
-
-    def _to_internal(self, canonical):
-        params = layout.pad_vocab(self.staged.to_staged(canonical), self.plan.tensor)
-        return self._pipeline.to_internal(params) if self._pipeline else params
-
-    def _to_canonical(self, internal):
-        params = self._pipeline.to_canonical(internal) if self._pipeline else internal
-        return layout.unpad_vocab(self.staged.to_model(params), self._canonical_template)
-
-
 def parallelize(model, optimizer, plan, **kw):
-    if _wired() or kw.get("layers") is None:
-        return fj.parallelize(model, optimizer, plan, **kw)
-    return _Wired(model, optimizer, plan, **kw)
+    return fj.parallelize(model, optimizer, plan, **kw)
 
 
 def load(path: Path, name: str):
@@ -275,14 +253,6 @@ def test_dropout_is_refused_and_rate_zero_rng_streams_are_ignored():
     fj.staged.split(Drop(0.0), next_token, layers="blocks")  # RNG streams at rate 0: fine
     with pytest.raises(ValueError, match=r"Drop.drop has dropout rate 0.1"):
         fj.staged.split(Drop(0.1), next_token, layers="blocks")
-
-
-def test_wiring_note():
-    """Until the Trainer calls the hooks itself, the tests above run through ``_Wired``."""
-    if not _wired():
-        warnings.warn("Trainer._to_internal/_to_canonical do not call StagedModel.to_staged/"
-                      "to_model yet: the new form is tested through tests/test_any_model._Wired",
-                      stacklevel=1)
 
 
 # -- silent cases turned into results, warnings or named errors -----------------------------
