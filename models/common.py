@@ -30,12 +30,13 @@ def param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | 
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm with float32 statistics whatever the compute dtype (bf16 sums lose digits)."""
+    """LayerNorm with float32 statistics whatever the compute dtype (bf16 sums lose digits),
+    applied in the input's dtype (so a bf16 layer keeps bf16 residuals, not float32 copies)."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return y * scale + bias
+    inv = jax.lax.rsqrt(var + eps)
+    return (x - mean.astype(x.dtype)) * inv.astype(x.dtype) * scale + bias
 
 
 class LayerNorm(nnx.Module):

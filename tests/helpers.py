@@ -75,7 +75,12 @@ def assert_trains_like_single_device(trainer, model, optimizer, batches, check_g
         loss, grads = trainer.loss_and_grads(state, batches[0])
         assert abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)) < 1e-5
         assert rel_err(grads, ref_grads) < 1e-5
-    ref_losses, ref_params = reference_train(model, optimizer, batches)
+    assert_steps_match(trainer, state, batches, *reference_train(model, optimizer, batches))
+
+
+def assert_steps_match(trainer, state, batches, ref_losses, ref_params):
+    """Stepping ``trainer`` from ``state`` through ``batches`` gives the reference losses and
+    final parameters (relative error < 1e-5)."""
     losses = []
     for b in batches:
         state, metrics = trainer.step(state, b)

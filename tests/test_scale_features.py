@@ -14,7 +14,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import reference_loss_and_grads, reference_train, rel_err, tokens
+from helpers import (
+    assert_steps_match,
+    reference_loss_and_grads,
+    reference_train,
+    rel_err,
+    tokens,
+)
 
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
@@ -41,9 +47,7 @@ def reference():
 LAYOUTS = [  # data, pipe, tensor, schedule, microbatches, virtual, remat
     (4, 1, 2, None, 2, 1, "none"),
     (8, 1, 1, None, 1, 1, "full"),
-    (2, 2, 2, "1f1b", 2, 1, "none"),
-    (4, 2, 1, "1f1b", 2, 1, "dots"),
-    (2, 2, 2, "interleaved-1f1b", 4, 2, "none"),
+    (2, 2, 2, "1f1b", 2, 1, "dots"),
     (2, 2, 1, "zb-v", 4, 2, "none"),
 ]
 
@@ -63,12 +67,7 @@ def test_zero3_matches_single_device(reference, data, pipe, tensor, schedule, m,
     assert rel_err(grads, ref_grads) < 1e-5
     if schedule is None:  # validation loss: the layers gather their weights there too
         assert abs(float(trainer.loss(state, batches[0])) - ref_loss) / ref_loss < 1e-5
-    losses = []
-    for b in batches:
-        state, metrics = trainer.step(state, b)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_err(trainer.params(state), ref_params) < 1e-5
+    assert_steps_match(trainer, state, batches, ref_losses, ref_params)
 
 
 SMALL = GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=4, n_layers=4, d_ff=512)

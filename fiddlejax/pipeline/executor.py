@@ -191,18 +191,20 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         return tick
 
     if update is None:
-        table = tables.stacked()
-        unroll = pipeline.tick_unroll
-        if len(table) % unroll:  # idle ticks to a multiple of the unroll factor
-            pad = np.broadcast_to(idle_row(tables),
-                                  (unroll - len(table) % unroll, *table.shape[1:]))
-            table = np.concatenate([table, pad])
-        carry = jax.lax.scan(make_tick(), carry, jnp.asarray(table), unroll=unroll)[0]
-        grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in carry.g_outer],
-                               [g[0][None] for g in carry.g_local])
-        return (jax.lax.psum(carry.loss[0], "pipe"), jax.lax.psum(carry.weight[0], "pipe"),
-                grads)
+        return _one_step(carry, shard, tables, make_tick(), pipeline.tick_unroll)
     return _steps_2bw(carry, shard, tables, make_tick, update)
+
+
+def _one_step(carry: Carry, shard: Shard, tables: tb.Tables, tick: Callable, unroll: int):
+    """All ticks of one step: (loss sum, weight, gradients), each summed over ``pipe``."""
+    table = tables.stacked()
+    if len(table) % unroll:  # idle ticks to a multiple of the unroll factor
+        pad = np.broadcast_to(idle_row(tables), (unroll - len(table) % unroll, *table.shape[1:]))
+        table = np.concatenate([table, pad])
+    carry = jax.lax.scan(tick, carry, jnp.asarray(table), unroll=unroll)[0]
+    grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in carry.g_outer],
+                           [g[0][None] for g in carry.g_local])
+    return jax.lax.psum(carry.loss[0], "pipe"), jax.lax.psum(carry.weight[0], "pipe"), grads
 
 def initial_carry(tables: tb.Tables, res_abs: list, act, shard: Shard, steps: int, lmax: int,
                   zeros: Callable) -> Carry:
