@@ -64,14 +64,18 @@ def fsdp_dims(params: nnx.State, spec_tree: nnx.State, data: int, lead: Callable
     return jax.tree.unflatten(jax.tree.structure(params, is_leaf=_is_var), dims)
 
 
+def add_data_axis(spec: P, d: int) -> P:
+    """``spec`` with ``data`` on dimension ``d`` (unchanged for -1)."""
+    if d < 0:
+        return spec
+    parts = [*spec, *([None] * (d + 1 - len(spec)))]
+    parts[d] = "data"
+    return P(*parts)
+
+
 def with_data_axis(spec_tree: nnx.State, dims: nnx.State) -> nnx.State:
     """``spec_tree`` with ``data`` added on each leaf's FSDP dimension."""
-    def add(spec, d):
-        if d < 0:
-            return spec
-        parts = list(spec) + [None] * (d + 1 - len(spec))
-        parts[d] = "data"
-        return P(*parts)
+    add = add_data_axis
 
     def one(d, s):
         return s.replace(add(s.get_value(), d)) if _is_var(s) else add(s, d)
@@ -140,4 +144,5 @@ class ViewedModel:
         return self._inner.epilogue(self._view(params), x, batch)
 
 
-__all__ = ["ParamView", "ViewedModel", "fsdp_dims", "only_data", "with_data_axis"]
+__all__ = ["ParamView", "ViewedModel", "add_data_axis", "fsdp_dims", "only_data",
+           "with_data_axis"]

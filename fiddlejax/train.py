@@ -91,17 +91,14 @@ class Trainer:
         # How a step exchanges gradients and steps (dense, top-k, 2BW): chosen once.
         self.stepper = stepping.pick(plan)
         # topk_on="updates": one optimizer state per data replica (leading `data` dimension).
-        self._local_opt = self.stepper.local_optimizer
-        if self._local_opt:
+        if self.stepper.local_optimizer:
             self.opt_shardings = jax.tree.map(
                 lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.opt_shardings)
-        self._topk = self.stepper.residual
         # The top-k residual is per data replica: a leading `data` dimension on each leaf.
         self.residual_shardings = (jax.tree.map(
             lambda s: NamedSharding(self.mesh, P("data", *s.spec)), self.param_shardings)
-            if self._topk else None)
-        self._two_bw = self.stepper.versions == 2
-        if self._two_bw and not _leafwise(optimizer):
+            if self.stepper.residual else None)
+        if self.stepper.versions == 2 and not _leafwise(optimizer):
             raise ValueError(
                 "schedule='2bw' applies the optimizer inside the pipeline, one stage at a time "
                 "(as PipeDream-2BW does), so each parameter's update may depend only on its own "
@@ -110,7 +107,7 @@ class Trainer:
                 "(fiddlejax train: optimizer.clip=0), or another schedule")
         self.state_shardings = TrainState(
             NamedSharding(self.mesh, P()), self.param_shardings, self.opt_shardings,
-            self.residual_shardings, self.param_shardings if self._two_bw else None)
+            self.residual_shardings, self.param_shardings if self.stepper.versions == 2 else None)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self._step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
@@ -125,14 +122,15 @@ class Trainer:
         """Set up how the computation sees the parameters (``fiddlejax.compute``): FSDP
         dimensions under zero=3 and the compute dtype; returns the parameters' specs."""
         plan, s = self.plan, self.staged
+        lead = 3 if self._pipeline else 1  # stack: [pipe, virtual, layers, ...] or [layers, ...]
+
+        def in_stack(path) -> bool:
+            return getattr(path[0], "key", None) == s.stack
+
         self._dims = None
         if plan.zero == 3 and plan.data > 1:
-            lead = 3 if self._pipeline else 1  # [pipe, virtual, layers, ...] or [layers, ...]
-
-            def skip(path):
-                return lead if getattr(path[0], "key", None) == s.stack else 0
-
-            self._dims = compute.fsdp_dims(internal, spec_tree, plan.data, skip)
+            self._dims = compute.fsdp_dims(internal, spec_tree, plan.data,
+                                           lambda path: lead if in_stack(path) else 0)
             spec_tree = compute.with_data_axis(spec_tree, self._dims)
         dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
         self._view = (compute.ParamView(dtype)
@@ -140,10 +138,9 @@ class Trainer:
         if self._view is None:
             return spec_tree
         dims = self._dims if self._dims is not None else jax.tree.map(lambda _: -1, internal)
-        lead = 3 if self._pipeline else 1
         self._layer_dims = jax.tree.map(lambda d: d - lead if d >= 0 else -1, dims[s.stack])
         outer = jax.tree_util.tree_map_with_path(
-            lambda path, d: -1 if getattr(path[0], "key", None) == s.stack else d, dims)
+            lambda path, d: -1 if in_stack(path) else d, dims)
         self.staged = compute.ViewedModel(s, lambda p: self._view.tree(p, outer))
         if self._pipeline is not None:
             self._pipeline.staged, self._pipeline.data_dims = self.staged, self._dims
@@ -309,12 +306,12 @@ class Trainer:
     def _init_impl(self, canonical: nnx.State) -> TrainState:
         internal = self._to_internal(canonical)
         residual = (jax.tree.map(lambda x: jnp.zeros((self.plan.data, *x.shape), x.dtype),
-                                 internal) if self._topk else None)
+                                 internal) if self.stepper.residual else None)
         opt_state = self.optimizer.init(internal)
-        if self._local_opt:  # every replica starts from the same optimizer state
+        if self.stepper.local_optimizer:  # every replica starts from the same optimizer state
             opt_state = jax.tree.map(
                 lambda x: jnp.broadcast_to(x, (self.plan.data, *jnp.shape(x))), opt_state)
-        prev = internal if self._two_bw else None  # 2BW's first step: W(-1) = W(0)
+        prev = internal if self.stepper.versions == 2 else None  # 2BW's first step: W(-1) = W(0)
         return TrainState(jnp.zeros((), jnp.int32), internal, opt_state, residual, prev)
 
     def abstract_state(self) -> TrainState:
@@ -423,7 +420,8 @@ class Trainer:
                     return optax.tree_map_params(self.optimizer, whole, o, is_leaf=lambda _: True)
 
                 # topk_on="updates": per-replica optimizer states convert replica by replica
-                opt = (jax.vmap(opt_convert) if self._local_opt else opt_convert)(s.opt_state)
+                per_replica = self.stepper.local_optimizer
+                opt = (jax.vmap(opt_convert) if per_replica else opt_convert)(s.opt_state)
                 residual = None if s.residual is None else jax.vmap(fn)(s.residual)
                 prev = None if s.prev_params is None else fn(s.prev_params)
                 return TrainState(s.step, fn(s.params), opt, residual, prev)

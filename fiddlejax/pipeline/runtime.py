@@ -133,15 +133,9 @@ class Pipeline:
         specs = self._map_stack(lambda v: P("pipe"), params, lambda v: P())
         if self.data_dims is None:
             return specs
+        from fiddlejax.compute import add_data_axis
 
-        def add(d, s):
-            if d < 0:
-                return s
-            parts = [*s, *([None] * (d + 1 - len(s)))]
-            parts[d] = "data"
-            return P(*parts)
-
-        return jax.tree.map(add, self.data_dims, specs)
+        return jax.tree.map(lambda d, s: add_data_axis(s, d), self.data_dims, specs)
 
     def _manual(self) -> tuple[str, ...]:
         return tuple(sorted({"pipe"} | ({"data"} if self.plan.data > 1 else set())))
