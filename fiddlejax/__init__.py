@@ -25,6 +25,8 @@ _MODULES = {
     "data": "fiddlejax.data",
     "distributed": "fiddlejax.distributed",
     "planner": "fiddlejax.planner",
+    "sharding": "fiddlejax.sharding",
+    "staged": "fiddlejax.staged",
 }
 __all__ = sorted([*_EXPORTS, *_MODULES])
 

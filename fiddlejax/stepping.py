@@ -138,8 +138,7 @@ class TwoBWStepper(DenseExchange):
 
     def steps(self, t, state, batches):
         k = jax.tree.leaves(batches)[0].shape[0]
-        opt_specs = jax.tree.map(
-            lambda s: P("pipe") if s.spec and s.spec[0] == "pipe" else P(), t.opt_shardings)
+        opt_specs = jax.tree.map(lambda s: P(), t.opt_shardings)  # whole per data replica
         losses, norms, prev, params, opt_state = t.pipeline.train_2bw(
             [state.prev_params, state.params], state.opt_state, batches, t._reduce_sums,
             t._remat, t.optimizer, opt_specs)

@@ -59,7 +59,7 @@ class Trainer:
         self.staged, canonical = staged.split(model, loss, layers=layers)
         # Vocabulary padded for `tensor` is sliced off the outputs before any loss sees it.
         self.staged = dataclasses.replace(
-            self.staged, vocab_pads=layout.vocab_pads(canonical, plan.tensor))
+            self.staged, vocab_pads=layout.vocab_pads(canonical, self._vocab_multiple))
         self._model_staged = self.staged  # as the model computes (no FSDP gathers, no casts)
         self._names_checked = False
         self._batch_spec = getattr(model, "batch_spec", None)
@@ -118,6 +118,12 @@ class Trainer:
         self._to_canonical_jit = jax.jit(self._to_canonical)
 
     # -- layouts -----------------------------------------------------------------------------
+    @property
+    def _vocab_multiple(self) -> int:
+        """Vocabularies are padded to a multiple of the devices that split them: ``tensor``,
+        and ``pipe`` too in a pipeline (its embedding and head are not replicated per stage)."""
+        return self.plan.tensor * (self.plan.pipe if self.plan.schedule is not None else 1)
+
     def _view_params(self, internal: nnx.State, spec_tree: nnx.State) -> nnx.State:
         """Set up how the computation sees the parameters (``fiddlejax.compute``): FSDP
         dimensions under zero=3 and the compute dtype; returns the parameters' specs."""
@@ -157,7 +163,7 @@ class Trainer:
 
     def _to_internal(self, canonical: nnx.State) -> nnx.State:
         # An adapted model's blocks are stacked first (fiddlejax.adapt), then vocabularies padded.
-        params = layout.pad_vocab(self.staged.to_staged(canonical), self.plan.tensor)
+        params = layout.pad_vocab(self.staged.to_staged(canonical), self._vocab_multiple)
         return self._pipeline.to_internal(params) if self._pipeline else params
 
     def _to_canonical(self, internal: nnx.State) -> nnx.State:

@@ -127,8 +127,9 @@ def test_errors_before_compile():
         plan(1, 2, 1, schedule="1f1b", virtual_stages=2)
 
 
-def test_cost_and_params_partitions_balance_the_head():
-    """A large vocabulary makes the last stage's head expensive: it gets fewer layers."""
+def test_a_large_vocabulary_leaves_the_stages_balanced():
+    """The embedding and head run over every device (vocabulary parallel), not on the end
+    stages, so balancing by parameters or FLOPs splits the layers as evenly as uniform does."""
     cfg = GPTConfig(vocab_size=8192, seq_len=16, d_model=32, n_heads=4, n_layers=10, d_ff=64)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     counts = {}
@@ -137,8 +138,7 @@ def test_cost_and_params_partitions_balance_the_head():
                                                             microbatches=4, partition=method))
         counts[method] = trainer.pipeline.counts
     assert counts["uniform"] == [2, 3, 3, 2]
-    assert counts["params"] == [1, 4, 4, 1]  # embedding and head each weigh ~31 layers
-    assert counts["cost"][-1] == 1 and sum(counts["cost"]) == 10  # the head's FLOPs dominate
+    assert counts["params"] == counts["cost"] == [2, 3, 3, 2]
 
 
 @pytest.mark.parametrize("kind,m,v,remat", [("1f1b", 2, 1, "none"), ("interleaved-1f1b", 2, 2,
@@ -158,7 +158,9 @@ def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
                                   lambda f: policies.remat_layer(f, remat))
     ratio = sum(s["dot_flops"] for s in per_stage) / ref["dot_flops"]
     assert abs(ratio - 1) < 0.02, ratio
-    assert all(s["dot_flops"] > 0 for s in per_stage)
+    # Equal layers per stage and the head spread over all stages: equal matmul work.
+    dots = [s["dot_flops"] for s in per_stage]
+    assert max(dots) / min(dots) < 1.001, dots
 
 
 def _muon_corrected():

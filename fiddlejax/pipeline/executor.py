@@ -19,19 +19,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from fiddlejax.pipeline import stage as stage_lib
 from fiddlejax.pipeline import tables as tb
 
 
-class Carry(NamedTuple):
-    """What the tick scan carries; every field is updated slot by slot."""
+class Local(NamedTuple):
+    """One device's buffers, each with a leading ``pipe`` axis (one slice per stage)."""
 
     stash: list         # residual buffers [num_stash, lmax, ...], one per residual leaf
     inbox: jax.Array    # [num_inbox, *activation]: messages waiting to be used (+ trash slot)
     wdy: Any            # [num_wdy, lmax, *activation] (split backwards), else None
     g_local: list       # weight gradients of the stage's layers [versions, v, lmax, ...]
+    seed: jax.Array     # inbox slot the head's cotangent goes to next tick (trash if none)
+
+
+class Carry(NamedTuple):
+    """What the tick scan carries; every field is updated slot by slot."""
+
+    local: Local
     g_outer: list       # gradients of the parameters outside the stack [versions, ...]
+    dy: jax.Array       # the head's cotangent for the last chunk's backward (delivered next tick)
     loss: jax.Array     # [steps]: summed microbatch loss sums per optimizer step
     weight: jax.Array   # [steps]: summed microbatch loss weights per optimizer step
 
@@ -54,10 +63,11 @@ def add_at(leaves: list, idx: tuple, update) -> list:
 
 
 class Shard:
-    """One device's view of the parameters: the stage's stacked layers and the outer rest.
+    """The parameters as the step holds them: the stacked layers and the outer rest.
 
-    Each parameter leaf is kept with a leading version axis (two under 2BW). ``local`` leaves
-    are ``[versions, v, lmax, ...]`` (this stage's chunks), ``outer`` leaves ``[versions, ...]``.
+    ``local`` leaves are ``[pipe, versions, v, lmax, ...]`` (sharded over ``pipe``; one
+    version, two under 2BW), ``outer`` leaves ``[versions, ...]`` (sharded as the parameters
+    are: a vocabulary over ``pipe`` x ``tensor``).
     """
 
     def __init__(self, versions: list[nnx.State], stack: str):
@@ -66,16 +76,18 @@ class Shard:
         self.stack_def = jax.tree.structure(versions[0][stack])
         parts = [self.split(v) for v in versions]
         self.outer = [jnp.stack(a) for a in zip(*(o for o, _ in parts))]
-        self.local = [jnp.stack(a) for a in zip(*(lo for _, lo in parts))]
+        self.local = [jnp.stack(a, axis=1) for a in zip(*(lo for _, lo in parts))]
 
     def split(self, tree) -> tuple[list, list]:
-        """(outer leaves, local leaves without the leading device axis)."""
+        """(outer leaves, stack leaves)."""
         leaves = jax.tree.leaves(tree)
         return ([x for x, st in zip(leaves, self.in_stack) if not st],
-                [x[0] for x, st in zip(leaves, self.in_stack) if st])
+                [x for x, st in zip(leaves, self.in_stack) if st])
 
-    def assemble(self, outer: list, local: list):
-        o, k = iter(outer), iter(local)
+    def assemble(self, outer: list, local: list | None = None):
+        """The parameter tree; without ``local`` the stack's leaves are placeholders (for the
+        prologue and head, which do not read them)."""
+        o, k = iter(outer), iter(self.local if local is None else local)
         return jax.tree.unflatten(self.param_def,
                                   [next(k) if st else next(o) for st in self.in_stack])
 
@@ -94,21 +106,12 @@ def microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def make_context(shard: Shard, staged, mbs: dict, vary: Callable) -> stage_lib.Context:
-    """How actions reach ``shard``'s current weights and the microbatches ``mbs``."""
-    local, outer = shard.local, shard.outer
-    local_shapes = [x[0] for x in local]  # the prologue and epilogue skip the stack
-
+def make_context(local: list, stack_def, vary: Callable) -> stage_lib.Context:
+    """How a stage's actions reach its layers: ``local`` leaves ``[versions, v, lmax, ...]``."""
     def chunk_params(j, ver):
-        return jax.tree.unflatten(shard.stack_def, [vary(read(read(a, ver), j)) for a in local])
+        return jax.tree.unflatten(stack_def, [vary(read(read(a, ver), j)) for a in local])
 
-    return stage_lib.Context(
-        chunk_params=chunk_params,
-        outer=lambda ver: [vary(read(o, ver)) for o in outer],
-        prologue=lambda o, mb: staged.prologue(shard.assemble(o, local_shapes), mb),
-        epilogue=lambda o, y, mb: staged.weighted_loss(shard.assemble(o, local_shapes), y, mb),
-        microbatch=lambda i: jax.tree.map(lambda a: read(a, i), mbs),
-        vary=vary)
+    return stage_lib.Context(chunk_params=chunk_params, vary=vary)
 
 
 def idle_row(tables: tb.Tables) -> np.ndarray:
@@ -119,96 +122,178 @@ def idle_row(tables: tb.Tables) -> np.ndarray:
                            from_self=trash), np.int32)
 
 
+class Ends:
+    """The pipeline's two ends, run by every device: the prologue before the stage programs and
+    the head and loss after them (``jax.shard_map`` manual over ``pipe`` for the stages only).
+
+    The parameters outside the stack (embedding, head) stay sharded over ``pipe`` x ``tensor``
+    and the GSPMD partitioner splits the lookups, logits, softmax and their gradients over all
+    those devices (vocabulary parallelism): no stage holds a replica, none carries the head alone.
+    """
+
+    def __init__(self, staged, shard: Shard, mbs: dict, vary: Callable):
+        self.staged, self.shard, self.mbs, self.vary = staged, shard, mbs, vary
+
+    def microbatch(self, i):
+        return jax.tree.map(lambda a: read(a, jnp.maximum(i, 0)), self.mbs)
+
+    def outer(self, ver) -> list:
+        return [self.vary(read(o, ver)) for o in self.shard.outer]
+
+    def prologue(self, outer: list, i):
+        return self.staged.prologue(self.shard.assemble(outer), self.microbatch(i))
+
+    def loss(self, outer: list, y, i):
+        return self.staged.weighted_loss(self.shard.assemble(outer), y, self.microbatch(i))
+
+
 def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
-        axes: tuple[str, ...], tables: tb.Tables, update: Callable | None = None):
-    """One stage's share of the schedule (inside ``shard_map``).
+        tables: tb.Tables, update: Callable | None = None):
+    """One data replica's pipelined step (inside ``shard_map`` over ``data`` when data > 1).
 
     ``versions`` is ``[params]``, or for 2BW ``[previous, current]``; then
-    ``update(k, params, grads, loss)`` applies step k's optimizer update between the scans over
-    the ticks of consecutive steps and returns (new params, reduced loss). Returns the stage's
-    (loss sum, loss weight, unnormalized gradients) summed over ``pipe``, or, for 2BW,
-    (losses [K], [W(t+K-1), W(t+K)]); ``update`` gets (k, params, grads, loss sum, weight).
+    ``update(k, params, grads, loss sum, weight)`` applies step k's optimizer update between the
+    scans over the ticks of consecutive steps and returns (new params, reduced loss). Returns
+    (loss sum, loss weight, unnormalized gradients), or, for 2BW, (losses [K],
+    [W(t+K-1), W(t+K)]).
     """
-    s, m, p, lmax = pipeline.staged, pipeline.m, pipeline.p, pipeline.lmax
+    s, m, lmax, split = pipeline.staged, pipeline.m, pipeline.lmax, tables.split
     steps = len(tables.step_ends) if update is not None else 1
-    split = tables.split
-    stage = jax.lax.axis_index("pipe")
-
-    vary = varying(axes)
+    data = ("data",) if pipeline.plan.data > 1 else ()
+    vary, vary_data = varying((*data, "pipe")), varying(data)
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = pipeline.plan.mesh if mesh.empty else mesh
+    place = pipeline.schedule_run.placement
+    first, last = place[0], place[-1]
     shard = Shard(versions, s.stack)
-    mbs = microbatches(batch, steps * m)
-
-    def context() -> stage_lib.Context:  # over the current weights (2BW replaces them)
-        return make_context(shard, s, mbs, vary)
-
-    ctx = context()
+    ends = Ends(s, shard, microbatches(batch, steps * m), vary_data)
+    act = ends.prologue(ends.outer(0), 0)  # its shape (the trace is dead code)
     uneven = len(set(pipeline.counts)) > 1
-    # Shapes of activations and residuals, from traces whose results are unused (XLA removes
-    # the dead code); eval_shape cannot see the manual-axis types.
-    act = ctx.prologue(ctx.outer(0), ctx.microbatch(0))
-    cp0 = ctx.chunk_params(0, 0)
-    layers = stage_lib.ChunkLayers(remat(s.layer), lmax, uneven,
-                                   jax.tree.map(lambda a: a[0], cp0), act)
-    res_abs = layers.forward(cp0, act, lmax)[1]
+    layer = remat(s.layer)
 
-    def zeros(shape, dtype):
-        return vary(jnp.zeros(shape, dtype))
+    def stage_program(f, n_in: int):
+        """``f`` on each stage's slice of its first ``n_in`` arguments (the rest replicated)."""
+        def per_stage(*args):
+            sliced = [jax.tree.map(lambda a: a[0], x) for x in args[:n_in]]
+            out = f(*sliced, *args[n_in:])
+            return jax.tree.map(lambda a: a[None], out)
 
-    carry = initial_carry(tables, res_abs, act, shard, steps, lmax, zeros)
-    nothing = stage_lib.TickOut(
-        out=zeros(act.shape, act.dtype), res=None, wdy=None,
-        dcp=jax.tree.map(jnp.zeros_like, cp0), d_outer=[jnp.zeros_like(o) for o in ctx.outer(0)],
-        loss=zeros((), jnp.float32), weight=zeros((), jnp.float32))
-    fwd_perm = [(i, (i + 1) % p) for i in range(p)]
-    bwd_perm = [(i, (i - 1) % p) for i in range(p)]
+        return jax.shard_map(per_stage, mesh=mesh, in_specs=(P("pipe"),) * n_in
+                             + (P(),) * 2, out_specs=P("pipe"), axis_names={"pipe"})
+
+    def chunk_layers(local: list):
+        ctx = make_context(local, shard.stack_def, vary)
+        cp0 = ctx.chunk_params(0, 0)
+        x = vary(jnp.zeros(act.shape, act.dtype))
+        return ctx, cp0, stage_lib.ChunkLayers(layer, lmax, uneven,
+                                               jax.tree.map(lambda a: a[0], cp0), x), x
+
+    def init(local: list, _x0, _dy) -> Local:
+        _, cp0, layers, x = chunk_layers(local)
+        return initial_local(tables, layers.forward(cp0, x, lmax)[1], act, local, lmax, vary)
+
+    local0 = stage_program(init, 1)(shard.local, act, act)
 
     def make_tick():
-        """A fresh scan body over the current weights (JAX caches traces by function)."""
-        fns = stage_lib.branches(context(), layers, nothing, split)
+        """A fresh scan body over the current weights (2BW replaces them between steps)."""
+        def stage_tick(buf: Local, row, local: list, x0, dy):
+            ctx, cp0, layers, _ = chunk_layers(local)
+            nothing = stage_lib.TickOut(out=vary(jnp.zeros(act.shape, act.dtype)), res=None,
+                                        wdy=None, dcp=jax.tree.map(jnp.zeros_like, cp0))
+            return local_tick(buf, tb.Row(*row), stage_lib.branches(ctx, layers, nothing, split),
+                              vary(x0), vary(dy), pipeline.p, split, tables.trash)
 
-        def tick(c: Carry, rows):
-            row = tb.Row(*read(rows, stage))
-            inp = stage_lib.TickIn(row, read(c.inbox, row.read),
-                                   [read(b, row.stash) for b in c.stash],
-                                   read(c.wdy, row.wdy) if split else None)
-            out = jax.lax.switch(row.branch, fns, inp)
-            inbox = c.inbox
-            if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
-                inbox = write(inbox, row.from_prev, jax.lax.ppermute(out.out, "pipe", fwd_perm))
-                if p > 2:
-                    inbox = write(inbox, row.from_next,
-                                  jax.lax.ppermute(out.out, "pipe", bwd_perm))
-            inbox = write(inbox, row.from_self, out.out)
-            return Carry(
-                stash=[write(b, row.stash, r) for b, r in zip(c.stash, out.res)],
-                inbox=inbox,
-                wdy=write(c.wdy, row.wdy, out.wdy) if split else None,
-                g_local=add_at(c.g_local, (row.version, row.chunk), out.dcp),
-                g_outer=add_at(c.g_outer, (row.version,), out.d_outer),
-                loss=add_at([c.loss], (row.step,), [out.loss])[0],
-                weight=add_at([c.weight], (row.step,), [out.weight])[0]), None
+        stages = stage_program(stage_tick, 3)
+
+        def tick(c: Carry, xs):
+            rows, e = xs
+            e = tb.Edge(*e)
+            x0 = jax.lax.cond(e.embed >= 0,
+                              lambda: ends.prologue(ends.outer(e.embed_version), e.embed)
+                              .astype(act.dtype), lambda: vary_data(jnp.zeros_like(act)))
+            local, msg = stages(c.local, rows, shard.local, x0, c.dy)
+
+            def head(g_outer, loss, weight, dy):
+                (total, w), (d_outer, dy) = jax.value_and_grad(
+                    ends.loss, argnums=(0, 1), has_aux=True)(
+                        ends.outer(e.head_version), msg[last], e.head)
+                return (add_at(g_outer, (e.head_version,), d_outer),
+                        add_at([loss], (e.head_step,), [total])[0],
+                        add_at([weight], (e.head_step,), [w.astype(weight.dtype)])[0],
+                        dy.astype(act.dtype))
+
+            g_outer, loss, weight, dy = jax.lax.cond(
+                e.head >= 0, head, lambda *a: a, c.g_outer, c.loss, c.weight, c.dy)
+
+            def embed_grad(g_outer):
+                _, vjp = jax.vjp(lambda o: ends.prologue(o, e.embed_grad).astype(act.dtype),
+                                 ends.outer(e.embed_grad_version))
+                return add_at(g_outer, (e.embed_grad_version,), vjp(msg[first])[0])
+
+            g_outer = jax.lax.cond(e.embed_grad >= 0, embed_grad, lambda g: g, g_outer)
+            return Carry(local, g_outer, dy, loss, weight), None
 
         return tick
 
+    zeros = lambda *a: vary_data(jnp.zeros(*a))  # noqa: E731
+    carry = Carry(local0, [vary_data(jnp.zeros_like(o)) for o in shard.outer],
+                  zeros(act.shape, act.dtype),
+                  zeros((steps,), jnp.float32), zeros((steps,), jnp.float32))
     if update is None:
         return _one_step(carry, shard, tables, make_tick(), pipeline.tick_unroll)
     return _steps_2bw(carry, shard, tables, make_tick, update)
 
 
-def _one_step(carry: Carry, shard: Shard, tables: tb.Tables, tick: Callable, unroll: int):
-    """All ticks of one step: (loss sum, weight, gradients), each summed over ``pipe``."""
-    table = tables.stacked()
-    if len(table) % unroll:  # idle ticks to a multiple of the unroll factor
-        pad = np.broadcast_to(idle_row(tables), (unroll - len(table) % unroll, *table.shape[1:]))
-        table = np.concatenate([table, pad])
-    carry = jax.lax.scan(tick, carry, jnp.asarray(table), unroll=unroll)[0]
-    grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in carry.g_outer],
-                           [g[0][None] for g in carry.g_local])
-    return jax.lax.psum(carry.loss[0], "pipe"), jax.lax.psum(carry.weight[0], "pipe"), grads
+def local_tick(buf: Local, row: tb.Row, fns: list, x0, dy, p: int, split: bool, trash: int):
+    """One stage's tick: deliver the head's cotangent, read the row's slots, run its action,
+    write what it produced, pass the message to the neighbours. Returns (buffers, message)."""
+    inbox = write(buf.inbox, buf.seed, dy)  # last tick's head seeds the last chunk's backward
+    inp = stage_lib.TickIn(row, read(inbox, row.read), x0, [read(b, row.stash) for b in buf.stash],
+                           read(buf.wdy, row.wdy) if split else None)
+    out = jax.lax.switch(row.branch, fns, inp)
+    if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
+        inbox = write(inbox, row.from_prev,
+                      jax.lax.ppermute(out.out, "pipe", [(i, (i + 1) % p) for i in range(p)]))
+        if p > 2:
+            inbox = write(inbox, row.from_next,
+                          jax.lax.ppermute(out.out, "pipe", [(i, (i - 1) % p) for i in range(p)]))
+    inbox = write(inbox, row.from_self, out.out)
+    to_head = (row.branch == tb.F_LAST) | (row.branch == tb.F_ONLY)
+    return Local(
+        stash=[write(b, row.stash, r) for b, r in zip(buf.stash, out.res)],
+        inbox=inbox,
+        wdy=write(buf.wdy, row.wdy, out.wdy) if split else None,
+        g_local=add_at(buf.g_local, (row.version, row.chunk), out.dcp),
+        seed=jnp.where(to_head, row.from_self, buf.seed * 0 + trash)), out.out
 
-def initial_carry(tables: tb.Tables, res_abs: list, act, shard: Shard, steps: int, lmax: int,
-                  zeros: Callable) -> Carry:
-    """Zeroed buffers sized by the tables (stash slots in the residual's memory space)."""
+
+def _ticks(tables: tb.Tables, unroll: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [T, p, fields], edges [T, fields]), padded with idle ticks to a multiple of
+    ``unroll``."""
+    table, edges = tables.stacked(), tables.edges()
+    if len(table) % unroll:
+        n = unroll - len(table) % unroll
+        table = np.concatenate([table, np.broadcast_to(idle_row(tables), (n, *table.shape[1:]))])
+        edges = np.concatenate([edges, np.full((n, edges.shape[1]), -1, np.int32)])
+    return table, edges
+
+
+def _one_step(carry: Carry, shard: Shard, tables: tb.Tables, tick: Callable, unroll: int):
+    """All ticks of one step: (loss sum, weight, gradients)."""
+    table, edges = _ticks(tables, unroll)
+    carry = jax.lax.scan(tick, carry, (jnp.asarray(table), jnp.asarray(edges)), unroll=unroll)[0]
+    grads = shard.assemble([g[0] for g in carry.g_outer],
+                           [g[:, 0] for g in carry.local.g_local])
+    return carry.loss[0], carry.weight[0], grads
+
+
+def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
+                  vary: Callable) -> Local:
+    """A stage's zeroed buffers sized by the tables (stash slots in the residual's memory
+    space)."""
+    def zeros(shape, dtype):
+        return vary(jnp.zeros(shape, dtype))
+
     def stash_buffer(r):
         buf = zeros((tables.num_stash, *r.shape), r.dtype)
         space = getattr(jax.typeof(r), "memory_space", None)
@@ -216,41 +301,41 @@ def initial_carry(tables: tb.Tables, res_abs: list, act, shard: Shard, steps: in
             buf = jax.device_put(buf, space)
         return buf
 
-    return Carry(
+    return Local(
         stash=[stash_buffer(r) for r in res_abs],
         inbox=zeros((tables.num_inbox, *act.shape), act.dtype),
         wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if tables.split else None,
-        g_local=[zeros(x.shape, x.dtype) for x in shard.local],
-        g_outer=[zeros(x.shape, x.dtype) for x in shard.outer],
-        loss=zeros((steps,), jnp.float32), weight=zeros((steps,), jnp.float32))
+        g_local=[zeros(x.shape, x.dtype) for x in local],
+        seed=vary(jnp.full((), tables.trash, jnp.int32)))
 
 
 def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callable,
                update: Callable):
     """PipeDream-2BW: one scan per step's ticks, each followed by that step's update."""
-    table = tables.stacked()
+    table, edges = _ticks(tables)
     start, losses = 0, []
     for k, end in enumerate(tables.step_ends):
-        carry = jax.lax.scan(make_tick(), carry, jnp.asarray(table[start:end]))[0]
+        xs = (jnp.asarray(table[start:end]), jnp.asarray(edges[start:end]))
+        carry = jax.lax.scan(make_tick(), carry, xs)[0]
         start = end
         j = k % 2  # step k ran on version j = W(k-1); version 1-j holds W(k)
-        grads = shard.assemble([jax.lax.psum(g[j], "pipe") for g in carry.g_outer],
-                               [g[j][None] for g in carry.g_local])
+        grads = shard.assemble([g[j] for g in carry.g_outer],
+                               [g[:, j] for g in carry.local.g_local])
         current = shard.assemble([o[1 - j] for o in shard.outer],
-                                 [x[1 - j][None] for x in shard.local])
-        new, loss_k = update(k, current, grads, jax.lax.psum(carry.loss[k], "pipe"),
-                             jax.lax.psum(carry.weight[k], "pipe"))
+                                 [x[:, 1 - j] for x in shard.local])
+        new, loss_k = update(k, current, grads, carry.loss[k], carry.weight[k])
         new_outer, new_local = shard.split(new)  # W(k+1) replaces W(k-1)
         shard.outer = [o.at[j].set(n) for o, n in zip(shard.outer, new_outer)]
-        shard.local = [x.at[j].set(n) for x, n in zip(shard.local, new_local)]
-        carry = carry._replace(g_local=[g.at[j].set(0) for g in carry.g_local],
-                               g_outer=[g.at[j].set(0) for g in carry.g_outer])
+        shard.local = [x.at[:, j].set(n) for x, n in zip(shard.local, new_local)]
+        carry = carry._replace(
+            g_outer=[g.at[j].set(0) for g in carry.g_outer],
+            local=carry.local._replace(g_local=[g.at[:, j].set(0) for g in carry.local.g_local]))
         losses.append(loss_k)
     last = (len(tables.step_ends) - 1) % 2
-    latest = [shard.assemble([o[v] for o in shard.outer], [x[v][None] for x in shard.local])
+    latest = [shard.assemble([o[v] for o in shard.outer], [x[:, v] for x in shard.local])
               for v in (1 - last, last)]
     return jnp.stack(losses), latest
 
 
-__all__ = ["Carry", "Shard", "add_at", "initial_carry", "make_context", "microbatches", "read",
-           "run", "varying", "write"]
+__all__ = ["Carry", "Ends", "Local", "Shard", "add_at", "initial_local", "local_tick",
+           "make_context", "microbatches", "read", "run", "varying", "write"]

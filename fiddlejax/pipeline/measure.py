@@ -6,6 +6,9 @@ built from the same model functions, its actions dispatched in Python in tick or
 layer loop unrolled, so ``cost_analysis`` counts exactly that stage's work. Messages from other
 stages come in as distinct inputs per tick (so XLA cannot merge microbatches) and messages to
 them go out as outputs (so XLA keeps the work that made them).
+
+The prologue and the head run over every device (vocabulary parallel, ``executor.Ends``), so
+their FLOPs for the step's microbatches are measured once and split evenly over the stages.
 """
 
 from __future__ import annotations
@@ -35,31 +38,45 @@ def stage_flops(pipeline, params: nnx.State, batch: dict, remat: Callable) -> li
     act = jax.eval_shape(pipeline.staged.prologue, params, mb)
     ticks = pipeline.schedule_run.ticks.num_ticks
     feed = jax.ShapeDtypeStruct((ticks, *act.shape), act.dtype)
+    edges = _edge_flops(pipeline, params, mb, act)
     out = []
     for st in range(pipeline.p):
-        def per_device(prm, b, f, st=st):
-            return _stage_program(pipeline, remat, st, prm, b, f)
+        def per_device(prm, f, st=st):
+            return _stage_program(pipeline, remat, st, prm, f)
 
-        f = jax.shard_map(per_device, mesh=plan.mesh, in_specs=(spec_tree, P(), P()),
-                          out_specs=(P(), spec_tree, P("pipe")), axis_names={"pipe"})
-        compiled = jax.jit(f).lower(params, batch, feed).compile()
-        out.append({"flops": float(compiled.cost_analysis()["flops"]),
-                    "dot_flops": costs.hlo_dot_flops(compiled.as_text())})
+        f = jax.shard_map(per_device, mesh=plan.mesh, in_specs=(spec_tree, P()),
+                          out_specs=(spec_tree, P("pipe")), axis_names={"pipe"})
+        compiled = jax.jit(f).lower(params, feed).compile()
+        out.append({"flops": float(compiled.cost_analysis()["flops"]) + edges["flops"],
+                    "dot_flops": costs.hlo_dot_flops(compiled.as_text()) + edges["dot_flops"]})
     return out
 
 
-def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
-    """Stage ``st``'s actions in tick order, unrolled: (loss, gradients, messages sent)."""
+def _edge_flops(pl, params: nnx.State, mb: dict, act) -> dict:
+    """Each stage's share of the step's prologue and head work (forward and backward)."""
+    s = pl.staged
+
+    def edges(prm, b, y, dx):
+        x, pro_vjp = jax.vjp(lambda q: s.prologue(q, b), prm)
+        loss, (g, dy) = jax.value_and_grad(s.epilogue, argnums=(0, 1))(prm, y, b)
+        return x, loss, g, dy, pro_vjp(dx)
+
+    compiled = jax.jit(edges).lower(params, mb, act, act).compile()
+    share = pl.m / pl.p
+    return {"flops": float(compiled.cost_analysis()["flops"]) * share,
+            "dot_flops": costs.hlo_dot_flops(compiled.as_text()) * share}
+
+
+def _stage_program(pl, remat: Callable, st: int, prm, feed):
+    """Stage ``st``'s layer work in tick order, unrolled: (gradients, messages sent)."""
     s, sched = pl.staged, pl.schedule_run
     place, last = sched.placement, sched.num_chunks - 1
     shard = executor.Shard([prm], s.stack)
-    ctx = executor.make_context(shard, s, executor.microbatches(batch, pl.m),
-                                executor.varying(("pipe",)))
+    vary = executor.varying(("pipe",))
+    local = [a[0] for a in shard.local]
+    ctx = executor.make_context(local, shard.stack_def, vary)
     layer = remat(s.layer)
-    outer = ctx.outer(0)
-    g_local = [jnp.zeros_like(x) for x in shard.local]
-    g_outer = [jnp.zeros_like(x) for x in shard.outer]
-    loss = jnp.zeros((), jnp.float32)
+    g_local = [jnp.zeros_like(x) for x in local]
     held, douts, own, sent = {}, {}, {}, []
 
     def incoming(key, t):  # a message from this stage itself, else one from a neighbour
@@ -82,21 +99,17 @@ def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
             continue
         op, i, c = a
         j = sched.chunks_of(st).index(c)
-        cp, mb = ctx.chunk_params(j, 0), ctx.microbatch(i)
+        cp = ctx.chunk_params(j, 0)
         layer_params = [jax.tree.map(lambda x, k=k: x[k], cp) for k in range(pl.counts[c])]
-        if op == "F":
-            x = ctx.prologue(outer, mb) if c == 0 else incoming(("x", i, c), t)
+        if op == "F":  # chunk 0's input comes from the prologue, the last one's output goes
+            x = incoming(("x", i, c), t)  # to the head: both over every device (edges)
             vjps = []
             for lp in layer_params:
                 x, vjp = jax.vjp(layer, lp, x)
                 vjps.append(vjp)
             held[(i, c)] = vjps
             if c == last:
-                (value, _), (d_outer, dy) = jax.value_and_grad(
-                    ctx.epilogue, argnums=(0, 1), has_aux=True)(outer, x, mb)
-                loss = loss + value
-                g_outer = executor.add_at(g_outer, (0,), d_outer)
-                own[("dy", i, c)] = dy
+                sent.append(x)
             else:
                 emit(("x", i, c + 1), place[c + 1], x)
         elif op in ("B", "I"):
@@ -110,17 +123,16 @@ def _stage_program(pl, remat: Callable, st: int, prm, batch, feed):
             else:
                 douts[(i, c)] = outs
             if c == 0:
-                _, pro_vjp = jax.vjp(lambda o, mb=mb: ctx.prologue(o, mb), outer)
-                g_outer = executor.add_at(g_outer, (0,), pro_vjp(dy)[0])
+                sent.append(dy)
             else:
                 emit(("dy", i, c - 1), place[c - 1], dy)
         else:  # W: weight gradients from the cotangents I kept
             grads = [vjp(d)[0] for vjp, d in zip(held[(i, c)], douts.pop((i, c)))]
             g_local = add_layers(j, grads)
-    grads = shard.assemble([jax.lax.psum(g[0], "pipe") for g in g_outer],
-                           [g[0][None] for g in g_local])
+    grads = shard.assemble([jnp.zeros_like(o[0]) for o in shard.outer],
+                           [g[None] for g in g_local])
     sent = sent or [jnp.zeros(feed.shape[1:], feed.dtype)]
-    return jax.lax.psum(loss, "pipe"), grads, jnp.stack(sent)[None]
+    return grads, jnp.stack(sent)[None]
 
 
 __all__ = ["stage_flops"]

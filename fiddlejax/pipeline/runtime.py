@@ -9,10 +9,11 @@ the entry points; the pieces live beside it, one idea each (see docs/architectur
 - ``executor``: the scan over ticks, the in-place buffers, the messages between stages, 2BW;
 - ``measure``: the per-stage FLOPs of a step, by static dispatch.
 
-The prologue (embedding) runs in the forward of chunk 0 and is differentiated in its backward;
-the epilogue (head and loss) runs in the forward of the last chunk, whose backward is seeded
-with the loss cotangent there and then. Gradients of the parameters outside the stack are
-summed over ``pipe`` (this also makes tied embeddings exact).
+The layer stack is split over ``pipe`` and run by the stage programs (``jax.shard_map`` manual
+over ``pipe``, one per tick). The parameters outside it (embedding, head) are not replicated
+per stage: they stay sharded over ``pipe`` x ``tensor`` (the vocabulary axis), and the prologue
+and the head and loss run between the stage programs over every device, partitioned by GSPMD
+(vocabulary parallelism; ``executor.Ends``). Tied embeddings stay one parameter.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class Pipeline:
             raise ValueError(f"partition={method!r} needs the model's batch_spec() to measure "
                              "costs; add batch_spec to the model or use partition='uniform'")
         layer, first, last = costs.measure(self.staged, params, example, method)
-        return partition(L, n_chunks, method, layer_costs=[layer] * L, first_extra=first,
-                         last_extra=last)
+        # The prologue and head run over every device (executor.Ends), not on the end stages:
+        # they cost every stage the same, so only the layers are balanced.
+        del first, last
+        return partition(L, n_chunks, method, layer_costs=[layer] * L)
 
     # -- layouts -----------------------------------------------------------------------------
     def _map_stack(self, f, params: nnx.State, g=lambda v: v) -> nnx.State:
@@ -122,39 +125,41 @@ class Pipeline:
         def stacked(v):  # [p, v, lmax, ...]: stages over `pipe`, the "layers" name dropped
             return v.replace(P("pipe", None, None, *logical_to_spec(names(v)[1:], rules)))
 
-        def other(v):
-            return v.replace(logical_to_spec(names(v), rules))
+        def other(v):  # outside the stack: also split over `pipe` (no replica per stage)
+            return v.replace(outer_spec(v, names(v), rules, self.p))
 
         return self._map_stack(stacked, internal, other)
 
     def stack_specs(self, params: nnx.State) -> nnx.State:
-        """shard_map specs: the stack split over ``pipe``, everything else replicated; under
-        FSDP also each leaf's FSDP dimension over ``data``."""
-        specs = self._map_stack(lambda v: P("pipe"), params, lambda v: P())
+        """Per-stage specs (``stage_flops``): the stack split over ``pipe``, the rest
+        replicated."""
+        return self._map_stack(lambda v: P("pipe"), params, lambda v: P())
+
+    def data_specs(self, params: nnx.State) -> Any:
+        """``shard_map`` specs over ``data``: each FSDP dimension (zero=3), else replicated."""
         if self.data_dims is None:
-            return specs
-        from fiddlejax.compute import add_data_axis
+            return jax.tree.map(lambda _: P(), params)
+        from fiddlejax.compute import only_data
 
-        return jax.tree.map(lambda d, s: add_data_axis(s, d), self.data_dims, specs)
+        return only_data(self.data_dims, params)
 
-    def _manual(self) -> tuple[str, ...]:
-        return tuple(sorted({"pipe"} | ({"data"} if self.plan.data > 1 else set())))
+    def _over_data(self, f: Callable, in_specs: tuple, out_specs: Any) -> Callable:
+        """``f`` per data replica (``shard_map`` manual over ``data``; itself when data == 1)."""
+        if self.plan.data == 1:
+            return f
+        return jax.shard_map(f, mesh=self.plan.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names={"data"})
 
     # -- execution ---------------------------------------------------------------------------
     def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable):
         """Loss and gradients of one step: ``reduce(loss sum, weight, gradients)`` turns each
         data replica's sums into the step's weighted mean over ``data``."""
-        manual = self._manual()
-        spec_tree = self.stack_specs(params)
+        specs = self.data_specs(params)
 
-        def per_device(prm, b):
-            return reduce(*executor.run(self, [prm], b, remat, manual, self.tables))
+        def per_replica(prm, b):
+            return reduce(*executor.run(self, [prm], b, remat, self.tables))
 
-        return jax.shard_map(
-            per_device, mesh=self.plan.mesh,
-            in_specs=(spec_tree, P("data") if self.plan.data > 1 else P()),
-            out_specs=(P(), spec_tree), axis_names=set(manual),
-        )(params, batch)
+        return self._over_data(per_replica, (specs, P("data")), (P(), specs))(params, batch)
 
     def train_2bw(self, versions: list[nnx.State], opt_state: Any, batches: dict,
                   reduce: Callable, remat: Callable, optimizer: Any, opt_specs: Any):
@@ -171,39 +176,51 @@ class Pipeline:
             self._tables_2bw[steps] = build_tables(
                 executed(sched, self.plan.split_backward), self.counts)
         tables = self._tables_2bw[steps]
-        manual = self._manual()
-        spec_tree = self.stack_specs(versions[0])
-        stacked = jax.tree.leaves(self._map_stack(lambda v: True, versions[0], lambda v: False))
+        specs = self.data_specs(versions[0])
 
-        def norm(grads):
-            sq = [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)]
-            local = sum(x for x, st in zip(sq, stacked) if st)
-            return jnp.sqrt(jax.lax.psum(local, "pipe") + sum(x for x, st in zip(sq, stacked)
-                                                               if not st))
-
-        def per_device(prev, cur, opt, b):
+        def per_replica(prev, cur, opt, b):
             b = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), b)  # steps' rows in order
             box = {"opt": opt, "norms": []}
 
             def update(k, current, grads, total, weight):
                 loss, grads = reduce(total, weight, grads)
                 updates, box["opt"] = optimizer.update(grads, box["opt"], current)
-                box["norms"].append(norm(grads))
+                box["norms"].append(optax.tree.norm(grads))
                 return optax.apply_updates(current, updates), loss
 
-            losses, new = executor.run(self, [prev, cur], b, remat, manual, tables, update)
+            losses, new = executor.run(self, [prev, cur], b, remat, tables, update)
             return losses, jnp.stack(box["norms"]), new[0], new[1], box["opt"]
 
-        return jax.shard_map(
-            per_device, mesh=self.plan.mesh,
-            in_specs=(spec_tree, spec_tree, opt_specs,
-                      P(None, "data") if self.plan.data > 1 else P()),
-            out_specs=(P(), P(), spec_tree, spec_tree, opt_specs), axis_names=set(manual),
-        )(versions[0], versions[1], opt_state, batches)
+        return self._over_data(
+            per_replica, (specs, specs, opt_specs, P(None, "data")),
+            (P(), P(), specs, specs, opt_specs))(versions[0], versions[1], opt_state, batches)
 
     def stage_flops(self, params: nnx.State, batch: dict, remat: Callable) -> list[dict]:
         """Compiled FLOPs of each stage's step (see :mod:`fiddlejax.pipeline.measure`)."""
         return measure.stage_flops(self, params, batch, remat)
+
+
+def outer_spec(v, names: tuple, rules, p: int) -> P:
+    """A parameter outside the stack: its tensor-parallel spec, with ``pipe`` added on its
+    vocabulary dimension (else its largest free one ``p`` divides). Small leaves (norms) stay
+    replicated."""
+    from fiddlejax.compute import SMALL
+
+    spec = logical_to_spec(names, rules)
+    parts = [*spec, *([None] * (v.ndim - len(spec)))]
+    if p == 1 or int(np.prod(v.shape)) < SMALL:
+        return spec
+    if "vocab" in names and v.shape[names.index("vocab")] % p == 0:
+        d = names.index("vocab")
+    else:
+        free = [d for d in range(v.ndim) if parts[d] is None and v.shape[d] % p == 0]
+        if not free:
+            return spec
+        d = max(free, key=lambda d: (v.shape[d], -d))
+    have = parts[d]
+    parts[d] = "pipe" if have is None else ("pipe", *(have if isinstance(have, tuple) else
+                                                       (have,)))
+    return P(*parts)
 
 
 def executed(schedule: schedules.Schedule, split: bool | None = None) -> schedules.Schedule:

@@ -26,18 +26,17 @@ from fiddlejax.pipeline import tables as tb
 class TickIn(NamedTuple):
     row: tb.Row     # this device's table entry (traced scalars)
     x: jax.Array    # the inbox slot ``row.read``: input activation or cotangent
+    x0: jax.Array   # the prologue's output for this tick's chunk-0 forward (else unused)
     res: list       # the stash slot ``row.stash``: residual leaves [lmax, ...]
     wdy: Any        # the wdy slot ``row.wdy`` (split backwards), else None
 
 
 class TickOut(NamedTuple):
-    out: jax.Array  # the message this tick sends (activation, cotangent or loss seed)
+    out: jax.Array  # the tick's message: an activation or a cotangent (the last chunk's
+                    # output goes to the head, chunk 0's input cotangent to the prologue)
     res: list       # stash slot contents to write back (new residuals after F)
     wdy: Any        # wdy slot contents to write back (new cotangents after I)
     dcp: list       # weight gradients of the chunk's layers, leaves [lmax, ...]
-    d_outer: list   # gradients of the parameters outside the stack (embedding, head)
-    loss: jax.Array  # this microbatch's summed loss (last chunk's forward), else 0
-    weight: jax.Array  # and its weight (the loss is sum / weight over the whole step)
 
 
 class ChunkLayers:
@@ -103,13 +102,9 @@ class ChunkLayers:
 
 
 class Context(NamedTuple):
-    """How a device reaches its parameters and data inside the scan (closures over its shard)."""
+    """How a device reaches its layers' parameters inside the scan (closures over its shard)."""
 
     chunk_params: Callable  # (local chunk, version) -> the chunk's layer params [lmax, ...]
-    outer: Callable         # version -> leaves of the parameters outside the stack
-    prologue: Callable      # (outer leaves, microbatch) -> activation entering chunk 0
-    epilogue: Callable      # (outer leaves, activation, microbatch) -> (loss sum, weight)
-    microbatch: Callable    # index -> the microbatch's batch dict
     vary: Callable          # marks a value varying over the manual axes (branches must agree)
 
 
@@ -118,7 +113,9 @@ def branches(ctx: Context, layers: ChunkLayers, zeros: TickOut, split: bool) -> 
 
     ``zeros`` holds a zero of every output (the values an action does not produce). A schedule
     uses whole or split backwards, never both: the other kind's branches stay idle (``switch``
-    traces every branch).
+    traces every branch). The prologue and the head run outside the switch, over every device
+    (``executor``): chunk 0's forward takes the prologue's output ``x0``, the last chunk's
+    output and chunk 0's input cotangent leave as the tick's message.
     """
     def done(out: TickOut) -> TickOut:
         return jax.tree.map(ctx.vary, out)
@@ -126,40 +123,19 @@ def branches(ctx: Context, layers: ChunkLayers, zeros: TickOut, split: bool) -> 
     def idle(i: TickIn) -> TickOut:
         return done(zeros._replace(res=i.res, wdy=i.wdy))
 
-    def forward(i: TickIn, first: bool, last: bool) -> TickOut:
+    def forward(i: TickIn, first: bool) -> TickOut:
         r = i.row
-        cp, mb, outer = ctx.chunk_params(r.chunk, r.version), ctx.microbatch(r.microbatch), None
-        x = i.x
-        if first or last:
-            outer = ctx.outer(r.version)
-        if first:
-            x = ctx.prologue(outer, mb).astype(i.x.dtype)
-        y, res = layers.forward(cp, x, r.layers)
-        if not last:
-            return done(zeros._replace(out=y, res=res, wdy=i.wdy))
-        # Seeded with the gradient of the loss *sum*: the step divides by the total weight once
-        # all microbatches and data shards are in (an exact weighted mean).
-        (total, weight), (d_outer, dy) = jax.value_and_grad(
-            ctx.epilogue, argnums=(0, 1), has_aux=True)(outer, y, mb)
-        return done(zeros._replace(out=dy.astype(y.dtype), res=res, wdy=i.wdy,
-                                   d_outer=list(d_outer), loss=total.astype(zeros.loss.dtype),
-                                   weight=weight.astype(zeros.weight.dtype)))
+        y, res = layers.forward(ctx.chunk_params(r.chunk, r.version),
+                                i.x0.astype(i.x.dtype) if first else i.x, r.layers)
+        return done(zeros._replace(out=y, res=res, wdy=i.wdy))
 
-    def backward(i: TickIn, first: bool, whole: bool) -> TickOut:
-        r = i.row
-        cp = ctx.chunk_params(r.chunk, r.version)
+    def backward(i: TickIn, whole: bool) -> TickOut:
+        cp = ctx.chunk_params(i.row.chunk, i.row.version)
         if whole:
             dcp, dx = layers.backward(cp, i.res, i.x)
-            out = zeros._replace(dcp=dcp, res=i.res, wdy=i.wdy)
-        else:
-            dx, douts = layers.inputs(cp, i.res, i.x)
-            out = zeros._replace(res=i.res, wdy=douts)
-        if first:  # chunk 0: the prologue's gradients; nothing goes further back
-            mb = ctx.microbatch(r.microbatch)
-            _, pro_vjp = jax.vjp(lambda o: ctx.prologue(o, mb), ctx.outer(r.version))
-            (d_outer,) = pro_vjp(dx)
-            return done(out._replace(d_outer=list(d_outer)))
-        return done(out._replace(out=dx))
+            return done(zeros._replace(out=dx, dcp=dcp, res=i.res, wdy=i.wdy))
+        dx, douts = layers.inputs(cp, i.res, i.x)
+        return done(zeros._replace(out=dx, res=i.res, wdy=douts))
 
     def weight(i: TickIn) -> TickOut:
         r = i.row
@@ -167,17 +143,13 @@ def branches(ctx: Context, layers: ChunkLayers, zeros: TickOut, split: bool) -> 
         return done(zeros._replace(res=i.res, wdy=i.wdy, dcp=dcp))
 
     table = [idle] * tb.NUM_BRANCHES
-    table[tb.F_MID] = lambda i: forward(i, False, False)
-    table[tb.F_FIRST] = lambda i: forward(i, True, False)
-    table[tb.F_LAST] = lambda i: forward(i, False, True)
-    table[tb.F_ONLY] = lambda i: forward(i, True, True)
+    table[tb.F_MID] = table[tb.F_LAST] = lambda i: forward(i, False)
+    table[tb.F_FIRST] = table[tb.F_ONLY] = lambda i: forward(i, True)
     if split:
-        table[tb.I_MID] = lambda i: backward(i, False, False)
-        table[tb.I_FIRST] = lambda i: backward(i, True, False)
+        table[tb.I_MID] = table[tb.I_FIRST] = lambda i: backward(i, False)
         table[tb.W] = weight
     else:
-        table[tb.B_MID] = lambda i: backward(i, False, True)
-        table[tb.B_FIRST] = lambda i: backward(i, True, True)
+        table[tb.B_MID] = table[tb.B_FIRST] = lambda i: backward(i, True)
     return table
 
 

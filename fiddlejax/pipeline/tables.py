@@ -75,6 +75,32 @@ class Tables:
     def row(self, tick: int, stage: int) -> Row:
         return Row(*(int(col[tick, stage]) for col in self.columns))
 
+    def edges(self) -> np.ndarray:
+        """``[T, len(Edge._fields)]`` int32: per tick, what the prologue and the head do (the
+        same on every device, as they run over all of them): see :class:`Edge`."""
+        c = self.columns
+        out = np.full((self.num_ticks, len(Edge._fields)), -1, np.int64)
+        for fields, branches in (((0, 1), (F_FIRST, F_ONLY)), ((2, 3, 4), (F_LAST, F_ONLY)),
+                                 ((5, 6), (B_FIRST, I_FIRST))):
+            t, st = np.nonzero(np.isin(c.branch, branches))
+            if len(np.unique(t)) != len(t):
+                raise AssertionError("two stages run the same edge action in one tick")
+            for f, col in zip(fields, (c.microbatch, c.version, c.step)):
+                out[t, f] = col[t, st]
+        return out.astype(np.int32)
+
+
+class Edge(NamedTuple):
+    """One tick's work at the pipeline's two ends, run by every device (-1: none this tick)."""
+
+    embed: Any          # microbatch whose chunk-0 forward runs: the prologue computes its input
+    embed_version: Any
+    head: Any           # microbatch whose last chunk finished its forward: head and loss run
+    head_version: Any
+    head_step: Any      # the optimizer step it belongs to (its loss slot)
+    embed_grad: Any     # microbatch whose chunk-0 backward ran: the prologue's gradients
+    embed_grad_version: Any
+
 
 def direction(schedule: schedules.Schedule, src: int, dst: int) -> str:
     """How a message goes from stage ``src`` to ``dst``: "self", "next" or "prev"."""
@@ -183,5 +209,5 @@ def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
                   num_wdy=num_wdy, step_ends=ends, split=s.split_backward)
 
 
-__all__ = ["Row", "Tables", "allocate", "build_tables", "direction", "IDLE", "F_MID", "F_FIRST",
+__all__ = ["Edge", "Row", "Tables", "allocate", "build_tables", "direction", "IDLE", "F_MID", "F_FIRST",
            "F_LAST", "F_ONLY", "B_MID", "B_FIRST", "I_MID", "I_FIRST", "W", "NUM_BRANCHES"]
