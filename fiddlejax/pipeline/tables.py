@@ -210,4 +210,5 @@ def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
 
 
 __all__ = ["Edge", "Row", "Tables", "allocate", "build_tables", "direction", "IDLE", "F_MID",
-           "F_FIRST", "F_LAST", "F_ONLY", "B_MID", "B_FIRST", "I_MID", "I_FIRST", "W", "NUM_BRANCHES"]
+           "F_FIRST", "F_LAST", "F_ONLY", "B_MID", "B_FIRST", "I_MID", "I_FIRST", "W",
+           "NUM_BRANCHES"]
