@@ -6,6 +6,8 @@
     fiddlejax plan search --model gpt3-175b --cluster h100 --nodes 64 --global-batch 1536 \\
         [--top 10] [--schedules 1f1b zb-h1 2bw --steps-per-call 4] [--json]
     fiddlejax plan validate [--json]       # Megatron-LM 2021 Table 1: predicted vs published
+    fiddlejax plan predict --model bloom-176b --cluster a100-80gb --nodes 48 --tensor 4 \
+        --pipe 12 --microbatch-size 2 --global-batch 2048 --remat full --zero 1  # BLOOM's run
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
-from fiddlejax.planner.space import PRECISIONS, ZEROS, Layout, schedule_kinds
+from fiddlejax.planner.space import HEADS, PRECISIONS, ZEROS, Layout, schedule_kinds
 
 GIB = 2**30
 
@@ -75,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--remat", default="none", choices=workload.POLICIES)
     pp.add_argument("--zero", type=int, default=0, choices=ZEROS,
                     help="1: optimizer state sharded over data; 3: FSDP")
+    pp.add_argument("--head", default="vocab-parallel", choices=HEADS,
+                    help="pipelines: embedding and head vocabulary-parallel on every stage "
+                    "(fiddlejax) or on the first and last stage (Megatron-LM, to compare with "
+                    "its published runs)")
     pp.add_argument("--dp-overlap", type=float, default=0.0,
                     help="share of the gradient all-reduce hidden under the backward")
     ps = sub.add_parser("search", help="rank every layout that fits memory")
@@ -176,7 +182,7 @@ def plan_command(argv: list[str]) -> int:
                         virtual_stages=a.virtual_stages, microbatch_size=a.microbatch_size,
                         global_batch=a.global_batch, schedule=a.schedule,
                         steps_per_call=a.steps_per_call, remat=a.remat, zero=a.zero,
-                        precision=_precision(a), dp_overlap=a.dp_overlap)
+                        precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))

@@ -66,6 +66,7 @@ from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for, validate
 from fiddlejax.planner.workload import ModelSpec
 
+VOCAB_PARALLEL_MIN = 65_536  # the pipeline shards outer leaves this large over pipe x tensor
 STASH_COPIES = 2  # fiddlejax's pipeline runtime: stash in the scan carry + the switch's output
 MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
 
@@ -290,15 +291,39 @@ def allreduce_seconds(cluster: ClusterSpec, size: int, stride: int, nbytes: floa
 # ----------------------------------------------------------------------------- memory
 
 
+def vocab_parallel(layout: Layout) -> bool:
+    """Whether the embedding and head run vocabulary-parallel over ``pipe`` x ``tensor``."""
+    return layout.pipe > 1 and layout.head == "vocab-parallel"
+
+
+def _outer_leaf(n: int, split: bool, layout: Layout) -> float:
+    """One GPU's share of an outer parameter leaf of ``n`` elements."""
+    if vocab_parallel(layout) and n >= VOCAB_PARALLEL_MIN:
+        return n / (layout.pipe * layout.tensor)
+    return n / layout.tensor if split else n
+
+
+def outer_params(model: ModelSpec, layout: Layout) -> float:
+    """Parameters outside the layer stack one GPU holds. A fiddlejax pipeline shards every such
+    leaf of at least ``VOCAB_PARALLEL_MIN`` elements (embedding, head, a large position table)
+    over ``pipe`` x ``tensor``, on every stage, because its prologue and head run
+    vocabulary-parallel over all of them; smaller leaves (final norm) keep their tensor split
+    or stay whole. ``head="last-stage"``: the first stage's embedding or the last stage's head,
+    whichever is larger."""
+    if layout.pipe > 1 and layout.head == "last-stage":
+        t = layout.tensor
+        return max(s / t + r for s, r in (model.prologue_params, model.epilogue_params))
+    return sum(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
+
+
 def stage_params(model: ModelSpec, layout: Layout) -> float:
     """Parameters one GPU holds (one weight version): its stage's layers split over tensor
-    (biases and norms whole), and the embedding and head."""
+    (biases and norms whole), and its share of the embedding and head (``outer_params``)."""
     t = layout.tensor
     stage_layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
                     else model.num_layers)
     ls, lr = model.layer_params
-    (ps, pr), (es, er) = model.prologue_params, model.epilogue_params
-    return stage_layers * (ls / t + lr) + (ps + es) / t + pr + er
+    return stage_layers * (ls / t + lr) + outer_params(model, layout)
 
 
 def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
@@ -309,8 +334,7 @@ def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
     t, ab = layout.tensor, _act_bytes(layout)
     ls, lr = model.layer_params
     layer = ls / t + lr
-    outer = max(sum(x / y for x, y in zip(part, (t, 1), strict=True))
-                for part in (model.prologue_params, model.epilogue_params))
+    outer = max(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
     if layout.fsdp:
         return max(layer * (2 * ab + 4), outer * (ab + 4))
     return max(layer, outer) * ab if ab < 4 else 0.0
@@ -344,7 +368,8 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     # Transients: one layer's full residuals on this rank (a backward or a recomputation
     # materialises them), the fp32 logits and their gradient, and (pipelines) the inboxes that
     # receive activations and cotangents (sized by the schedule's tick table).
-    working = mb * model.act_elems("none", t) * ab + 2 * mb * model.logits / t * 4
+    vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
+    working = mb * model.act_elems("none", t) * ab + 2 * mb * model.logits / vocab_shards * 4
     if p > 1:
         working += inbox_slots(layout) * mb * model.boundary * ab
     if two_bw:  # the update, computed inside the pipeline program; XLA keeps each further
@@ -355,6 +380,38 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
 
 
 # ----------------------------------------------------------------------------- time
+
+
+def vocab_allreduces(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> float:
+    """Seconds per microbatch of the vocabulary-parallel prologue's and head's all-reduces:
+    the embedding's output over pipe x tensor and its gradient to every stage over pipe
+    (backward), the last stage's output to every stage over pipe and the head's input
+    gradient over pipe x tensor; activation-sized. The softmax statistics ([rows, seq],
+    float32) add three small ones over pipe x tensor."""
+    t, p, mb = layout.tensor, layout.pipe, layout.microbatch_size
+    act = mb * model.boundary * _act_bytes(layout)
+    stats = mb * model.seq_len * 4
+    return (2 * _closed_allreduce(cluster, p * t, 1, act)
+            + 2 * _closed_allreduce(cluster, p, t, act)
+            + 3 * _closed_allreduce(cluster, p * t, 1, stats))
+
+
+def _closed_allreduce(cluster: ClusterSpec, size: int, stride: int, nbytes: float) -> float:
+    """The faster of a ring at the group's slowest link and a hierarchical all-reduce (ring
+    inside each node, ring over nodes on 1/k of the bytes): the closed forms of
+    ``collectives.cost`` for groups of hundreds of GPUs, where its topology model is slow."""
+    if size <= 1:
+        return 0.0
+    bw, lat = cluster.group_bandwidth(size, stride)
+    best = 2 * (size - 1) * (lat + nbytes / size / bw)
+    k = min(size, max(1, cluster.gpus_per_node // stride))
+    nodes = size // k
+    if 1 < k and nodes > 1 and size % k == 0:
+        inner = 2 * (k - 1) * (cluster.nvlink_latency + nbytes / k / cluster.nvlink_bandwidth)
+        outer = 2 * (nodes - 1) * (cluster.nic_latency
+                                   + nbytes / k / nodes / cluster.nic_bandwidth)
+        best = min(best, inner + outer)
+    return best
 
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
@@ -375,7 +432,14 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab) * model.tp_allreduces
     recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
     recompute_ar = ar if layout.remat == "full" else 0.0
+    # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)
+    # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
+    # outside the stages' switch on every device of pipe x tensor (serial with the ticks: all
+    # devices take part), plus their activation-sized all-reduces (``vocab_allreduces``).
     head = mb * (model.epilogue_flops + model.prologue_flops) / t / flop_rate
+    outside = 0.0
+    if vocab_parallel(layout):
+        head, outside = 0.0, 3 * head / p
     f_comp = layers * (mm + ew) + head
     b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
     f_ar = layers * ar
@@ -398,8 +462,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
                       + allreduce_seconds(cluster, d, t * p, n_params * gb) / 2)
     opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
     opt = opt_bytes / gpu.hbm_bandwidth
+    vocab_ar = vocab_allreduces(model, cluster, layout) if vocab_parallel(layout) else 0.0
     time = StepTime(
-        compute=m * v * (f_comp + b_comp), tensor_comm=m * v * (f_ar + b_ar), bubble=bubble,
+        compute=m * (v * (f_comp + b_comp) + outside),
+        tensor_comm=m * (v * (f_ar + b_ar) + vocab_ar), bubble=bubble,
         data_comm=dp, data_comm_exposed=dp * (1.0 - layout.dp_overlap), optimizer=opt)
     return time, (bubble / makespan if makespan else 0.0)
 

@@ -14,6 +14,7 @@ from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.workload import ModelSpec
 
 PRECISIONS = ("fp32", "bf16-mixed")
+HEADS = ("vocab-parallel", "last-stage")
 ZEROS = (0, 1, 3)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
 
@@ -48,6 +49,11 @@ class Layout:
     the share of the data-parallel gradient reduction hidden under the backward (0 for
     fiddlejax, which reduces after the last microbatch).
 
+    ``head``: where a pipeline runs the embedding and the output head. ``vocab-parallel`` is
+    fiddlejax's runtime: sharded over ``pipe`` x ``tensor`` on every stage, run once per
+    microbatch by all of them. ``last-stage`` is Megatron-LM's placement (embedding on the first
+    stage, head on the last, each split over ``tensor``), to compare with runs published with it.
+
     ``steps_per_call`` (K, ``2bw`` only): optimizer steps one ``trainer.steps`` call runs
     without a pipeline flush; the fill and drain are paid once per K steps. Predictions stay
     per optimizer step.
@@ -64,6 +70,7 @@ class Layout:
     remat: str = "none"
     zero: int = 0
     precision: str = "fp32"
+    head: str = "vocab-parallel"
     optimizer: str = "adam"
     dp_overlap: float = 0.0
 
@@ -92,6 +99,7 @@ class Layout:
         if self.pipe > 1:
             s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             s += f" K{self.steps_per_call}" if self.kind == "2bw" else ""
+            s += " head=last-stage" if self.head == "last-stage" else ""
         s += f" remat={self.remat}" + (f" zero{self.zero}" if self.zero else "")
         return s
 
@@ -163,6 +171,8 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
                          "data) or 3 (FSDP: parameters, gradients and optimizer state)")
     if lo.precision not in PRECISIONS:
         raise ValueError(f"precision={lo.precision!r} must be one of {PRECISIONS}")
+    if lo.head not in HEADS:
+        raise ValueError(f"head={lo.head!r} must be one of {HEADS}")
     if lo.optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer={lo.optimizer!r} must be 'adam' or 'sgd'")
     if not 0.0 <= lo.dp_overlap <= 1.0:

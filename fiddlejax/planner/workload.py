@@ -31,6 +31,9 @@ class ModelSpec:
 
     - ``layer_params``: (split over tensor, replicated) parameter counts of one layer.
     - ``prologue_params`` / ``epilogue_params``: the same for the embedding and the head.
+    - ``outer_leaves``: (elements, split over tensor) of each parameter outside the stack; the
+      pipeline places a leaf by its size (``predict.outer_params``). Default: one leaf per
+      nonzero part of ``prologue_params`` and ``epilogue_params``.
     - ``layer_flops``: forward FLOPs of one layer on one sample (training is ~3x, recompute +1x).
     - ``act``: policy -> (split, replicated) activation elements one layer keeps for its backward.
     - ``act_none_full``: elements of one layer's full residual set on one rank (the transient
@@ -60,6 +63,7 @@ class ModelSpec:
     vocab: int | None = None
     ffn: int | None = None
     layer_costs: tuple[float, ...] | None = None
+    outer_leaves: tuple[tuple[int, bool], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -76,6 +80,14 @@ class ModelSpec:
         """Total parameters."""
         return (self.num_layers * sum(self.layer_params) + sum(self.prologue_params)
                 + sum(self.epilogue_params))
+
+    def outer_param_leaves(self) -> tuple[tuple[int, bool], ...]:
+        """(elements, split over tensor) of each parameter outside the layer stack."""
+        if self.outer_leaves is not None:
+            return self.outer_leaves
+        (ps, pr), (es, er) = self.prologue_params, self.epilogue_params
+        return tuple((n, split) for n, split in ((ps, True), (pr, False), (es, True),
+                                                 (er, False)) if n)
 
     def act_elems(self, policy: str, tensor: int) -> float:
         """Elements one layer keeps per sample on one tensor rank under ``policy``."""
@@ -104,8 +116,9 @@ class ModelSpec:
 
 
 def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int | None = None,
-        tied: bool = False, name: str | None = None) -> ModelSpec:
+        tied: bool = False, positions: bool = True, name: str | None = None) -> ModelSpec:
     """Analytic ``models.gpt.GPT`` (pre-LN, learned positions, GELU MLP of width ``ffn``=4h).
+    ``positions=False`` drops the learned position table (ALiBi or rotary models, e.g. BLOOM).
 
     FLOPs per layer and sample: 2s(4h^2 + 2h*ffn) for the projections and MLP, 4s^2h for
     attention's QK^T and PV (Megatron's 24sh^2 + 4s^2h when ffn = 4h); the head adds 2shV.
@@ -121,8 +134,10 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
     f = 4 * h if ffn is None else ffn
     layer_split = 4 * h * h + 2 * h * f + f  # q,k,v,o; w1,w2; b1
     layer_rep = 6 * h  # bo, b2, two layer norms
-    pro = (v * h, s * h)  # token embedding (vocab-parallel), positions
+    pos = s * h if positions else 0
+    pro = (v * h, pos)  # token embedding (vocab-parallel), positions
     epi = (0 if tied else h * v, 2 * h)  # head (vocab-parallel), final layer norm
+    outer = ((v * h, True), (pos, False), (0 if tied else h * v, True), (h, False), (h, False))
     # What JAX's autodiff keeps per token for models.common.Block, by policy (split, whole):
     # none: q,k,v (3h), masked scores, exp and probabilities (4as), the MLP pre-activation and
     #       GELU intermediates (5f); layer-norm outputs and centred inputs (4h) stay whole.
@@ -143,7 +158,7 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
         prologue_flops=0.0,
         epilogue_flops=2.0 * s * h * v,
         act=act, act_none_full=float(sum(act["none"])), boundary=s * h, logits=s * v,
-        heads=a, vocab=v, ffn=f,
+        heads=a, vocab=v, ffn=f, outer_leaves=tuple(x for x in outer if x[0]),
     )
 
 
@@ -189,6 +204,7 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: in
         prologue_flops=0.0, epilogue_flops=2.0 * s * h * v,
         act=act, act_none_full=float(sum(act["none"])), boundary=s * h, logits=s * v,
         heads=a, vocab=v, ffn=f,
+        outer_leaves=((v * h, True),) + (() if tied else ((h * v, True),)) + ((h, False),),
     )
 
 
@@ -209,7 +225,12 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "gpt3-175b": (96, 12288, 96, 2048, 51200),
     "megatron-1t": (128, 25600, 160, 2048, 51200),
     "tiny": (4, 64, 4, 64, 256),  # the calibration model of tests/test_planner.py
+    # BigScience BLOOM-176B (Le Scao et al. 2022): ALiBi (no position table), embedding tied
+    # to the head, vocabulary 250,880. Not counted: the embedding's layer norm and the q/k/v
+    # biases (3.0M of 176.2B).
+    "bloom-176b": (70, 14336, 112, 2048, 250880),
 }
+GPT_OPTIONS: dict[str, dict[str, bool]] = {"bloom-176b": {"tied": True, "positions": False}}
 
 
 def preset(name: str, seq: int | None = None) -> ModelSpec:
@@ -223,7 +244,7 @@ def preset(name: str, seq: int | None = None) -> ModelSpec:
                          f"{', '.join([*PRESETS, *LLAMA_PRESETS])} "
                          "(or --model gpt with --layers/--hidden/--heads/--seq/--vocab)")
     layers, hidden, heads, s, vocab = PRESETS[name]
-    return gpt(layers, hidden, heads, seq or s, vocab, name=name)
+    return gpt(layers, hidden, heads, seq or s, vocab, name=name, **GPT_OPTIONS.get(name, {}))
 
 
 def activation_residuals(f: Any, x: Any) -> list[tuple[int, ...]]:
@@ -277,6 +298,9 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
         return sp, rp
 
     in_stack = lambda path: getattr(path[0], "key", None) == sm.stack  # noqa: E731
+    outer_leaves = tuple((int(np.prod(leaf.shape)), "tensor" in tuple(spec))
+                         for (path, leaf), spec in zip(flat_p, flat_s, strict=True)
+                         if not in_stack(path))
     n_layers = int(jax.tree.leaves(params[sm.stack])[0].shape[0])
     ls, lr = split_count(in_stack)
     outer_s, outer_r = split_count(lambda p: not in_stack(p))
@@ -312,4 +336,5 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
         act=act, act_none_full=float(sum(act["none"])), boundary=int(math.prod(x.shape[1:])),
         logits=0, heads=getattr(getattr(model, "config", None), "n_heads", None),
         vocab=getattr(getattr(model, "config", None), "vocab_size", None),
+        outer_leaves=outer_leaves,
     )
