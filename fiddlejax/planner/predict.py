@@ -67,7 +67,7 @@ from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for, val
 from fiddlejax.planner.workload import ModelSpec
 
 VOCAB_PARALLEL_MIN = 65_536  # the pipeline shards outer leaves this large over pipe x tensor
-STASH_COPIES = 2  # fiddlejax's pipeline runtime: stash in the scan carry + the switch's output
+STASH_TRANSIENT_SLOTS = 2  # stash slots beside the buffer: the one read, the one written
 MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
 
 
@@ -340,8 +340,12 @@ def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
     return max(layer, outer) * ab if ab < 4 else 0.0
 
 
-def memory(model: ModelSpec, layout: Layout) -> Memory:
-    """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
+def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory:
+    """Predicted bytes per GPU of a layout (see the module docstring for what is counted).
+
+    ``cpu_upcast``: predict XLA's CPU compile instead (to compare with ``memory_analysis`` on
+    the simulated devices): the CPU computes bf16 elementwise work in float32, and the
+    pipeline's backward converts the whole stash slot it reads to float32 at once."""
     t, p, d = layout.tensor, layout.pipe, layout.data
     pb, gb, ob = _bytes(layout)
     ab = _act_bytes(layout)
@@ -357,24 +361,31 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     opt = n * ob / (d if layout.zero else 1)
     shard = d if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
     mb = layout.microbatch_size
-    per_layer = model.act_elems(layout.remat, t) * mb * ab
+    per_layer = model.act_bytes(layout.remat, t, ab) * mb
     held = held_microbatches(layout)
     if p > 1:
-        stash = (STASH_COPIES * held + 1) * lmax * per_layer
+        # The stash buffer's ``held`` slots, the slot a backward reads and the one a forward
+        # writes (both leave the per-tick switch as slot-sized values).
+        stash = (held + STASH_TRANSIENT_SLOTS) * lmax * per_layer
         if layout.kind == "zb-h1":  # I keeps each layer's output cotangent until W
-            stash += STASH_COPIES * held * lmax * mb * model.boundary * ab
+            stash += (held + STASH_TRANSIENT_SLOTS) * lmax * mb * model.boundary * ab
+        if cpu_upcast and ab < 4:  # the backward's slot converted to float32 at once
+            stash += lmax * per_layer * 4 / ab
     else:
         stash = model.num_layers * per_layer
     # Transients: one layer's full residuals on this rank (a backward or a recomputation
-    # materialises them), the fp32 logits and their gradient, and (pipelines) the inboxes that
-    # receive activations and cotangents (sized by the schedule's tick table).
+    # materialises them) with the weights it uses, the fp32 logits and their gradient, and
+    # (pipelines) the inboxes that receive activations and cotangents (sized by the schedule's
+    # tick table). A vocabulary-parallel head runs between the stage programs, never beside a
+    # layer: the larger of the two counts.
     vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
-    working = mb * model.act_elems("none", t) * ab + 2 * mb * model.logits / vocab_shards * 4
+    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout)
+    head = 2 * mb * model.logits / vocab_shards * 4
+    working = max(layer, head) if vocab_parallel(layout) else layer + head
     if p > 1:
         working += inbox_slots(layout) * mb * model.boundary * ab
     if two_bw:  # the update, computed inside the pipeline program; XLA keeps each further
         working += n * pb + (_steps(layout) - 1) * n * ob  # step's optimizer state (measured)
-    working += _weights_in_use(model, layout)
     return Memory(params=n * pb * param_copies / shard, grads=n * gb * grads_copies / shard,
                   optimizer=opt, activations=stash, working=working)
 

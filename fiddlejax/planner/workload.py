@@ -38,6 +38,8 @@ class ModelSpec:
     - ``act``: policy -> (split, replicated) activation elements one layer keeps for its backward.
     - ``act_none_full``: elements of one layer's full residual set on one rank (the transient
       working set of a backward or a recomputation).
+    - ``act_f32``: policy -> the part of ``act``'s split elements that stays float32 whatever
+      the compute dtype (XLA's attention computes its scores and softmax in float32).
     - ``boundary``: elements passed between layers (and between pipeline stages) per sample.
     - ``tp_allreduces``: forward all-reduces of a ``boundary``-sized tensor per layer under
       Megatron tensor parallelism (backward repeats them).
@@ -64,6 +66,7 @@ class ModelSpec:
     ffn: int | None = None
     layer_costs: tuple[float, ...] | None = None
     outer_leaves: tuple[tuple[int, bool], ...] | None = None
+    act_f32: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -97,6 +100,12 @@ class ModelSpec:
         split, rep = self.act[policy]
         return split / tensor + rep
 
+    def act_bytes(self, policy: str, tensor: int, nbytes: int) -> float:
+        """Bytes one layer keeps per sample on one tensor rank under ``policy``, its elements
+        at ``nbytes`` each except the float32 ones (``act_f32``)."""
+        f32 = self.act_f32.get(policy, 0.0) / tensor
+        return (self.act_elems(policy, tensor) - f32) * nbytes + f32 * 4
+
     def train_flops(self, samples: int, remat: str = "none") -> float:
         """Executed FLOPs of forward + backward on ``samples`` samples (recomputation included:
         ``full`` re-runs each layer's forward)."""
@@ -113,6 +122,14 @@ class ModelSpec:
         d["act"] = {k: list(v) for k, v in self.act.items()}
         d["params"] = self.params
         return d
+
+
+def _scores_f32(heads: int, seq: int) -> dict[str, float]:
+    """Float32 elements per sample of XLA's attention (``jax.nn.dot_product_attention``): its
+    scores, masked scores and exponentials are float32 in any compute dtype (the
+    probabilities are cast back); ``dots`` saves the scores (a dot's float32 output)."""
+    one = float(heads * seq * seq)
+    return {"none": 3 * one, "dots": one}
 
 
 def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int | None = None,
@@ -150,7 +167,7 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
     }
     act = {k: (sp * s, rp * s) for k, (sp, rp) in act.items()}
     return ModelSpec(
-        name=name or f"gpt-l{layers}-h{hidden}",
+        name=name or f"gpt-l{layers}-h{hidden}", act_f32=_scores_f32(a, s),
         num_layers=layers, seq_len=s, hidden=h,
         layer_params=(layer_split, layer_rep),
         prologue_params=pro, epilogue_params=epi,
@@ -196,7 +213,7 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: in
     }
     act = {key: (sp * s, rp * s) for key, (sp, rp) in act.items()}
     return ModelSpec(
-        name=name or f"llama-l{layers}-h{hidden}",
+        name=name or f"llama-l{layers}-h{hidden}", act_f32=_scores_f32(a, s),
         num_layers=layers, seq_len=s, hidden=h,
         layer_params=(2 * h * q + 2 * h * k + 3 * h * f, 2 * h),
         prologue_params=(v * h, 0), epilogue_params=(0 if tied else h * v, h),
