@@ -13,21 +13,27 @@ stage's busy time is the bubble. ``2bw`` runs 1F1B over the K x m microbatches o
 ``steps_per_call`` = K optimizer steps without a flush: the simulator's makespan of that
 schedule, divided by K, is the time per step, so the fill and drain are amortized over K
 steps. The data-parallel gradient all-reduce follows (exposed, except ``dp_overlap``), then the
-optimizer update (HBM bound). The last stage's head is charged to every
-stage (conservative: a pipeline runs at its slowest stage's pace).
+optimizer update (HBM bound). The embedding and head of a pipeline run vocabulary-parallel over
+every device of ``pipe`` x ``tensor`` once per microbatch, between the stage programs: each
+device pays 1/(pipe x tensor) of their FLOPs per microbatch, serially with the ticks, plus
+their activation-sized all-reduces (``vocab_allreduces``). ``head="last-stage"`` (Megatron's
+placement, for published runs) charges them to every stage instead (the slowest sets the pace).
 
 Memory per GPU. Parameters, gradients and optimizer state from the parameter counts, with what
 each rank holds: layer weights split over ``tensor`` (biases and norms whole), the stage's
 ``virtual x ceil(layers / chunks)`` layers (the runtime pads chunks to equal length), and the
-embedding and head on every stage (fiddlejax replicates them over ``pipe``). Gradients are held
-twice when they accumulate over microbatches (accumulator + result). Activations: the stash of
+parameters outside the stack: in a pipeline every leaf of at least 65,536 elements split over
+``pipe`` x ``tensor`` on every stage (``outer_params``), smaller ones as without a pipeline.
+Gradients are held twice when they accumulate over microbatches (the accumulator and the
+chunk's fresh gradient, both live in the backward; measured). Activations: the stash buffer of
 ``held`` (schedule's peak held chunk activations) x layers per chunk x the remat policy's
-residuals per layer, held ``STASH_COPIES`` times plus one in flight (fiddlejax's runtime keeps the
-stash in the scan carry and a new copy leaves the per-tick switch; measured, see the README),
-for ``zb-h1`` the per-layer output cotangents its split backward keeps from I until W (one
-activation per layer of the chunk and held microbatch, carried like the stash: ``STASH_COPIES``;
-zb-h1 minus 1F1B compiled at (1, 4, 2), m=8, full remat: 1.8 of them per held slot), and a
-working set: one layer's full residuals on this rank, the logits, the pipeline inboxes.
+residuals per layer, plus the slot a backward reads and the one a forward writes
+(``STASH_TRANSIENT_SLOTS``); for ``zb-h1`` the per-layer output cotangents its split backward
+keeps from I until W, buffered the same way; and a working set: one layer's full residuals on
+this rank (XLA's attention keeps its scores float32 in any compute dtype) with the weights it
+uses, the logits (the larger of the two when the head is vocabulary-parallel: it never runs
+beside a layer), the pipeline inboxes. ``cpu_upcast`` predicts XLA's CPU compile instead: it
+converts the bf16 stash slot a backward reads to float32 at once.
 
 Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
