@@ -93,7 +93,7 @@ class Shard:
 
 
 def varying(axes: tuple[str, ...]) -> Callable:
-    """A function marking values varying over the manual ``axes`` (switch branches agree)."""
+    """A function marking values varying over the manual ``axes`` (loop carries agree)."""
     def vary(x):
         have = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ())
         missing = tuple(a for a in axes if a not in have)
@@ -106,12 +106,13 @@ def microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def make_context(local: list, stack_def, vary: Callable) -> stage_lib.Context:
-    """How a stage's actions reach its layers: ``local`` leaves ``[versions, v, lmax, ...]``."""
-    def chunk_params(j, ver):
+def chunk_params(local: list, stack_def, vary: Callable) -> Callable:
+    """``(chunk, version) ->`` that chunk's layer params ``[lmax, ...]``, for ``local`` leaves
+    ``[versions, v, lmax, ...]`` (the per-stage FLOP programs of ``measure``)."""
+    def chunk(j, ver):
         return jax.tree.unflatten(stack_def, [vary(read(read(a, ver), j)) for a in local])
 
-    return stage_lib.Context(chunk_params=chunk_params, vary=vary)
+    return chunk
 
 
 def idle_row(tables: tb.Tables) -> np.ndarray:
@@ -168,7 +169,6 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     shard = Shard(versions, s.stack)
     ends = Ends(s, shard, microbatches(batch, steps * m), vary_data)
     act = ends.prologue(ends.outer(0), 0)  # its shape (the trace is dead code)
-    uneven = len(set(pipeline.counts)) > 1
     layer = remat(s.layer)
 
     def stage_program(f, n_in: int):
@@ -181,27 +181,20 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         return jax.shard_map(per_stage, mesh=mesh, in_specs=(P("pipe"),) * n_in
                              + (P(),) * 2, out_specs=P("pipe"), axis_names={"pipe"})
 
-    def chunk_layers(local: list):
-        ctx = make_context(local, shard.stack_def, vary)
-        cp0 = ctx.chunk_params(0, 0)
-        x = vary(jnp.zeros(act.shape, act.dtype))
-        return ctx, cp0, stage_lib.ChunkLayers(layer, lmax, uneven,
-                                               jax.tree.map(lambda a: a[0], cp0), x), x
+    def stage_layers(local: list) -> stage_lib.Layers:
+        example = jax.tree.unflatten(shard.stack_def, [vary(a[0, 0, 0]) for a in local])
+        return stage_lib.Layers(layer, example, vary(jnp.zeros(act.shape, act.dtype)))
 
     def init(local: list, _x0, _dy) -> Local:
-        _, cp0, layers, x = chunk_layers(local)
-        return initial_local(tables, layers.forward(cp0, x, lmax)[1], act, local, lmax, vary)
+        return initial_local(tables, stage_layers(local).residuals, act, local, lmax, vary)
 
     local0 = stage_program(init, 1)(shard.local, act, act)
 
     def make_tick():
         """A fresh scan body over the current weights (2BW replaces them between steps)."""
         def stage_tick(buf: Local, row, local: list, x0, dy):
-            ctx, cp0, layers, _ = chunk_layers(local)
-            nothing = stage_lib.TickOut(out=vary(jnp.zeros(act.shape, act.dtype)), res=None,
-                                        wdy=None, dcp=jax.tree.map(jnp.zeros_like, cp0))
-            return local_tick(buf, tb.Row(*row), stage_lib.branches(ctx, layers, nothing, split),
-                              vary(x0), vary(dy), pipeline.p, split, tables.trash)
+            return local_tick(buf, tb.Row(*row), local, shard.stack_def, stage_layers(local),
+                              vary(x0), vary(dy), pipeline.p, split, tables.trash, vary)
 
         stages = stage_program(stage_tick, 3)
 
@@ -244,27 +237,31 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     return _steps_2bw(carry, shard, tables, make_tick, update)
 
 
-def local_tick(buf: Local, row: tb.Row, fns: list, x0, dy, p: int, split: bool, trash: int):
-    """One stage's tick: deliver the head's cotangent, read the row's slots, run its action,
-    write what it produced, pass the message to the neighbours. Returns (buffers, message)."""
+def local_tick(buf: Local, row: tb.Row, local: list, stack_def, layers: stage_lib.Layers,
+               x0, dy, p: int, split: bool, trash: int, vary: Callable):
+    """One stage's tick: deliver the head's cotangent, run the row's action on its input, pass
+    the message to the neighbours. Returns (buffers, message)."""
     inbox = write(buf.inbox, buf.seed, dy)  # last tick's head seeds the last chunk's backward
-    inp = stage_lib.TickIn(row, read(inbox, row.read), x0, [read(b, row.stash) for b in buf.stash],
-                           read(buf.wdy, row.wdy) if split else None)
-    out = jax.lax.switch(row.branch, fns, inp)
+    first = (row.branch == tb.F_FIRST) | (row.branch == tb.F_ONLY)
+    x = jnp.where(first, x0.astype(inbox.dtype), read(inbox, row.read))
+
+    def params(i):  # layer i of the row's chunk and version, read in place
+        return jax.tree.unflatten(stack_def, [vary(stage_lib.read_at(a, (row.version, row.chunk,
+                                                                        i))) for a in local])
+
+    bufs, msg = stage_lib.tick(layers, params, stage_lib.Buffers(buf.stash, buf.g_local,
+                                                                 buf.wdy), row, x, split, vary)
+    msg = msg.astype(inbox.dtype)
     if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
         inbox = write(inbox, row.from_prev,
-                      jax.lax.ppermute(out.out, "pipe", [(i, (i + 1) % p) for i in range(p)]))
+                      jax.lax.ppermute(msg, "pipe", [(i, (i + 1) % p) for i in range(p)]))
         if p > 2:
             inbox = write(inbox, row.from_next,
-                          jax.lax.ppermute(out.out, "pipe", [(i, (i - 1) % p) for i in range(p)]))
-    inbox = write(inbox, row.from_self, out.out)
+                          jax.lax.ppermute(msg, "pipe", [(i, (i - 1) % p) for i in range(p)]))
+    inbox = write(inbox, row.from_self, msg)
     to_head = (row.branch == tb.F_LAST) | (row.branch == tb.F_ONLY)
-    return Local(
-        stash=[write(b, row.stash, r) for b, r in zip(buf.stash, out.res)],
-        inbox=inbox,
-        wdy=write(buf.wdy, row.wdy, out.wdy) if split else None,
-        g_local=add_at(buf.g_local, (row.version, row.chunk), out.dcp),
-        seed=jnp.where(to_head, row.from_self, buf.seed * 0 + trash)), out.out
+    return Local(stash=bufs.stash, inbox=inbox, wdy=bufs.wdy, g_local=bufs.grad,
+                 seed=jnp.where(to_head, row.from_self, buf.seed * 0 + trash)), msg
 
 
 def _ticks(tables: tb.Tables, unroll: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -289,13 +286,13 @@ def _one_step(carry: Carry, shard: Shard, tables: tb.Tables, tick: Callable, unr
 
 def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
                   vary: Callable) -> Local:
-    """A stage's zeroed buffers sized by the tables (stash slots in the residual's memory
-    space)."""
+    """A stage's zeroed buffers sized by the tables; ``res_abs``: one layer's residuals (stash
+    slots in the residual's memory space)."""
     def zeros(shape, dtype):
         return vary(jnp.zeros(shape, dtype))
 
     def stash_buffer(r):
-        buf = zeros((tables.num_stash, *r.shape), r.dtype)
+        buf = zeros((tables.num_stash, lmax, *r.shape), r.dtype)
         space = getattr(jax.typeof(r), "memory_space", None)
         if space is not None and "host" in str(space).lower():  # an offloaded residual
             buf = jax.device_put(buf, space)
@@ -338,4 +335,4 @@ def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callabl
 
 
 __all__ = ["Carry", "Ends", "Local", "Shard", "add_at", "initial_local", "local_tick",
-           "make_context", "microbatches", "read", "run", "varying", "write"]
+           "chunk_params", "microbatches", "read", "run", "varying", "write"]

@@ -74,13 +74,13 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
     shard = executor.Shard([prm], s.stack)
     vary = executor.varying(("pipe",))
     local = [a[0] for a in shard.local]
-    ctx = executor.make_context(local, shard.stack_def, vary)
+    chunk_params = executor.chunk_params(local, shard.stack_def, vary)
     layer = remat(s.layer)
     g_local = [jnp.zeros_like(x) for x in local]
     held, douts, own, sent = {}, {}, {}, []
 
     def incoming(key, t):  # a message from this stage itself, else one from a neighbour
-        return own.pop(key) if key in own else ctx.vary(feed[t])
+        return own.pop(key) if key in own else vary(feed[t])
 
     def emit(key, to_stage, value):
         if to_stage == st:
@@ -99,7 +99,7 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
             continue
         op, i, c = a
         j = sched.chunks_of(st).index(c)
-        cp = ctx.chunk_params(j, 0)
+        cp = chunk_params(j, 0)
         layer_params = [jax.tree.map(lambda x, k=k: x[k], cp) for k in range(pl.counts[c])]
         if op == "F":  # chunk 0's input comes from the prologue, the last one's output goes
             x = incoming(("x", i, c), t)  # to the head: both over every device (edges)
