@@ -26,13 +26,14 @@ from fiddlejax.pipeline import tables as tb
 
 
 class Local(NamedTuple):
-    """One device's buffers, each with a leading ``pipe`` axis (one slice per stage)."""
+    """One device's buffers, each with a leading ``pipe`` axis (one slice per stage; inside the
+    stage program the device keeps its size-1 slice of that axis, see ``stage.Buffers``)."""
 
     stash: list         # residual buffers [num_stash, lmax, ...], one per residual leaf
     inbox: jax.Array    # [num_inbox, *activation]: messages waiting to be used (+ trash slot)
     wdy: Any            # [num_wdy, lmax, *activation] (split backwards), else None
     g_local: list       # weight gradients of the stage's layers [versions, v, lmax, ...]
-    seed: jax.Array     # inbox slot the head's cotangent goes to next tick (trash if none)
+    seed: jax.Array     # [1]: inbox slot the head's cotangent goes to next tick (trash if none)
 
 
 class Carry(NamedTuple):
@@ -65,9 +66,10 @@ def add_at(leaves: list, idx: tuple, update) -> list:
 class Shard:
     """The parameters as the step holds them: the stacked layers and the outer rest.
 
-    ``local`` leaves are ``[pipe, versions, v, lmax, ...]`` (sharded over ``pipe``; one
-    version, two under 2BW), ``outer`` leaves ``[versions, ...]`` (sharded as the parameters
-    are: a vocabulary over ``pipe`` x ``tensor``).
+    ``local`` leaves are ``[pipe, v, lmax, ...]``, or ``[pipe, 2, v, lmax, ...]`` under 2BW
+    (two versions; one version gets no axis: inserting a size-1 axis lets XLA pick another
+    layout and copy the parameters), sharded over ``pipe``. ``outer`` leaves are
+    ``[versions, ...]``, sharded as the parameters are (a vocabulary over ``pipe`` x ``tensor``).
     """
 
     def __init__(self, versions: list[nnx.State], stack: str):
@@ -76,7 +78,13 @@ class Shard:
         self.stack_def = jax.tree.structure(versions[0][stack])
         parts = [self.split(v) for v in versions]
         self.outer = [jnp.stack(a) for a in zip(*(o for o, _ in parts))]
-        self.local = [jnp.stack(a, axis=1) for a in zip(*(lo for _, lo in parts))]
+        self.versioned = len(versions) > 1
+        self.local = [jnp.stack(a, axis=1) if self.versioned else a[0]
+                      for a in zip(*(lo for _, lo in parts))]
+
+    def at(self, version, chunk) -> tuple:
+        """The index of a chunk's layers in a stage's ``[1, (versions,) v, lmax, ...]`` leaf."""
+        return (0, version, chunk) if self.versioned else (0, chunk)
 
     def split(self, tree) -> tuple[list, list]:
         """(outer leaves, stack leaves)."""
@@ -172,17 +180,14 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     layer = remat(s.layer)
 
     def stage_program(f, n_in: int):
-        """``f`` on each stage's slice of its first ``n_in`` arguments (the rest replicated)."""
-        def per_stage(*args):
-            sliced = [jax.tree.map(lambda a: a[0], x) for x in args[:n_in]]
-            out = f(*sliced, *args[n_in:])
-            return jax.tree.map(lambda a: a[None], out)
-
-        return jax.shard_map(per_stage, mesh=mesh, in_specs=(P("pipe"),) * n_in
+        """``f`` on each stage's slice ``[1, ...]`` of its first ``n_in`` arguments (the rest
+        replicated)."""
+        return jax.shard_map(f, mesh=mesh, in_specs=(P("pipe"),) * n_in
                              + (P(),) * 2, out_specs=P("pipe"), axis_names={"pipe"})
 
     def stage_layers(local: list) -> stage_lib.Layers:
-        example = jax.tree.unflatten(shard.stack_def, [vary(a[0, 0, 0]) for a in local])
+        example = jax.tree.unflatten(shard.stack_def, [vary(stage_lib.read_at(
+            a, (*shard.at(0, 0), 0))) for a in local])
         return stage_lib.Layers(layer, example, vary(jnp.zeros(act.shape, act.dtype)))
 
     def init(local: list, _x0, _dy) -> Local:
@@ -193,7 +198,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     def make_tick():
         """A fresh scan body over the current weights (2BW replaces them between steps)."""
         def stage_tick(buf: Local, row, local: list, x0, dy):
-            return local_tick(buf, tb.Row(*row), local, shard.stack_def, stage_layers(local),
+            return local_tick(buf, row, local, shard, stage_layers(local),
                               vary(x0), vary(dy), pipeline.p, split, tables.trash, vary)
 
         stages = stage_program(stage_tick, 3)
@@ -237,31 +242,35 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     return _steps_2bw(carry, shard, tables, make_tick, update)
 
 
-def local_tick(buf: Local, row: tb.Row, local: list, stack_def, layers: stage_lib.Layers,
+def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage_lib.Layers,
                x0, dy, p: int, split: bool, trash: int, vary: Callable):
     """One stage's tick: deliver the head's cotangent, run the row's action on its input, pass
     the message to the neighbours. Returns (buffers, message)."""
-    inbox = write(buf.inbox, buf.seed, dy)  # last tick's head seeds the last chunk's backward
+    read_at, write_at = stage_lib.read_at, stage_lib.write_at
+    row = tb.Row(*row[0])
+    inbox = write_at(buf.inbox, (0, buf.seed[0]), dy)  # the head's cotangent from last tick
     first = (row.branch == tb.F_FIRST) | (row.branch == tb.F_ONLY)
-    x = jnp.where(first, x0.astype(inbox.dtype), read(inbox, row.read))
+    x = jnp.where(first, x0.astype(inbox.dtype), read_at(inbox, (0, row.read)))
+
+    at = shard.at(row.version, row.chunk)
 
     def params(i):  # layer i of the row's chunk and version, read in place
-        return jax.tree.unflatten(stack_def, [vary(stage_lib.read_at(a, (row.version, row.chunk,
-                                                                        i))) for a in local])
+        return jax.tree.unflatten(shard.stack_def, [vary(read_at(a, (*at, i))) for a in local])
 
     bufs, msg = stage_lib.tick(layers, params, stage_lib.Buffers(buf.stash, buf.g_local,
-                                                                 buf.wdy), row, x, split, vary)
+                                                                 buf.wdy), row, at, x, split, vary)
     msg = msg.astype(inbox.dtype)
     if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
-        inbox = write(inbox, row.from_prev,
-                      jax.lax.ppermute(msg, "pipe", [(i, (i + 1) % p) for i in range(p)]))
+        inbox = write_at(inbox, (0, row.from_prev),
+                         jax.lax.ppermute(msg, "pipe", [(i, (i + 1) % p) for i in range(p)]))
         if p > 2:
-            inbox = write(inbox, row.from_next,
-                          jax.lax.ppermute(msg, "pipe", [(i, (i - 1) % p) for i in range(p)]))
-    inbox = write(inbox, row.from_self, msg)
+            inbox = write_at(inbox, (0, row.from_next),
+                             jax.lax.ppermute(msg, "pipe", [(i, (i - 1) % p) for i in range(p)]))
+    inbox = write_at(inbox, (0, row.from_self), msg)
     to_head = (row.branch == tb.F_LAST) | (row.branch == tb.F_ONLY)
+    seed = buf.seed * 0 + jnp.where(to_head, row.from_self, trash)
     return Local(stash=bufs.stash, inbox=inbox, wdy=bufs.wdy, g_local=bufs.grad,
-                 seed=jnp.where(to_head, row.from_self, buf.seed * 0 + trash)), msg
+                 seed=seed), msg[None]
 
 
 def _ticks(tables: tb.Tables, unroll: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -279,8 +288,7 @@ def _one_step(carry: Carry, shard: Shard, tables: tb.Tables, tick: Callable, unr
     """All ticks of one step: (loss sum, weight, gradients)."""
     table, edges = _ticks(tables, unroll)
     carry = jax.lax.scan(tick, carry, (jnp.asarray(table), jnp.asarray(edges)), unroll=unroll)[0]
-    grads = shard.assemble([g[0] for g in carry.g_outer],
-                           [g[:, 0] for g in carry.local.g_local])
+    grads = shard.assemble([g[0] for g in carry.g_outer], carry.local.g_local)
     return carry.loss[0], carry.weight[0], grads
 
 
@@ -288,8 +296,8 @@ def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
                   vary: Callable) -> Local:
     """A stage's zeroed buffers sized by the tables; ``res_abs``: one layer's residuals (stash
     slots in the residual's memory space)."""
-    def zeros(shape, dtype):
-        return vary(jnp.zeros(shape, dtype))
+    def zeros(shape, dtype):  # with the device's slice [1] of the pipe axis
+        return vary(jnp.zeros((1, *shape), dtype))
 
     def stash_buffer(r):
         buf = zeros((tables.num_stash, lmax, *r.shape), r.dtype)
@@ -302,8 +310,8 @@ def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
         stash=[stash_buffer(r) for r in res_abs],
         inbox=zeros((tables.num_inbox, *act.shape), act.dtype),
         wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if tables.split else None,
-        g_local=[zeros(x.shape, x.dtype) for x in local],
-        seed=vary(jnp.full((), tables.trash, jnp.int32)))
+        g_local=[vary(jnp.zeros_like(x)) for x in local],
+        seed=vary(jnp.full((1,), tables.trash, jnp.int32)))
 
 
 def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callable,

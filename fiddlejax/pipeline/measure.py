@@ -73,7 +73,7 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
     place, last = sched.placement, sched.num_chunks - 1
     shard = executor.Shard([prm], s.stack)
     vary = executor.varying(("pipe",))
-    local = [a[0] for a in shard.local]
+    local = shard.local  # [1, v, lmax, ...]: the device's slice of pipe
     chunk_params = executor.chunk_params(local, shard.stack_def, vary)
     layer = remat(s.layer)
     g_local = [jnp.zeros_like(x) for x in local]
@@ -130,7 +130,7 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
             grads = [vjp(d)[0] for vjp, d in zip(held[(i, c)], douts.pop((i, c)))]
             g_local = add_layers(j, grads)
     grads = shard.assemble([jnp.zeros_like(o[0]) for o in shard.outer],
-                           [g[None] for g in g_local])
+                           g_local)
     sent = sent or [jnp.zeros(feed.shape[1:], feed.dtype)]
     return grads, jnp.stack(sent)[None]
 

@@ -28,9 +28,11 @@ from fiddlejax.pipeline import tables as tb
 class Buffers(NamedTuple):
     """The per-stage buffers a tick's loops carry (a device's slices, no ``pipe`` axis)."""
 
-    stash: list       # residual leaves [num_stash, lmax, ...]
-    grad: list        # weight-gradient accumulators [versions, v, lmax, ...]
-    wdy: Any          # [num_wdy, lmax, *activation]: I's cotangents for W (split), else None
+    stash: list       # residual leaves [1, num_stash, lmax, ...]
+    grad: list        # weight-gradient accumulators [1, (versions,) v, lmax, ...]
+    wdy: Any          # [1, num_wdy, lmax, *activation]: I's cotangents for W (split), else None
+    # (the leading axis is the device's slice of ``pipe``, kept: a reshape there would let XLA
+    # pick another layout for the loop's buffers and copy them whole every tick)
 
 
 class Layers:
@@ -79,27 +81,28 @@ def add_at(buf, idx: tuple, x):
     return write_at(buf, idx, read_at(buf, idx) + x.astype(buf.dtype))
 
 
-def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, x, split: bool,
-         vary: Callable) -> tuple[Buffers, jax.Array]:
+def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: tuple, x,
+         split: bool, vary: Callable) -> tuple[Buffers, jax.Array]:
     """One stage's action for ``row`` on input ``x`` (an activation for F, a cotangent for
-    B and I). ``params(i)`` is layer ``i`` of the row's chunk and version. Returns the updated
-    buffers and the tick's message (F's output or the input cotangent of B and I)."""
+    B and I). ``params(i)`` is layer ``i`` of the row's chunk and version, ``grad_at`` that
+    chunk's index in the accumulators. Returns the updated buffers and the tick's message (F's
+    output or the input cotangent of B and I)."""
     n, b = row.layers, row.branch
     forward = (b == tb.F_MID) | (b == tb.F_FIRST) | (b == tb.F_LAST) | (b == tb.F_ONLY)
     whole = (b == tb.B_MID) | (b == tb.B_FIRST)
     inputs = (b == tb.I_MID) | (b == tb.I_FIRST)
-    slot, grad_at = row.stash, (row.version, row.chunk)
+    slot = (0, row.stash)
 
     def trips(on):
         return jnp.where(on, n, 0)
 
     def res_of(stash, i):
-        return [read_at(s, (slot, i)) for s in stash]
+        return [read_at(s, (*slot, i)) for s in stash]
 
     def fwd(i, c):
         h, stash = c
         h, res = layers.forward(params(i), h)
-        return vary(h), [write_at(s, (slot, i), r) for s, r in zip(stash, res)]
+        return vary(h), [write_at(s, (*slot, i), r) for s, r in zip(stash, res)]
 
     h, stash = jax.lax.fori_loop(0, trips(forward), fwd, (x, buf.stash))
 
@@ -119,14 +122,14 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, x, split: 
         def inp(k, c):  # I: the input-gradient chain, keeping each layer's output cotangent
             dh, wdy = c
             i = n - 1 - k
-            wdy = write_at(wdy, (row.wdy, i), dh)
+            wdy = write_at(wdy, (0, row.wdy, i), dh)
             return vary(layers.vjp(params(i), res_of(stash, i))(dh)[1]), wdy
 
         dx, wdy = jax.lax.fori_loop(0, trips(inputs), inp, (dx, wdy))
 
         def wgt(i, grad):  # W: each layer's weight gradient from the cotangent I kept
             return add_grads(grad, i, layers.vjp(params(i), res_of(stash, i))(
-                read_at(wdy, (row.wdy, i)))[0])
+                read_at(wdy, (0, row.wdy, i)))[0])
 
         grad = jax.lax.fori_loop(0, trips(b == tb.W), wgt, grad)
     return Buffers(stash, grad, wdy), jnp.where(forward, h, dx)
