@@ -1,0 +1,129 @@
+"""Pipeline memory and step time at a real vocabulary size: the embedding and head placement.
+
+GPT with vocabulary 32,768 (d=256, 8 layers, sequences of 64) on (data, pipe, tensor) =
+(1, 4, 2) with 1F1B, m=8, AdamW, 4 sequences per microbatch. Memory is the compiled step's
+``memory_analysis`` per device (abstract model, nothing allocated); the embedding and head's
+share is the difference against the same model at vocabulary 256. Step time is the median of
+``--repeats`` steps, and with ``--baseline DIR`` (a checkout of an older fiddlejax, e.g.
+``git worktree add /tmp/old b7c3edd``) this checkout and the baseline run alternately in
+subprocesses, three times each, on the same batch. Writes benchmarks/results/vocab_parallel.md.
+
+    python benchmarks/vocab_parallel.py [--baseline DIR] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+MiB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _model(vocab: int, tie: bool, abstract: bool):
+    from flax import nnx
+
+    from models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=vocab, seq_len=64, d_model=256, n_heads=4, n_layers=8,
+                    d_ff=1024, tie_embeddings=tie)
+    make = lambda: GPT(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    return nnx.eval_shape(make) if abstract else make()
+
+
+def _trainer(model, kind: str = "1f1b", remat: str = "none"):
+    import jax
+    import optax
+
+    import fiddlejax as fj
+
+    mesh = fj.make_mesh(data=1, pipe=4, tensor=2, devices=jax.devices()[:8])
+    return fj.parallelize(model, optax.adamw(1e-3),
+                          fj.Plan(mesh=mesh, schedule=kind, microbatches=8, remat=remat))
+
+
+def memory_rows() -> list[dict]:
+    rows = []
+    for vocab in (256, 32768):
+        for tie in (False, True):
+            mem = _trainer(_model(vocab, tie, abstract=True)).memory(32)
+            rows.append({"vocab": vocab, "tied": tie, **{k: v / MiB for k, v in mem.items()}})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def time_step(repeats: int) -> dict:
+    """Median step time of this checkout (run in a subprocess by ``--baseline``)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    trainer = _trainer(_model(32768, False, abstract=False))
+    state = trainer.init()
+    batch = trainer.shard_batch(
+        {"tokens": np.random.default_rng(0).integers(0, 32768, (32, 65)).astype(np.int32)})
+    step = trainer.step_function()
+    _, metrics = jax.block_until_ready(step(state, batch))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(step(state, batch))
+        times.append(time.perf_counter() - t)
+    return {"seconds": float(np.median(times)), "loss": float(metrics["loss"])}
+
+
+def _worker(checkout: Path, *args: str):
+    """Run this file's worker mode on the fiddlejax of ``checkout`` (its own models too)."""
+    env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'tests'}"}
+    out = subprocess.run([sys.executable, __file__, "--worker", *args], cwd=checkout,
+                         env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", type=Path)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:  # in a subprocess, on the checkout PYTHONPATH names
+        what, *rest = args.worker
+        print(json.dumps(memory_rows() if what == "memory" else time_step(int(rest[0]))))
+        return 0
+    checkouts = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline
+                                  else {})}
+    out = ["# Embedding and head at vocabulary 32,768 (GPT d=256, 8 layers, (1,4,2) 1f1b, m=8)",
+           "", "Reproduce: `python benchmarks/vocab_parallel.py [--baseline DIR]`. Per device, "
+           "compiled `memory_analysis`, AdamW (float32 parameters, gradients, two moments).", "",
+           "| checkout | vocab | tied | arguments | temp | peak |", "|---|---|---|---|---|---|"]
+    for name, checkout in checkouts.items():
+        for r in _worker(checkout, "memory"):
+            out.append(f"| {name} | {r['vocab']} | {r['tied']} | {r['argument_bytes']:.2f} MiB "
+                       f"| {r['temp_bytes']:.2f} MiB | {r['peak_bytes']:.2f} MiB |")
+            print(out[-1], flush=True)
+    if args.baseline:
+        runs = {"this": [], "baseline": []}
+        for _ in range(3):  # alternately, so machine load hits both alike
+            for name, checkout in checkouts.items():
+                runs[name].append(_worker(checkout, "time", str(args.repeats)))
+            print(runs, flush=True)
+        med = {k: sorted(x["seconds"] for x in v)[1] for k, v in runs.items()}
+        out += ["", f"Step time (median of {args.repeats} steps, 3 alternating runs each): "
+                f"this checkout {med['this']:.3f} s, baseline ({args.baseline}) "
+                f"{med['baseline']:.3f} s, ratio {med['this'] / med['baseline']:.2f}; loss "
+                f"{runs['this'][0]['loss']:.6f} vs {runs['baseline'][0]['loss']:.6f}."]
+    path = ROOT / "benchmarks" / "results" / "vocab_parallel.md"
+    path.write_text("\n".join(out) + "\n")
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
