@@ -1,10 +1,11 @@
-"""The tick scan: one stage's share of a schedule, run inside ``jax.shard_map`` over ``pipe``.
+"""The tick scan: a schedule run per data replica, the stages as one ``shard_map`` per tick.
 
-Per tick, each device reads its :class:`~fiddlejax.pipeline.tables.Row`, reads the buffer slots
-the row names, runs one action in a ``lax.switch`` (``stage.branches``), writes what the action
-returned into the row's slots, and exchanges the tick's message with its neighbours: one
-``ppermute`` forward and one backward (one in all when ``pipe`` is 2). Nothing the size of the
-stash or of the gradient accumulators passes through the switch, so XLA updates them in place.
+Per tick: the prologue runs over every device if a microbatch enters chunk 0 (``Ends``, the
+``tables.Edge`` columns); then each device reads its :class:`~fiddlejax.pipeline.tables.Row`
+and runs its action (``stage.tick``: loops over its chunk's layers, the buffers updated in
+place) and exchanges the tick's message with its neighbours: one ``ppermute`` forward and one
+backward (one in all when ``pipe`` is 2); then the head and loss run over every device if the
+last chunk finished a microbatch, and their cotangent seeds that chunk's backward next tick.
 
 PipeDream-2BW runs K optimizer steps in one program: two weight versions, one scan per step's
 ticks, and each step's update applied between the scans (``update``).
