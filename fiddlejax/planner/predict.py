@@ -24,16 +24,20 @@ each rank holds: layer weights split over ``tensor`` (biases and norms whole), t
 ``virtual x ceil(layers / chunks)`` layers (the runtime pads chunks to equal length), and the
 parameters outside the stack: in a pipeline every leaf of at least 65,536 elements split over
 ``pipe`` x ``tensor`` on every stage (``outer_params``), smaller ones as without a pipeline.
-Gradients are held twice when they accumulate over microbatches (the accumulator and the
-chunk's fresh gradient, both live in the backward; measured). Activations: the stash buffer of
-``held`` (schedule's peak held chunk activations) x layers per chunk x the remat policy's
-residuals per layer, plus the slot a backward reads and the one a forward writes
-(``STASH_TRANSIENT_SLOTS``); for ``zb-h1`` the per-layer output cotangents its split backward
-keeps from I until W, buffered the same way; and a working set: one layer's full residuals on
-this rank (XLA's attention keeps its scores float32 in any compute dtype) with the weights it
-uses, the logits (the larger of the two when the head is vocabulary-parallel: it never runs
-beside a layer), the pipeline inboxes. ``cpu_upcast`` predicts XLA's CPU compile instead: it
-converts the bf16 stash slot a backward reads to float32 at once.
+Gradients are held once in a pipeline: each layer's weight gradient is added, layer by layer
+and in place, into the accumulator the optimizer reads (``pipeline.stage``'s layer loops carry
+it); without a pipeline, microbatches accumulate beside each microbatch's fresh gradients
+(twice). Activations: the stash buffer of ``held`` (schedule's peak held chunk activations) x
+layers per chunk x the remat policy's residuals per layer, a carry of the layer loops that each
+layer reads and writes in place (no slot is copied out and back); for ``zb-h1`` the per-layer
+output cotangents its split backward keeps from I until W, buffered the same way; and a working
+set: one layer's full residuals on this rank (XLA's attention keeps its scores float32 in any
+compute dtype) with the weights it uses, the logits, the pipeline inboxes. A
+vocabulary-parallel head never runs beside a layer, so the larger of the two counts; it holds
+its float32 logits and their gradient, its weight shard's fresh float32 gradient (before it is
+added into the accumulator) and, in bf16, the shard's bf16 copy. ``cpu_upcast`` predicts XLA's
+CPU compile instead: the backward loop carries the bf16 stash converted to float32 (beside a
+layer, not the head).
 
 Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
@@ -73,7 +77,6 @@ from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for, val
 from fiddlejax.planner.workload import ModelSpec
 
 VOCAB_PARALLEL_MIN = 65_536  # the pipeline shards outer leaves this large over pipe x tensor
-STASH_TRANSIENT_SLOTS = 2  # stash slots beside the buffer: the one read, the one written
 MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
 
 
@@ -357,7 +360,10 @@ def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory
     ab = _act_bytes(layout)
     lmax = chunk_layers(model, layout)
     n = stage_params(model, layout)
-    grads_copies = 2 if (layout.microbatches > 1 or p > 1) else 1
+    # A pipeline adds each layer's weight gradient into the accumulator the optimizer reads,
+    # in place (fiddlejax.pipeline.stage): one copy. Without a pipeline, microbatches scan
+    # with an accumulator beside each microbatch's gradients: two.
+    grads_copies = 1 if p > 1 or layout.microbatches == 1 else 2
     two_bw = layout.kind == "2bw"
     # 2bw: W(t) and W(t-1) in the state plus the program's stacked copy of both; a gradient
     # accumulator per version (two steps overlap) plus the reduced gradient.
@@ -369,24 +375,30 @@ def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory
     mb = layout.microbatch_size
     per_layer = model.act_bytes(layout.remat, t, ab) * mb
     held = held_microbatches(layout)
+    upcast = 0.0
     if p > 1:
-        # The stash buffer's ``held`` slots, the slot a backward reads and the one a forward
-        # writes (both leave the per-tick switch as slot-sized values).
-        stash = (held + STASH_TRANSIENT_SLOTS) * lmax * per_layer
+        # The stash buffer's ``held`` slots, a carry of the layer loops: each layer reads and
+        # writes only its own slice in place, so no slot is copied out and back.
+        stash = held * lmax * per_layer
         if layout.kind == "zb-h1":  # I keeps each layer's output cotangent until W
-            stash += (held + STASH_TRANSIENT_SLOTS) * lmax * mb * model.boundary * ab
-        if cpu_upcast and ab < 4:  # the backward's slot converted to float32 at once
-            stash += lmax * per_layer * 4 / ab
+            stash += held * lmax * mb * model.boundary * ab
+        if cpu_upcast and ab < 4:  # the backward loop's carry: the stash converted to float32
+            upcast = stash * 4 / ab
     else:
         stash = model.num_layers * per_layer
     # Transients: one layer's full residuals on this rank (a backward or a recomputation
     # materialises them) with the weights it uses, the fp32 logits and their gradient, and
     # (pipelines) the inboxes that receive activations and cotangents (sized by the schedule's
     # tick table). A vocabulary-parallel head runs between the stage programs, never beside a
-    # layer: the larger of the two counts.
+    # layer: the larger of the two counts. It holds, besides its logits and their gradient, the
+    # fresh float32 gradient of its weight shard (added into the accumulator after the matmul)
+    # and, in bf16, the weight shard's compute-dtype copy.
     vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
-    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout)
+    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout) + upcast
     head = 2 * mb * model.logits / vocab_shards * 4
+    if vocab_parallel(layout) and not layout.fsdp:
+        outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())
+        head += outer * (gb + (ab if ab < 4 else 0))
     working = max(layer, head) if vocab_parallel(layout) else layer + head
     if p > 1:
         working += inbox_slots(layout) * mb * model.boundary * ab
