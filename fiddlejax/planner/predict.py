@@ -28,11 +28,13 @@ Gradients are held once in a pipeline: each layer's weight gradient is added, la
 and in place, into the accumulator the optimizer reads (``pipeline.stage``'s layer loops carry
 it); without a pipeline, microbatches accumulate beside each microbatch's fresh gradients
 (twice). Activations: the stash buffer of ``held`` (schedule's peak held chunk activations) x
-layers per chunk x the remat policy's residuals per layer, a carry of the layer loops that each
+layers per chunk x the remat policy's residuals per layer (without remat, the explicit
+``jax.vjp`` residuals: ``ModelSpec.act_stashed``), a carry of the layer loops that each
 layer reads and writes in place (no slot is copied out and back); for ``zb-h1`` the per-layer
 output cotangents its split backward keeps from I until W, buffered the same way; and a working
 set: one layer's full residuals on this rank (XLA's attention keeps its scores float32 in any
-compute dtype) with the weights it uses, the logits, the pipeline inboxes. A
+compute dtype) with the weights it uses (and, for a whole backward in a pipeline, that layer's
+fresh float32 gradient before it is added in place), the logits, the pipeline inboxes. A
 vocabulary-parallel head never runs beside a layer, so the larger of the two counts; it holds
 its float32 logits and their gradient, its weight shard's fresh float32 gradient (before it is
 added into the accumulator) and, in bf16, the shard's bf16 copy. ``cpu_upcast`` predicts XLA's
@@ -373,7 +375,7 @@ def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory
     opt = n * ob / (d if layout.zero else 1)
     shard = d if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
     mb = layout.microbatch_size
-    per_layer = model.act_bytes(layout.remat, t, ab) * mb
+    per_layer = (model.stash_bytes if p > 1 else model.act_bytes)(layout.remat, t, ab) * mb
     held = held_microbatches(layout)
     upcast = 0.0
     if p > 1:
@@ -395,6 +397,10 @@ def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory
     # and, in bf16, the weight shard's compute-dtype copy.
     vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
     layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout) + upcast
+    if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
+        # gradient is live beside the recomputed residuals until it is added in place
+        ls, lr = model.layer_params
+        layer += (ls / t + lr) * gb
     head = 2 * mb * model.logits / vocab_shards * 4
     if vocab_parallel(layout) and not layout.fsdp:
         outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())

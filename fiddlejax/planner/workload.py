@@ -40,6 +40,9 @@ class ModelSpec:
       working set of a backward or a recomputation).
     - ``act_f32``: policy -> the part of ``act``'s split elements that stays float32 whatever
       the compute dtype (XLA's attention computes its scores and softmax in float32).
+    - ``act_stashed``: (split, replicated) elements a pipeline stashes per layer without remat,
+      when more than ``act["none"]``: it stores ``jax.vjp``'s residuals explicitly, which keeps
+      values (both sides of casts and residual adds) that XLA fuses away inside one program.
     - ``boundary``: elements passed between layers (and between pipeline stages) per sample.
     - ``tp_allreduces``: forward all-reduces of a ``boundary``-sized tensor per layer under
       Megatron tensor parallelism (backward repeats them).
@@ -67,6 +70,7 @@ class ModelSpec:
     layer_costs: tuple[float, ...] | None = None
     outer_leaves: tuple[tuple[int, bool], ...] | None = None
     act_f32: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    act_stashed: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -105,6 +109,15 @@ class ModelSpec:
         at ``nbytes`` each except the float32 ones (``act_f32``)."""
         f32 = self.act_f32.get(policy, 0.0) / tensor
         return (self.act_elems(policy, tensor) - f32) * nbytes + f32 * 4
+
+    def stash_bytes(self, policy: str, tensor: int, nbytes: int) -> float:
+        """Bytes a pipeline stashes per layer and sample on one tensor rank (``act_stashed``
+        without remat, else as :meth:`act_bytes`)."""
+        if policy != "none" or self.act_stashed is None:
+            return self.act_bytes(policy, tensor, nbytes)
+        f32 = self.act_f32.get(policy, 0.0) / tensor
+        split, rep = self.act_stashed
+        return (split / tensor + rep - f32) * nbytes + f32 * 4
 
     def train_flops(self, samples: int, remat: str = "none") -> float:
         """Executed FLOPs of forward + backward on ``samples`` samples (recomputation included:
@@ -166,8 +179,11 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
         "minimal": (3 * h + f, 2 * h),  # named projections and the input
     }
     act = {k: (sp * s, rp * s) for k, (sp, rp) in act.items()}
+    # A pipeline's explicit jax.vjp residuals per token (buffer shapes of the compiled step):
+    # q,k,v and the attention output (4h), the MLP's six, eight model-width values whole.
+    stashed = ((4 * h + 4 * a * s + 6 * f + 2 * a) * s, (8 * h + 4) * s)
     return ModelSpec(
-        name=name or f"gpt-l{layers}-h{hidden}", act_f32=_scores_f32(a, s),
+        name=name or f"gpt-l{layers}-h{hidden}", act_f32=_scores_f32(a, s), act_stashed=stashed,
         num_layers=layers, seq_len=s, hidden=h,
         layer_params=(layer_split, layer_rep),
         prologue_params=pro, epilogue_params=epi,
