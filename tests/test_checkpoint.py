@@ -26,7 +26,9 @@ from models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 # Pipeline layouts need a layer per chunk: 9 layers over 4 stages x 2 chunks is uneven (padded).
-PIPE_CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=9, d_ff=64)
+# PIPE_CFG: 2053 x 32 > 65,536 embedding elements, so pipelines split it over pipe x tensor
+# (padded to 2056) while (8,1,1) keeps 2053 rows: restores cross both paddings and placements.
+PIPE_CFG = GPTConfig(vocab_size=2053, seq_len=16, d_model=32, n_heads=4, n_layers=9, d_ff=64)
 OPT = optax.adamw(1e-2)
 
 
