@@ -156,6 +156,37 @@ class Ends:
     def loss(self, outer: list, y, i):
         return self.staged.weighted_loss(self.shard.assemble(outer), y, self.microbatch(i))
 
+    def embed(self, e: tb.Edge, like):
+        """The activation entering chunk 0 this tick (zeros when no microbatch starts)."""
+        return jax.lax.cond(e.embed >= 0,
+                            lambda: self.prologue(self.outer(e.embed_version), e.embed)
+                            .astype(like.dtype), lambda: self.vary(jnp.zeros_like(like)))
+
+    def after(self, c: Carry, e: tb.Edge, msg, first: int, last: int) -> Carry:
+        """The head and loss on the last chunk's output (stage ``last``'s message) when a
+        microbatch finished (its cotangent goes to ``c.dy``), and the prologue's gradients from
+        chunk 0's input cotangent (stage ``first``'s) when its backward ran. The messages are
+        read inside the conditionals, so no tick without an end moves them."""
+        def head(g_outer, loss, weight, dy):
+            (total, w), (d_outer, dy_new) = jax.value_and_grad(
+                self.loss, argnums=(0, 1), has_aux=True)(self.outer(e.head_version), msg[last],
+                                                         e.head)
+            return (add_at(g_outer, (e.head_version,), d_outer),
+                    add_at([loss], (e.head_step,), [total])[0],
+                    add_at([weight], (e.head_step,), [w.astype(weight.dtype)])[0],
+                    dy_new.astype(dy.dtype))
+
+        g_outer, loss, weight, dy = jax.lax.cond(
+            e.head >= 0, head, lambda *a: a, c.g_outer, c.loss, c.weight, c.dy)
+
+        def embed_grad(g_outer):
+            _, vjp = jax.vjp(lambda o: self.prologue(o, e.embed_grad).astype(msg.dtype),
+                             self.outer(e.embed_grad_version))
+            return add_at(g_outer, (e.embed_grad_version,), vjp(msg[first])[0])
+
+        g_outer = jax.lax.cond(e.embed_grad >= 0, embed_grad, lambda g: g, g_outer)
+        return c._replace(g_outer=g_outer, dy=dy, loss=loss, weight=weight)
+
 
 def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         tables: tb.Tables, update: Callable | None = None):
@@ -207,30 +238,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         def tick(c: Carry, xs):
             rows, e = xs
             e = tb.Edge(*e)
-            x0 = jax.lax.cond(e.embed >= 0,
-                              lambda: ends.prologue(ends.outer(e.embed_version), e.embed)
-                              .astype(act.dtype), lambda: vary_data(jnp.zeros_like(act)))
-            local, msg = stages(c.local, rows, shard.local, x0, c.dy)
-
-            def head(g_outer, loss, weight, dy):
-                (total, w), (d_outer, dy) = jax.value_and_grad(
-                    ends.loss, argnums=(0, 1), has_aux=True)(
-                        ends.outer(e.head_version), msg[last], e.head)
-                return (add_at(g_outer, (e.head_version,), d_outer),
-                        add_at([loss], (e.head_step,), [total])[0],
-                        add_at([weight], (e.head_step,), [w.astype(weight.dtype)])[0],
-                        dy.astype(act.dtype))
-
-            g_outer, loss, weight, dy = jax.lax.cond(
-                e.head >= 0, head, lambda *a: a, c.g_outer, c.loss, c.weight, c.dy)
-
-            def embed_grad(g_outer):
-                _, vjp = jax.vjp(lambda o: ends.prologue(o, e.embed_grad).astype(act.dtype),
-                                 ends.outer(e.embed_grad_version))
-                return add_at(g_outer, (e.embed_grad_version,), vjp(msg[first])[0])
-
-            g_outer = jax.lax.cond(e.embed_grad >= 0, embed_grad, lambda g: g, g_outer)
-            return Carry(local, g_outer, dy, loss, weight), None
+            local, msg = stages(c.local, rows, shard.local, ends.embed(e, act), c.dy)
+            return ends.after(c._replace(local=local), e, msg, first, last), None
 
         return tick
 
