@@ -344,7 +344,7 @@ def test_bloom_shaped_memory_within_10_percent_of_compiled(d, p, t, m):
                        c["vocab_size"], ffn=c["d_ff"], tied=True)
     lo = Layout(tensor=t, pipe=p, data=d, microbatch_size=mb, global_batch=d * m * mb,
                 schedule="1f1b", remat="full", zero=1, precision="bf16-mixed")
-    pred = planner.memory(spec, lo, cpu_upcast=True)
+    pred = planner.memory(spec, lo)
     assert pred.params + pred.optimizer == pytest.approx(compiled["argument_bytes"], rel=1e-3)
     measured = compiled["argument_bytes"] + compiled["temp_bytes"]
     err = pred.total / measured - 1

@@ -310,7 +310,7 @@ def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
         return vary(jnp.zeros((1, *shape), dtype))
 
     def stash_buffer(r):
-        buf = zeros((tables.num_stash, lmax, *r.shape), r.dtype)
+        buf = zeros((tables.num_stash, lmax, *r.shape), stage_lib.storage_dtype(r.dtype))
         space = getattr(jax.typeof(r), "memory_space", None)
         if space is not None and "host" in str(space).lower():  # an offloaded residual
             buf = jax.device_put(buf, space)

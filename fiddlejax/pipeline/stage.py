@@ -76,6 +76,23 @@ def write_at(buf, idx: tuple, x):
     return jax.lax.dynamic_update_slice(buf, x, (*idx, *([0] * (buf.ndim - len(idx)))))
 
 
+def storage_dtype(dtype) -> jnp.dtype:
+    """How the stash stores a residual: 16-bit floats as their bits (``uint16``), so that a
+    backend without native 16-bit arithmetic (XLA's CPU) does not convert the whole buffer to
+    float32 around the loops that slice it; a bitcast costs nothing anywhere."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def _pack(x):
+    to = storage_dtype(x.dtype)
+    return x if to == x.dtype else jax.lax.bitcast_convert_type(x, to)
+
+
+def _unpack(x, dtype):
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def add_at(buf, idx: tuple, x):
     """``buf[idx] += x`` in place."""
     return write_at(buf, idx, read_at(buf, idx) + x.astype(buf.dtype))
@@ -96,13 +113,14 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
     def trips(on):
         return jnp.where(on, n, 0)
 
-    def res_of(stash, i):
-        return [read_at(s, (*slot, i)) for s in stash]
+    def res_of(stash, i):  # a layer's residuals, unpacked to their dtypes
+        return [_unpack(read_at(s, (*slot, i)), r.dtype)
+                for s, r in zip(stash, layers.residuals)]
 
     def fwd(i, c):
         h, stash = c
         h, res = layers.forward(params(i), h)
-        return vary(h), [write_at(s, (*slot, i), r) for s, r in zip(stash, res)]
+        return vary(h), [write_at(s, (*slot, i), _pack(r)) for s, r in zip(stash, res)]
 
     h, stash = jax.lax.fori_loop(0, trips(forward), fwd, (x, buf.stash))
 
@@ -135,4 +153,4 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
     return Buffers(stash, grad, wdy), jnp.where(forward, h, dx)
 
 
-__all__ = ["Buffers", "Layers", "add_at", "read_at", "tick", "write_at"]
+__all__ = ["Buffers", "Layers", "add_at", "read_at", "storage_dtype", "tick", "write_at"]

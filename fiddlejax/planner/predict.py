@@ -37,9 +37,9 @@ compute dtype) with the weights it uses (and, for a whole backward in a pipeline
 fresh float32 gradient before it is added in place), the logits, the pipeline inboxes. A
 vocabulary-parallel head never runs beside a layer, so the larger of the two counts; it holds
 its float32 logits and their gradient, its weight shard's fresh float32 gradient (before it is
-added into the accumulator) and, in bf16, the shard's bf16 copy. ``cpu_upcast`` predicts XLA's
-CPU compile instead: the backward loop carries the bf16 stash converted to float32 (beside a
-layer, not the head).
+added into the accumulator) and, in bf16, the shard's bf16 copy. The stash stores 16-bit
+residuals as their bits, so XLA's CPU compile (which computes bf16 in float32) holds what a GPU
+does: one prediction serves both.
 
 Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
@@ -351,12 +351,8 @@ def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
     return max(layer, outer) * ab if ab < 4 else 0.0
 
 
-def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory:
-    """Predicted bytes per GPU of a layout (see the module docstring for what is counted).
-
-    ``cpu_upcast``: predict XLA's CPU compile instead (to compare with ``memory_analysis`` on
-    the simulated devices): the CPU computes bf16 elementwise work in float32, and the
-    pipeline's backward converts the whole stash slot it reads to float32 at once."""
+def memory(model: ModelSpec, layout: Layout) -> Memory:
+    """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
     t, p, d = layout.tensor, layout.pipe, layout.data
     pb, gb, ob = _bytes(layout)
     ab = _act_bytes(layout)
@@ -377,15 +373,12 @@ def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory
     mb = layout.microbatch_size
     per_layer = (model.stash_bytes if p > 1 else model.act_bytes)(layout.remat, t, ab) * mb
     held = held_microbatches(layout)
-    upcast = 0.0
     if p > 1:
         # The stash buffer's ``held`` slots, a carry of the layer loops: each layer reads and
         # writes only its own slice in place, so no slot is copied out and back.
         stash = held * lmax * per_layer
         if layout.kind == "zb-h1":  # I keeps each layer's output cotangent until W
             stash += held * lmax * mb * model.boundary * ab
-        if cpu_upcast and ab < 4:  # the backward loop's carry: the stash converted to float32
-            upcast = stash * 4 / ab
     else:
         stash = model.num_layers * per_layer
     # Transients: one layer's full residuals on this rank (a backward or a recomputation
@@ -396,7 +389,7 @@ def memory(model: ModelSpec, layout: Layout, cpu_upcast: bool = False) -> Memory
     # fresh float32 gradient of its weight shard (added into the accumulator after the matmul)
     # and, in bf16, the weight shard's compute-dtype copy.
     vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
-    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout) + upcast
+    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout)
     if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
         # gradient is live beside the recomputed residuals until it is added in place
         ls, lr = model.layer_params
