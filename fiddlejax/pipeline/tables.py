@@ -27,7 +27,7 @@ import numpy as np
 from fiddlejax.pipeline import schedules
 from fiddlejax.pipeline.schedules import Action
 
-# Branch indices of the per-tick switch.
+# Action kinds (a row's ``branch``): which of a stage's layer loops run this tick.
 IDLE, F_MID, F_FIRST, F_LAST, F_ONLY, B_MID, B_FIRST, I_MID, I_FIRST, W = range(10)
 NUM_BRANCHES = 10
 
