@@ -51,17 +51,9 @@ def read(buf, i):
     return jax.lax.dynamic_index_in_dim(buf, i, 0, False)
 
 
-def write(buf, i, x):
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
-
-
 def add_at(leaves: list, idx: tuple, update) -> list:
     """``leaves[k][idx] += update[k]`` in place, for an index tuple ``idx``."""
-    def one(g, u):
-        start = (*idx, *([0] * u.ndim))
-        cur = jax.lax.dynamic_slice(g, start, (1,) * len(idx) + u.shape)
-        return jax.lax.dynamic_update_slice(g, cur + u.reshape(cur.shape).astype(g.dtype), start)
-    return [one(g, u) for g, u in zip(leaves, jax.tree.leaves(update))]
+    return [stage_lib.add_at(g, idx, u) for g, u in zip(leaves, jax.tree.leaves(update))]
 
 
 class Shard:
@@ -353,4 +345,4 @@ def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callabl
 
 
 __all__ = ["Carry", "Ends", "Local", "Shard", "add_at", "initial_local", "local_tick",
-           "chunk_params", "microbatches", "read", "run", "varying", "write"]
+           "chunk_params", "microbatches", "read", "run", "varying"]
