@@ -6,7 +6,10 @@ padding-and-causal mask passed to every block) and the UMT5 encoder of jax-ml/bo
 ``nnx.List`` of blocks that return ``(x,)``, an additive padding mask as a side input, RNG streams
 kept by rate-0 dropouts). Each runs on data x tensor, a 1f1b and an interleaved pipeline with the
 single-device loss and gradients; the adapter is a loss function and a name. A Gemma-style model
-with local and global attention blocks checks the repeating unit, and GPT the new form.
+with local and global attention blocks checks the repeating unit. The bundled GPT, BERT, CNN
+and Llama run through the new form (``layers="blocks"``, a loss written in the test) with the
+single-device loss and gradients, and through their explicit protocol (their own ``loss``) to
+the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -195,15 +198,59 @@ def test_blocks_without_a_pattern_are_refused_naming_the_attribute():
         fj.staged.split(model, next_token, layers="blocks")
 
 
-# -- GPT through the new form ---------------------------------------------------------------
-def test_gpt_through_the_new_form():
-    from models.gpt import GPT, GPTConfig
+# -- the bundled models through the new form and through the explicit protocol ---------------
+def mlm_loss(logits, batch):
+    """A user's masked-LM loss: cross-entropy on the masked positions, as (sum, weight)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return (ce * batch["weights"]).sum(), batch["weights"].sum()
 
-    model = GPT(GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_heads=2, n_layers=4, d_ff=32),
-                rngs=nnx.Rngs(0))
-    batch = {"tokens": jax.random.randint(jax.random.key(1), (8, 9), 0, 63)}
-    check_exact(model, lambda m: m(batch["tokens"][:, :-1]), next_token, batch, "blocks",
-                (2, 2, 2, "1f1b", 2, 1))
+
+def classification(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def bundled(name):
+    """A tiny bundled model, how the reference calls it, a user loss equal to the model's own
+    ``loss``, and a batch of 8."""
+    from models.bert import BERT, BERTConfig, mlm_batch
+    from models.cnn import CNN, CNNConfig
+    from models.gpt import GPT, GPTConfig
+    from models.llama import Llama, LlamaConfig
+
+    tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 63)
+    if name == "gpt":
+        cfg = GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_heads=2, n_layers=4, d_ff=32)
+        return GPT(cfg, rngs=nnx.Rngs(0)), lambda m: m(tokens[:, :-1]), next_token, {
+            "tokens": tokens}
+    if name == "llama":  # grouped-query attention: 4 heads, 2 key/value heads
+        cfg = LlamaConfig(vocab_size=63, hidden_size=16, intermediate_size=32,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          seq_len=8)
+        return Llama(cfg, rngs=nnx.Rngs(0)), lambda m: m(tokens[:, :-1]), next_token, {
+            "tokens": tokens}
+    if name == "bert":
+        cfg = BERTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=4, d_ff=32)
+        batch = {k: jnp.asarray(v) for k, v in mlm_batch(np.asarray(tokens), cfg, 0).items()}
+        return BERT(cfg, rngs=nnx.Rngs(0)), lambda m: m(batch["inputs"]), mlm_loss, batch
+    batch = {"images": jax.random.normal(jax.random.key(2), (8, 8, 8, 1)),
+             "labels": jax.random.randint(jax.random.key(3), (8,), 0, 10)}
+    return (CNN(CNNConfig(channels=8, n_layers=4), rngs=nnx.Rngs(0)),
+            lambda m: m(batch["images"]), classification, batch)
+
+
+@pytest.mark.parametrize("name, m", [("gpt", 2), ("bert", 4), ("cnn", 2), ("llama", 4)])
+@pytest.mark.filterwarnings("ignore:tensor=2, but no parameter of CNN")  # channels: no rule
+def test_bundled_model_through_the_new_form_and_the_protocol(name, m):
+    """``layers="blocks"`` names the model's ``stack``: its prologue and head with the user's loss
+    match its ``__call__`` on one device, and its own ``loss`` gives the same result."""
+    model, call, loss_fn, batch = bundled(name)
+    layout_ = (2, 2, 2, "1f1b", m, 1)
+    new = check_exact(model, call, loss_fn, batch, "blocks", layout_)
+    loss, grads = new.loss_and_grads(new.init(), batch)
+    explicit = parallelize(model, optax.sgd(0.1), plan_for(layout_))  # the model's own loss
+    own_loss, own_grads = explicit.loss_and_grads(explicit.init(), batch)
+    assert abs(float(own_loss) - float(loss)) / abs(float(loss)) < 1e-5
+    assert rel_err(own_grads, grads) < 1e-5
 
 
 # -- what cannot be split gets an error naming it and the fix --------------------------------
