@@ -20,11 +20,12 @@ repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attri
   names the differing attribute.
 
 The model is called with the batch entries named like parameters of its ``__call__`` (plus
-``tokens[:, :-1]`` first for a next-token batch of ``tokens``); the loss gets its outputs and the
-whole batch. One shapes-only trace per batch shape checks that the split is faithful: each block
-called once, in order, back to back, every block given the same side inputs, and no side input
-computed from the parameters. Anything else is an error naming the model, the blocks and the
-fix, never a traceback from inside tracing.
+``tokens[:, :-1]`` first for a next-token batch of ``tokens``), and with None for a required
+parameter typed optional that the batch lacks (``cache: Cache | None``: a training forward has no
+KV cache); the loss gets its outputs and the whole batch. One shapes-only trace per batch shape
+checks that the split is faithful: each block called once, in order, back to back, every block
+given the same side inputs, and no side input computed from the parameters. Anything else is an
+error naming the model, the blocks and the fix, never a traceback from inside tracing.
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ class AdaptedModel(StagedModel):
     template: Any = None               # the model's canonical parameters (shapes, metadata)
     sides: dict = dataclasses.field(default_factory=dict)  # message width -> _Side
     callsite: str = ""
-    call_names: frozenset = frozenset()  # parameter names of the model's __call__
+    call_names: tuple = ()             # parameter names of the model's __call__, in order
+    call_nones: frozenset = frozenset()  # required ones typed optional: None if not given
     checked: dict = dataclasses.field(default_factory=dict)  # batch shapes -> block output def
 
     # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) -----------
@@ -298,12 +300,15 @@ class AdaptedModel(StagedModel):
 
     def _call(self, model: nnx.Module, batch: dict) -> Any:
         """The model on a batch: ``tokens[:, :-1]`` for next-token batches, and every batch
-        entry named like a parameter of ``__call__`` as that keyword."""
+        entry named like a parameter of ``__call__`` as that keyword (None for the required
+        optional ones the batch lacks, as a training script passes ``cache=None``)."""
         kwargs = {k: v for k, v in batch.items() if k in self.call_names and k != "tokens"}
+        skip = set(batch) | (set(self.call_names[:1]) if "tokens" in batch else set())
+        defaults = {k: None for k in self.call_nones - skip}
         if "tokens" in batch:
-            return model(batch["tokens"][:, :-1], **kwargs)
+            return model(batch["tokens"][:, :-1], **defaults, **kwargs)
         if kwargs:
-            return model(**kwargs)
+            return model(**defaults, **kwargs)
         raise KeyError(
             f"the batch has keys {sorted(batch)}, none of them a parameter of "
             f"{self.callsite.split('.')[0]}.__call__ {sorted(self.call_names)}: fiddlejax calls "
@@ -523,6 +528,19 @@ def _with_value(v, value, stacked: bool = False):
     return v.replace(value)
 
 
+def _required_optional(params: list[inspect.Parameter]) -> frozenset:
+    """The parameters without a default whose annotation admits None (``X | None``,
+    ``Optional[X]``, also as strings): Flax's Gemma requires ``cache`` and trains with None."""
+    out = set()
+    for p in params:
+        ann = p.annotation if isinstance(p.annotation, str) else repr(p.annotation)
+        keyword = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        optional = {"None", "Optional"} & set(re.findall(r"\w+", ann))
+        if keyword and optional and p.default is inspect.Parameter.empty:
+            out.add(p.name)
+    return frozenset(out)
+
+
 def _describe(x) -> str:
     if isinstance(x, tuple | list):
         return f"a {type(x).__name__} of {len(x)}"
@@ -539,6 +557,8 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
                             "with fn(outputs, batch) -> scalar mean or (sum, weight)")
         loss_fn = type(model).loss.__get__(model)
     check_dropout(model)
+    params = [p for p in inspect.signature(type(model).__call__).parameters.values()
+              if p.name != "self"]
     parent, attr, keys, blocks = _block_paths(model, layers)
     _bad_state(model, blocks, layers)
     sharding.infer_names(model)
@@ -573,7 +593,7 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         num_layers=len(blocks) // unit, loss_fn=loss_fn, unit=unit,
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
         block_keys=block_keys, template=_abstract(canonical), callsite=f"{name}.{layers}",
-        call_names=frozenset(inspect.signature(type(model).__call__).parameters) - {"self"})
+        call_names=tuple(p.name for p in params), call_nones=_required_optional(params))
     return staged, canonical
 
 

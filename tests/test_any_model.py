@@ -1,15 +1,18 @@
 """Any Flax NNX model, unmodified: ``fj.parallelize(model, opt, plan, layers=..., loss=...)``.
 
-Two language models this project did not write, copied byte for byte into ``tests/external``
+Three language models this project did not write, copied byte for byte into ``tests/external``
 (see its README): Flax's own ``examples/lm1b_nnx`` decoder (blocks in numbered attributes, a
-padding-and-causal mask passed to every block) and the UMT5 encoder of jax-ml/bonsai (an
+padding-and-causal mask passed to every block), the UMT5 encoder of jax-ml/bonsai (an
 ``nnx.List`` of blocks that return ``(x,)``, an additive padding mask as a side input, RNG streams
-kept by rate-0 dropouts). Each runs on data x tensor, a 1f1b and an interleaved pipeline with the
-single-device loss and gradients; the adapter is a loss function and a name. A Gemma-style model
-with local and global attention blocks checks the repeating unit. The bundled GPT, BERT, CNN
-and Llama run through the new form (``layers="blocks"``, a loss written in the test) with the
-single-device loss and gradients, and through their explicit protocol (their own ``loss``) to
-the same loss and gradients.
+kept by rate-0 dropouts) and Flax's ``examples/gemma`` Transformer in a Gemma 3 configuration
+(sliding-window local blocks alternating with global ones, stacked as units of two; blocks that
+return ``(cache, x)``; positions and a mask as side inputs; a required ``cache`` passed None).
+Each runs on data x tensor, a 1f1b and an interleaved pipeline with the single-device loss and
+gradients; the adapter is a loss function and a name. A Gemma-style model of our own with local
+and global attention blocks checks the repeating unit's warning and errors. The bundled GPT,
+BERT, CNN and Llama run through the new form (``layers="blocks"``, a loss written in the test)
+with the single-device loss and gradients, and through their explicit protocol (their own
+``loss``) to the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -142,6 +145,66 @@ def test_umt5_unmodified(umt5, layout_):
                 batch, "encoder.block", layout_)
 
 
+# -- Flax's examples/gemma: Gemma 3 with local (sliding-window) and global blocks -----------
+GEMMA_FILES = ("transformer", "transformer_cfg", "modules", "layers", "positional_embeddings",
+               "sow_lib", "helpers", "params")
+
+
+def load_flat(d: Path, names: tuple[str, ...]) -> dict:
+    """Import modules that import each other by bare name (``import layers``), then take those
+    names out of ``sys.modules`` again (gemma's ``helpers`` would shadow ours). ``jaxtyping``,
+    which gemma imports only for the ``Array`` annotation, is stubbed when not installed."""
+    stub = {} if importlib.util.find_spec("jaxtyping") else {
+        "jaxtyping": types.SimpleNamespace(Array=jax.Array)}
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    sys.path.insert(0, str(d))
+    sys.modules.update(stub)
+    try:
+        return {n: importlib.import_module(n) for n in names}
+    finally:
+        sys.path.remove(str(d))
+        for n in (*names, *stub):
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    g = load_flat(EXTERNAL / "flax_gemma", GEMMA_FILES)
+    tcfg, kinds = g["transformer_cfg"], g["transformer_cfg"].AttentionType
+    cfg = tcfg.TransformerConfig.gemma3_1b(  # Gemma 3's own config, shrunk; local, global x 4
+        num_layers=8, num_embed=64, embed_dim=16, hidden_dim=32, num_heads=2, head_dim=8,
+        num_kv_heads=1, sliding_window_size=3,
+        attention_types=tcfg.make_attention_layers_types((kinds.LOCAL_SLIDING, kinds.GLOBAL), 8))
+    model = g["transformer"].Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(1, 64, (16, 11)).astype(np.int32)
+    tokens[:, 9:] = 0  # padding, masked by the model and the loss
+    tokens[6, 5:] = 0
+    inputs, mask = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, :-1] > 0)
+    batch = {"last_tokens": inputs, "targets": jnp.asarray(tokens[:, 1:]),  # no "cache": None
+             "positions": g["transformer"].build_positions_from_mask(mask),  # as flax's
+             "attention_mask": g["transformer"].make_causal_attn_mask(mask)}  # train.py does
+    return model, batch
+
+
+def gemma_loss(outputs, batch):
+    """Next-token cross-entropy over the non-padding targets (the model returns (logits, cache))."""
+    logits, _ = outputs
+    w = (batch["targets"] > 0).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return (ce * w).sum(), w.sum()
+
+
+@pytest.mark.parametrize("layout_", LAYOUTS, ids=lambda t: f"{t[:3]}-{t[3]}")
+def test_flax_gemma3_unmodified(gemma, layout_):
+    model, batch = gemma
+    call = lambda m: m(batch["last_tokens"], batch["positions"], None, batch["attention_mask"])  # noqa: E731
+    with pytest.warns(UserWarning, match=r"attn_type.*units of 2 blocks"):
+        trainer = check_exact(model, call, gemma_loss, batch, "layers", layout_)
+    assert trainer.staged.unit == 2 and trainer.staged.num_layers == 4  # local + global
+
+
 # -- blocks that differ in a static attribute -----------------------------------------------
 class Attn(nnx.Module):
     """Causal attention over a window of ``window`` positions (None: global)."""
@@ -189,6 +252,17 @@ def test_repeating_unit_of_local_and_global_blocks():
         trainer = check_exact(model, lambda m: m(batch["tokens"][:, :-1]), next_token, batch,
                               "blocks", (2, 2, 2, "1f1b", 2, 1))
     assert trainer.staged.num_layers == 2 and trainer.staged.unit == 3
+
+
+def test_required_optional_parameter_is_called_with_none():
+    class Cached(Local):  # as Flax's Gemma: `cache` has no default, and training passes None
+        def __call__(self, tokens, cache: dict | None):
+            assert cache is None
+            return super().__call__(tokens)
+
+    staged, canonical = fj.staged.split(Cached(pattern=(None,), rngs=nnx.Rngs(0)), next_token,
+                                        layers="blocks")
+    staged.prologue(staged.to_staged(canonical), {"tokens": jnp.zeros((2, 9), jnp.int32)})
 
 
 def test_blocks_without_a_pattern_are_refused_naming_the_attribute():
