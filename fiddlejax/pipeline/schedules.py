@@ -913,13 +913,16 @@ def split_backward(schedule: Schedule) -> Schedule:
 
 
 def _greedy_zero_bubble(kind: str, p: int, m: int, v: int, placement: tuple[int, ...],
-                        cap: int) -> Schedule:
+                        caps: tuple[float, ...],
+                        rank: Callable[[Action, int], tuple[int, ...]]) -> Schedule:
     """A zero-bubble order found by lockstep list scheduling with unit-cost F, I and W.
 
-    Each tick every stage runs, in this priority: a ready I (input gradients unblock the
-    stages before it); a ready F (the deepest chunk first), a stage's entry chunk only while it
-    holds fewer than ``cap`` chunk-activations; a deferred W; else it idles. Deferred Ws fill
-    the gaps that 1F1B leaves idle, as in the ZB papers and torch's zero-bubble schedules.
+    Each tick every stage runs its candidate of smallest ``rank(action, k)`` (k: the chunk's
+    position on its stage, 0 = the stage's first chunk in model order), or idles. Candidates
+    are each chunk's next I once its inputs are ready, the oldest deferred W, and each chunk's
+    next ready F while the stage holds fewer than ``caps[k]`` activations, which bounds memory.
+    Deferred Ws fill the gaps that 1F1B leaves idle, as in the ZB papers and torch's zero-bubble
+    schedules. Raises ``ScheduleError`` if the caps starve every stage.
     """
     n = p * v
     chunks = [tuple(c for c in range(n) if placement[c] == st) for st in range(p)]
@@ -933,22 +936,23 @@ def _greedy_zero_bubble(kind: str, p: int, m: int, v: int, placement: tuple[int,
     while left:
         chosen: list[Action | None] = [None] * p
         for st in range(p):
-            ready_i = [(next_i[c], c) for c in chunks[st] if next_i[c] < m
-                       and f_done.get((next_i[c], c), t) < t
-                       and (c == n - 1 or i_done.get((next_i[c], c + 1), t) < t)]
-            ready_f = [(next_f[c], c) for c in chunks[st] if next_f[c] < m
-                       and (c == 0 or f_done.get((next_f[c], c - 1), t) < t)
-                       and (c != chunks[st][0] or held[st] < cap)]
-            if ready_i:
-                mb, c = min(ready_i, key=lambda x: (x[0], -x[1]))
-                chosen[st] = Action("I", mb, c)
-            elif ready_f:
-                mb, c = max(ready_f, key=lambda x: (x[1], -x[0]))
-                chosen[st] = Action("F", mb, c)
-            elif pending[st]:
-                chosen[st] = Action("W", *pending[st].pop(0))
+            ranked = []
+            if pending[st]:  # only the oldest deferred W is a candidate
+                w = Action("W", *pending[st][0])
+                ranked.append((rank(w, chunks[st].index(w.chunk)), w))
+            for k, c in enumerate(chunks[st]):
+                j = next_i[c]
+                if (j < m and f_done.get((j, c), t) < t
+                        and (c == n - 1 or i_done.get((j, c + 1), t) < t)):
+                    ranked.append((rank(Action("I", j, c), k), Action("I", j, c)))
+                j = next_f[c]
+                if (j < m and held[st] < caps[k]
+                        and (c == 0 or f_done.get((j, c - 1), t) < t)):
+                    ranked.append((rank(Action("F", j, c), k), Action("F", j, c)))
+            if ranked:
+                chosen[st] = min(ranked)[1]
         if not any(chosen):
-            raise ScheduleError(f"{kind}: list scheduling stalled at tick {t} (cap={cap})")
+            raise ScheduleError(f"{kind}: list scheduling stalled at tick {t} (caps={caps})")
         for st, a in enumerate(chosen):  # results become visible from the next tick
             if a is None:
                 continue
@@ -961,9 +965,61 @@ def _greedy_zero_bubble(kind: str, p: int, m: int, v: int, placement: tuple[int,
                 i_done[key], next_i[a.chunk] = t, next_i[a.chunk] + 1
                 pending[st].append(key)
             else:
+                pending[st].pop(0)
                 held[st] -= 1
         t += 1
     return Schedule(kind, p, m, v, placement, rows)
+
+
+def _zb_v_row(p: int, m: int, s: int) -> list[Action]:
+    """Stage s's list in the ZB-V paper's hand-made pattern: with unit costs no stage idles
+    after its first tick once m is about 1.5p or more.
+
+    a = s is the stage's chunk on the way down the V, b = 2p-1-s the one on the way up.
+    Warm-up: 2(p-s)-1 forwards of a, s (F b, F a) pairs, p-s (F b, I b, W b) triples; steady
+    state: (F a, I a, W a, F b, I b, W b) while forwards remain; cool-down: s (I a, I b) pairs,
+    p-s (I a, W a) pairs, then the deferred Ws. The peak is 2p activations after the warm-up.
+    The pattern needs 2p-1 microbatches to form, so it is laid out for that many and the
+    missing ones are dropped (valid, but with more bubble for m < 2p-1).
+    """
+    n, a, b = max(m, 2 * p - 1), s, 2 * p - 1 - s
+    nxt: dict[tuple[str, int], int] = {}
+    row: list[Action] = []
+
+    def put(*steps: tuple[str, int]) -> None:
+        for op, c in steps:
+            j = nxt.get((op, c), 0)
+            nxt[op, c] = j + 1
+            if j < m:
+                row.append(Action(op, j, c))
+
+    put(*[("F", a)] * (2 * (p - s) - 1))
+    for _ in range(s):
+        put(("F", b), ("F", a))
+    for _ in range(p - s):
+        put(("F", b), ("I", b), ("W", b))
+    for k in range(n - p):  # the first n-(2p-s-1) rounds still have a forward of a left
+        put(*[("F", a)] * (k < n - (2 * p - s - 1)), ("I", a), ("W", a),
+            ("F", b), ("I", b), ("W", b))
+    for _ in range(s):
+        put(("I", a), ("I", b))
+    for _ in range(p - s):
+        put(("I", a), ("W", a))
+    put(*[("W", b)] * s, *[("W", a)] * s)
+    return row
+
+
+def _v_rank(order: str) -> Callable[[Action, int], tuple[int, ...]]:
+    """Rank by place in ``order`` (op and the chunk's leg of the V: "F1 F0 I0 I1"); W last."""
+    tokens = order.split()
+    return lambda a, k: (tokens.index(f"{a.op}{k}") if a.op != "W" else len(tokens),)
+
+
+# Priority rules for zb-v's list scheduler, for the m where the paper's pattern has not formed:
+# (order, reserve), ``reserve`` keeping that many activation slots free for the V's second leg.
+# No single rule is best for every (p, m); with the pattern they reach the (p-1)/(6m+p-1) bound
+# for every p <= 8 and m >= p but p=7 m=9 and p=8 m=10 (one and two ticks over).
+_ZB_V_RULES = (("F1 F0 I0 I1", 0), ("I0 I1 F1 F0", 0), ("F1 I0 F0 I1", 1))
 
 
 def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
@@ -971,31 +1027,49 @@ def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
 
     Chunk c sits on stage c for the first half and on stage 2p-1-c for the second, so stage 0
     holds both the first and the last chunk and the V's turn is a local hand-off on stage p-1.
-    Ws deferred into the gaps shrink the bubble; the order comes from list scheduling under a
-    memory cap that keeps every stage within 1F1B's activation memory (2p half-size chunk
-    activations).
+    Every stage holds at most 2p half-size chunk activations (1F1B's memory). The order is the
+    paper's pattern (``_zb_v_row``), whose only bubble is the p-1 warm-up ticks once m is
+    about 1.5p or more; for fewer microbatches, the shortest of it and list-scheduled orders
+    under the same memory cap (``_ZB_V_RULES``).
     """
     p, m = stages, microbatches
     if virtual_stages != 2:
         raise ScheduleError(f"zb-v places exactly 2 chunks per stage; got virtual_stages="
                             f"{virtual_stages}: use virtual_stages=2")
     placement = tuple(list(range(p)) + list(reversed(range(p))))
-    # The entry chunk's cap bounds the second leg's activations only indirectly: take the
-    # loosest cap whose peak stays within 1F1B's (2p half-size chunks).
-    for cap in range(2 * p, 1, -1):
-        s = _greedy_zero_bubble("zb-v", p, m, 2, placement, cap=cap)
-        if max(s.held_peak) <= 2 * p:
-            return s
-    return s
+    pattern = Schedule("zb-v", p, m, 2, placement, [_zb_v_row(p, m, s) for s in range(p)])
+    # Stage p-1 cannot start before tick p-1 and has 6m unit actions: nothing beats that.
+    if pattern.simulation.makespan <= 6 * m + p - 1:
+        return pattern
+    found = [pattern]
+    for order, reserve in _ZB_V_RULES:
+        try:
+            found.append(_greedy_zero_bubble("zb-v", p, m, 2, placement,
+                                             (2 * p - reserve, 2 * p), _v_rank(order)))
+        except ScheduleError:  # a rule whose caps starve the pipeline; the others remain
+            continue
+    return min(found, key=lambda s: (s.simulation.makespan, max(s.held_peak)))
 
 
 def interleaved_zb(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Interleaved zero bubble: Megatron's cyclic placement (chunk c on stage c mod p) with
     split backwards and deferred Ws filling the gaps (torch's ScheduleInterleavedZeroBubble).
-    Activation memory is capped near interleaved 1F1B's."""
+    Activation memory is capped near interleaved 1F1B's: the stage's first chunk starts a
+    forward only while the stage holds fewer than p*v activations."""
     p, m, v = stages, microbatches, virtual_stages
     placement = tuple(c % p for c in range(p * v))
-    return _greedy_zero_bubble("interleaved-zb", p, m, v, placement, cap=p * v)
+    caps = (p * v,) + (float("inf"),) * (v - 1)
+    return _greedy_zero_bubble("interleaved-zb", p, m, v, placement, caps, _unblock_first)
+
+
+def _unblock_first(a: Action, k: int) -> tuple[int, ...]:
+    """interleaved-zb's priority: a ready I (it unblocks the stage before; oldest microbatch,
+    deepest chunk), then an F (deepest chunk, oldest microbatch), then a deferred W."""
+    if a.op == "I":
+        return (0, a.microbatch, -a.chunk)
+    if a.op == "F":
+        return (1, -a.chunk, a.microbatch)
+    return (2,)
 
 
 def two_bw(stages: int, microbatches: int, virtual_stages: int = 1, steps: int = 1) -> Schedule:
