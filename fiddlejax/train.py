@@ -167,7 +167,8 @@ class Trainer:
         return self._pipeline.to_internal(params) if self._pipeline else params
 
     def _to_canonical(self, internal: nnx.State) -> nnx.State:
-        params = self._pipeline.to_canonical(internal) if self._pipeline else internal
+        params = (self._pipeline.to_canonical(internal, self.param_shardings) if self._pipeline
+                  else internal)
         return layout.unpad_vocab(self.staged.to_model(params), self._canonical_template)
 
     # -- the computation ---------------------------------------------------------------------

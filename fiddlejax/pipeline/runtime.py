@@ -97,24 +97,52 @@ class Pipeline:
 
         return jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_var)
 
-    def to_internal(self, params: nnx.State) -> nnx.State:
-        idx = jnp.asarray(self.index)
+    def _cyclic(self) -> bool:
+        """Equal chunks placed cyclically (1f1b, interleaved): the canonical order is the
+        internal ``[p, v, n]`` read as ``[v, p, n]``, a transpose that XLA splits with an
+        all-to-all. Any other layout regroups with a gather, which XLA replicates."""
+        p, v, n = self.index.shape
+        L = self.staged.num_layers
+        return L == p * v * n and np.array_equal(
+            self.inverse, np.arange(L).reshape(p, v, n).transpose(1, 0, 2).reshape(-1))
 
-        def regroup(v):
-            a = v[...]
+    def to_internal(self, params: nnx.State) -> nnx.State:
+        idx, cyclic = jnp.asarray(self.index), self._cyclic()
+        p, v, n = self.index.shape
+
+        def regroup(var):
+            a = var[...]
+            if cyclic:
+                return var.replace(jnp.swapaxes(a.reshape(v, p, n, *a.shape[1:]), 0, 1))
             padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
-            return v.replace(jnp.take(padded, idx, axis=0))
+            return var.replace(jnp.take(padded, idx, axis=0))
 
         return self._map_stack(regroup, params)
 
-    def to_canonical(self, internal: nnx.State) -> nnx.State:
-        inv = jnp.asarray(self.inverse)
+    def to_canonical(self, internal: nnx.State, shardings: nnx.State | None = None) -> nnx.State:
+        """The stack as ``[layers, ...]`` in canonical order. Given the internal ``shardings``,
+        every leaf keeps its split (the layer axis over ``pipe`` when it divides): left to
+        itself XLA replicates the regrouped layers, a whole model per device (a 70B checkpoint
+        could not be saved)."""
+        L, stack, cyclic = self.staged.num_layers, self.staged.stack, self._cyclic()
 
-        def ungroup(v):
-            a = v[...]
-            return v.replace(jnp.take(a.reshape(-1, *a.shape[3:]), inv, axis=0))
+        def visit(path, var, sharding=None):
+            a = var[...]
+            spec = None if sharding is None else tuple(sharding.get_value().spec)
+            if getattr(path[0], "key", None) == stack:
+                if cyclic:
+                    a = jnp.swapaxes(a, 0, 1).reshape(L, *a.shape[3:])
+                else:
+                    a = jnp.take(a.reshape(-1, *a.shape[3:]), jnp.asarray(self.inverse), axis=0)
+                spec = None if spec is None else ("pipe" if L % self.p == 0 else None, *spec[3:])
+            if spec is not None:
+                a = jax.lax.with_sharding_constraint(
+                    a, jax.sharding.NamedSharding(self.plan.mesh, P(*spec)))
+            return var.replace(a)
 
-        return self._map_stack(ungroup, internal)
+        if shardings is None:
+            return jax.tree_util.tree_map_with_path(visit, internal, is_leaf=_is_var)
+        return jax.tree_util.tree_map_with_path(visit, internal, shardings, is_leaf=_is_var)
 
     def param_specs(self, internal: nnx.State) -> nnx.State:
         def names(v):
