@@ -64,14 +64,13 @@ def pipelined(kind: str, v: int, m: int, cfg: GPTConfig, remat: str = "none"):
 
 def compiled(trainer, m: int, unroll: int = 1, what: str = "step"):
     """The compiled training step, or (``what="grads"``) the pipeline's loss and gradients in
-    the runtime's own layout, as the step consumes them: ``lower_loss_and_grads`` would add the
-    conversion to the canonical tree, whose gathered layers are not stash."""
+    the runtime's own layout, as the step consumes them (the conversion to the canonical tree
+    is not stash)."""
     trainer.pipeline.tick_unroll = unroll
     state = jax.eval_shape(trainer.init)
     if what == "step":
         return trainer.lower_step(state, batch(m)).compile()
-    internal = jax.jit(trainer._sharded_loss_and_grads)
-    return internal.lower(state.params, trainer._prepare(state, batch(m))).compile()
+    return trainer.lower_loss_and_grads(state, batch(m), canonical=False).compile()
 
 
 def bytes_per_tick(kind: str, v: int, m: int, d: int) -> tuple[float, float]:

@@ -557,9 +557,14 @@ class Trainer:
             self._prepare(state, first)
         return self._steps.lower(state, batches)
 
-    def lower_loss_and_grads(self, state: TrainState, batch: dict):
-        """The lowered ``loss_and_grads``; ``state`` may be abstract."""
-        return self._loss_and_grads.lower(state, self._prepare(state, batch))
+    def lower_loss_and_grads(self, state: TrainState, batch: dict, *, canonical: bool = True):
+        """The lowered ``loss_and_grads``; ``state`` may be abstract. ``canonical=False`` keeps
+        the gradients in the trainer's own layout, as a step consumes them (measurements of
+        the step's memory without the conversion to the model's tree)."""
+        batch = self._prepare(state, batch)
+        if canonical:
+            return self._loss_and_grads.lower(state, batch)
+        return jax.jit(self._sharded_loss_and_grads).lower(state.params, batch)
 
     def step_function(self) -> Callable:
         """``step`` as a jitted function that does not donate its state (for timing loops that

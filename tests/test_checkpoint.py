@@ -117,7 +117,7 @@ def test_canonical_state_keeps_the_layers_split_over_pipe(schedule, virtual):
     stays split over `pipe` (an all-to-all for interleaved), with no replica of the layers."""
     cfg = GPTConfig(vocab_size=256, seq_len=16, d_model=64, n_heads=4, n_layers=8, d_ff=256)
     tr = trainer(1, 4, 2, 0, schedule, virtual, cfg=cfg)
-    to_canonical, to_internal = tr._state_converters()
+    to_canonical, to_internal = jax.jit(tr.to_canonical_state), jax.jit(tr.from_canonical_state)
     abstract = tr.abstract_state()
     out = to_canonical.lower(abstract).compile()
     for path, s in jax.tree_util.tree_flatten_with_path(out.output_shardings.params)[0]:
