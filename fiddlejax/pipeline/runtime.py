@@ -119,29 +119,24 @@ class Pipeline:
 
         return self._map_stack(regroup, params)
 
-    def to_canonical(self, internal: nnx.State, shardings: nnx.State | None = None) -> nnx.State:
-        """The stack as ``[layers, ...]`` in canonical order. Given the internal ``shardings``,
-        every leaf keeps its split (the layer axis over ``pipe`` when it divides): left to
-        itself XLA replicates the regrouped layers, a whole model per device (a 70B checkpoint
-        could not be saved)."""
+    def to_canonical(self, internal: nnx.State, shardings: nnx.State) -> nnx.State:
+        """The stack as ``[layers, ...]`` in canonical order, every leaf keeping its internal
+        ``shardings`` (the layer axis over ``pipe`` when it divides): left to itself XLA
+        replicates the regrouped layers, a whole model per device (a 70B checkpoint could not
+        be saved)."""
         L, stack, cyclic = self.staged.num_layers, self.staged.stack, self._cyclic()
 
-        def visit(path, var, sharding=None):
-            a = var[...]
-            spec = None if sharding is None else tuple(sharding.get_value().spec)
+        def visit(path, var, sharding):
+            a, spec = var[...], tuple(sharding.get_value().spec)
             if getattr(path[0], "key", None) == stack:
                 if cyclic:
                     a = jnp.swapaxes(a, 0, 1).reshape(L, *a.shape[3:])
                 else:
                     a = jnp.take(a.reshape(-1, *a.shape[3:]), jnp.asarray(self.inverse), axis=0)
-                spec = None if spec is None else ("pipe" if L % self.p == 0 else None, *spec[3:])
-            if spec is not None:
-                a = jax.lax.with_sharding_constraint(
-                    a, jax.sharding.NamedSharding(self.plan.mesh, P(*spec)))
-            return var.replace(a)
+                spec = ("pipe" if L % self.p == 0 else None, *spec[3:])
+            return var.replace(jax.lax.with_sharding_constraint(
+                a, jax.sharding.NamedSharding(self.plan.mesh, P(*spec))))
 
-        if shardings is None:
-            return jax.tree_util.tree_map_with_path(visit, internal, is_leaf=_is_var)
         return jax.tree_util.tree_map_with_path(visit, internal, shardings, is_leaf=_is_var)
 
     def param_specs(self, internal: nnx.State) -> nnx.State:
