@@ -80,9 +80,12 @@ SHAPES = {
 
 def pick_layout(spec: planner.ModelSpec, cluster: planner.ClusterSpec,
                 global_batch: int) -> planner.Prediction:
-    """The planner's fastest pipelined zero=3 bf16 layout that fits the cluster."""
+    """The planner's fastest pipelined zero=3 bf16 layout that fits the cluster, gathering
+    per layer: the least memory FSDP holds (gathering once per step is priced and compiled in
+    ``benchmarks/fsdp_gather_once.py``; XLA's CPU would hold its bf16 weights in float32)."""
     ranked = planner.search(spec, cluster, global_batch, zero=(3,), precision="bf16-mixed",
-                            remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4))
+                            remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
+                            fsdp_gathers=("layer",))
     piped = [pr for pr in ranked if pr.layout.pipe > 1 and pr.layout.zero == 3]
     if not piped:
         raise ValueError(f"no pipelined zero=3 layout of {spec.name} fits {cluster.describe()}")
@@ -97,6 +100,7 @@ def compiled_memory(shape: Shape, layout: planner.Layout, seq: int, layers: int)
                         devices=jax.devices()[:layout.gpus])
     plan = fj.Plan(mesh=mesh, schedule=layout.kind, microbatches=layout.microbatches,
                    virtual_stages=layout.virtual_stages, remat=layout.remat, zero=layout.zero,
+                   fsdp_gather=layout.fsdp_gather,
                    compute_dtype="bfloat16" if layout.precision == "bf16-mixed" else "float32")
     trainer = fj.parallelize(model, optax.adamw(1e-4), plan)
     return trainer.memory(layout.global_batch)

@@ -11,6 +11,10 @@ the cast returns float32 gradients, accumulated and reduced in float32.
 
 The prologue and epilogue (embedding, head) see the parameters outside the stack the same way
 (:class:`ViewedModel`).
+
+``Plan(fsdp_gather="step")`` gathers instead once per step (:func:`gather_whole`, in the compute
+dtype) and reduce-scatters the gradient, accumulated over the microbatches in float32 at full
+size, once after the last (:func:`scatter_whole`): 1/m of the traffic for a whole stage held.
 """
 
 from __future__ import annotations
@@ -89,6 +93,72 @@ def only_data(dims: Any, spec_tree: Any) -> Any:
                         spec_tree)
 
 
+def grad_dtype(dtype) -> jnp.dtype:
+    """The dtype gradients accumulate in: float32 for 16-bit floats (weights gathered once in
+    the compute dtype still sum their microbatches' gradients in float32)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def gather_whole(params: Any, dims: Any, specs: Any, dtype: Any = None) -> Any:
+    """Every leaf cast to ``dtype`` (``None``: kept) and then, on its FSDP dimension,
+    all-gathered over ``data``: half the traffic of gathering float32 and casting after. Inside
+    ``shard_map`` over ``data``; the gradient of the result is reduced by :func:`scatter_whole`.
+
+    ``specs``: each leaf's sharding without ``data`` (its pipe and tensor split), which the
+    gathered leaf keeps."""
+    def leaf(x, d, spec):
+        if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(dtype)
+        if d < 0:
+            return x
+        return _per_device(lambda a: _bits_gathered(a, d), x, spec)
+
+    return _per_leaf(leaf, dims, params, specs)
+
+
+def scatter_whole(grads: Any, dims: Any, specs: Any) -> Any:
+    """Each replica's full-size gradient (of :func:`gather_whole`'s result) summed over
+    ``data`` and scattered back to its FSDP shard, in float32, split as ``specs`` say;
+    replicated leaves unchanged."""
+    def leaf(g, d, spec):
+        g = g.astype(grad_dtype(g.dtype))
+        if d < 0:
+            return g
+        return _per_device(lambda a: jax.lax.psum_scatter(a, "data", scatter_dimension=d,
+                                                          tiled=True), g, spec)
+
+    return _per_leaf(leaf, dims, grads, specs)
+
+
+def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
+    """``x`` all-gathered over ``data`` on dimension ``d``; 16-bit floats as their bits, so that
+    a backend without 16-bit arithmetic (XLA's CPU) gathers and holds them as they are instead
+    of in float32 (what a GPU holds; the bitcasts cost nothing)."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return jax.lax.all_gather(x, "data", axis=d, tiled=True)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return jax.lax.bitcast_convert_type(
+        jax.lax.all_gather(bits, "data", axis=d, tiled=True), x.dtype)
+
+
+def _per_device(f: Callable, x: jax.Array, spec: P) -> jax.Array:
+    """``f`` (a collective over the manual ``data``) on each device's block of ``x``, split as
+    ``spec`` says over the other axes. Left to the partitioner, a collective over one manual
+    axis first replicates its operand over the automatic ones (every stage's layers on every
+    device)."""
+    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names={"pipe", "tensor"})(x)
+
+
+def _per_leaf(f: Callable, dims: Any, tree: Any, specs: Any) -> Any:
+    """``f(leaf, dim, spec)`` over a tree whose ``dims`` and ``specs`` trees are prefixes."""
+    def one(d, v, spec):
+        spec = spec.get_value() if _is_var(spec) else spec
+        return jax.tree.map(lambda a: f(a, d, spec), v)
+
+    return jax.tree.map(one, dims, tree, specs)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamView:
     """Gather (over ``data`` on each leaf's FSDP dimension; -1: none) and cast (to the compute
@@ -144,5 +214,5 @@ class ViewedModel:
         return self._inner.epilogue(self._view(params), x, batch)
 
 
-__all__ = ["ParamView", "ViewedModel", "add_data_axis", "fsdp_dims", "only_data",
-           "with_data_axis"]
+__all__ = ["ParamView", "ViewedModel", "add_data_axis", "fsdp_dims", "gather_whole",
+           "grad_dtype", "only_data", "scatter_whole", "with_data_axis"]

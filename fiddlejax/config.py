@@ -126,6 +126,7 @@ SPECS: dict[str, Spec] = {
     "plan.topk_on": Spec(str, choices=("gradients", "updates")),
     "plan.zero": Spec(int, choices=(0, 1, 3)),
     "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
+    "plan.fsdp_gather": Spec(str, choices=("layer", "step")),
     "plan.rules": Spec(dict, null=True),
     "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
     "plan.check_inputs": Spec(bool),

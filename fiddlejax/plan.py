@@ -11,6 +11,7 @@ from fiddlejax.mesh import AXES, axis_size
 from fiddlejax.pipeline import schedules as _schedules
 
 PARTITIONS = ("uniform", "params", "cost")
+FSDP_GATHERS = ("layer", "step")
 
 
 def schedule_kinds() -> tuple[str, ...]:
@@ -56,6 +57,13 @@ class Plan:
       parameters, gradients and optimizer state (ZeRO-3 / FSDP): each layer's weights are
       all-gathered over ``data`` just before use, forward and backward, and its gradients are
       reduce-scattered.
+    - ``fsdp_gather`` (with ``zero=3``): when layers gather their weights. ``"layer"`` (default):
+      just before each use, forward and backward, every microbatch; nothing is held gathered
+      beyond one layer. ``"step"``: once per step, before the first microbatch, in the compute
+      dtype, with the gradient accumulated over the microbatches at full size (float32) and
+      reduce-scattered once after the last (MaxText's ``pipeline_fsdp_ag_once``): 1/m of the
+      gather traffic, for a device's whole stage of weights and gradients held through the
+      step. The planner prices both (``benchmarks/fsdp_gather_once.py``).
     - ``compute_dtype``: the dtype of matmuls, activations, stashes and the messages between
       stages (``"bfloat16"`` for mixed precision; also ``jnp.bfloat16``). Parameters, their
       gradients, the gradient reduction, the optimizer state and the loss stay float32.
@@ -94,6 +102,7 @@ class Plan:
     check_inputs: bool = False
     split_backward: bool | None = None
     compute_dtype: object = "float32"
+    fsdp_gather: str = "layer"
     rules: object = None
 
     def __post_init__(self):
@@ -155,6 +164,13 @@ class Plan:
                 f"zero=3 reduce-scatters each gradient as the transpose of its all-gather; "
                 f"grad_allreduce={self.grad_allreduce!r} would all-reduce whole gradients. "
                 "Use grad_allreduce='xla' with zero=3, or zero=1")
+        if self.fsdp_gather not in FSDP_GATHERS:
+            raise ValueError(f"fsdp_gather={self.fsdp_gather!r} must be 'layer' (each layer "
+                             "gathers its weights before each use) or 'step' (once per step)"
+                             + _close(str(self.fsdp_gather), FSDP_GATHERS))
+        if self.fsdp_gather == "step" and self.zero != 3:
+            raise ValueError(f"fsdp_gather='step' gathers the weights FSDP shards, but zero="
+                             f"{self.zero} does not shard them; set zero=3 (or drop fsdp_gather)")
         if self.partition not in PARTITIONS:
             raise ValueError(
                 f"partition={self.partition!r} must be 'uniform', 'params' or 'cost'"

@@ -137,19 +137,27 @@ class Trainer:
         if plan.zero == 3 and plan.data > 1:
             self._dims = compute.fsdp_dims(internal, spec_tree, plan.data,
                                            lambda path: lead if in_stack(path) else 0)
+            self._gather_specs = spec_tree  # the gathered leaves: split over pipe and tensor
             spec_tree = compute.with_data_axis(spec_tree, self._dims)
         dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
+        # fsdp_gather="step": the whole tree is gathered (and cast) once per step
+        # (_gather_once); the layers then see it as it is.
+        self._gather_dtype = dtype
+        self._gather_step = self._dims is not None and plan.fsdp_gather == "step"
+        per_use = self._dims if not self._gather_step else None
         self._view = (compute.ParamView(dtype)
-                      if self._dims is not None or dtype is not None else None)
+                      if per_use is not None or dtype is not None else None)
+        if self._pipeline is not None:
+            self._pipeline.data_dims = self._dims
         if self._view is None:
             return spec_tree
-        dims = self._dims if self._dims is not None else jax.tree.map(lambda _: -1, internal)
+        dims = per_use if per_use is not None else jax.tree.map(lambda _: -1, internal)
         self._layer_dims = jax.tree.map(lambda d: d - lead if d >= 0 else -1, dims[s.stack])
         outer = jax.tree_util.tree_map_with_path(
             lambda path, d: -1 if in_stack(path) else d, dims)
         self.staged = compute.ViewedModel(s, lambda p: self._view.tree(p, outer))
         if self._pipeline is not None:
-            self._pipeline.staged, self._pipeline.data_dims = self.staged, self._dims
+            self._pipeline.staged = self.staged
         return spec_tree
 
     def _layer_remat(self, remat) -> Callable[[Callable], Callable]:
@@ -191,14 +199,18 @@ class Trainer:
             return total, weight, grads
 
         if m == 1:
-            return one(batch)
+            total, weight, grads = one(batch)
+            return total, weight, jax.tree.map(
+                lambda g: g.astype(compute.grad_dtype(g.dtype)), grads)
         mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
         def body(acc, mb):
             return jax.tree.map(jnp.add, acc, one(mb)), None
 
         zero = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
-        zeros = (zero, zero, jax.tree.map(jnp.zeros_like, params))
+        # float32 sums even for weights gathered once in bf16 (fsdp_gather="step")
+        zeros = (zero, zero, jax.tree.map(
+            lambda x: jnp.zeros_like(x, compute.grad_dtype(x.dtype)), params))
         return jax.lax.scan(body, zeros, mbs)[0]
 
     def _replica_mean(self, total, weight, grads):
@@ -220,6 +232,8 @@ class Trainer:
             return loss, grads
         loss = jax.lax.pmean(loss, "data")
         if self._dims is not None:  # FSDP leaves arrive reduce-scattered (summed): divide
+            if self._gather_step:  # gathered once: whole sums, scattered here, once
+                grads = compute.scatter_whole(grads, self._dims, self._gather_specs)
             grads = jax.tree.map(lambda d, g: jax.tree.map(
                 lambda a: a / n if d >= 0 else jax.lax.pmean(a, "data"), g), self._dims, grads)
         elif self.plan.grad_allreduce in ("xla", "topk"):  # topk: the exact mean (no residual)
@@ -243,7 +257,7 @@ class Trainer:
         with _encodings(self.plan.encodings):
             if self._pipeline is not None:
                 return self._pipeline.loss_and_grads(params, batch, self._reduce_sums,
-                                                     self._remat)
+                                                     self._remat, self._gather_once)
 
             def per_replica(p, b):
                 if self.plan.data > 1:
@@ -251,7 +265,7 @@ class Trainer:
                     # each replica's own gradients (instead of an implicit psum) and the
                     # plan's all-reduce algorithm does the reduction. FSDP shards vary already.
                     p = self._vary_replicated(p)
-                return self._reduce_sums(*self._local_loss_and_grads(p, b))
+                return self._reduce_sums(*self._local_loss_and_grads(self._gather_once(p), b))
 
             if self.plan.data == 1:  # nothing to make manual; GSPMD handles `tensor`
                 return per_replica(params, batch)
@@ -260,6 +274,14 @@ class Trainer:
                 per_replica, mesh=self.mesh, in_specs=(specs, P("data")), out_specs=(P(), specs),
                 axis_names={"data"},
             )(params, batch)
+
+    def _gather_once(self, params: nnx.State) -> nnx.State:
+        """A replica's parameters as its step uses them: ``fsdp_gather="step"`` gathers the
+        FSDP shards (in the compute dtype) once, before the first microbatch; else as given
+        (the layers gather per use)."""
+        if not self._gather_step:
+            return params
+        return compute.gather_whole(params, self._dims, self._gather_specs, self._gather_dtype)
 
     def _vary_replicated(self, params: nnx.State) -> nnx.State:
         if self._dims is None:
@@ -277,7 +299,7 @@ class Trainer:
                 return total / weight
 
             def per_replica(p, b):  # FSDP: layers gather their weights over `data`
-                total, weight = self._microbatch_loss(p, b)
+                total, weight = self._microbatch_loss(self._gather_once(p), b)
                 return jax.lax.psum(total, "data") / jax.lax.psum(weight, "data")
 
             specs = compute.only_data(self._dims, state.params)

@@ -75,6 +75,19 @@ def test_topk_keys_reach_the_plan():
         build.make_plan(config.load(None, base + ["plan.topk_on=weights"]))
 
 
+def test_fsdp_gather_key_reaches_the_plan():
+    """plan.fsdp_gather reaches fiddlejax.Plan; 'step' without zero=3 is refused, naming it."""
+    from fiddlejax.app import build
+
+    base = ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=1", "plan.schedule=1f1b",
+            "plan.virtual_stages=1"]
+    plan = build.make_plan(config.load(None, base + ["plan.zero=3", "plan.fsdp_gather=step"]))
+    assert (plan.zero, plan.fsdp_gather) == (3, "step")
+    assert build.make_plan(config.load(None, base)).fsdp_gather == "layer"
+    with pytest.raises(ValueError, match="fsdp_gather='step' .* set zero=3"):
+        build.make_plan(config.load(None, base + ["plan.fsdp_gather=step"]))
+
+
 def test_optimizer_keys_build_the_named_optimizer():
     """optimizer.name / muon_lr / nesterov / stale_correction reach the optax optimizer."""
     import jax

@@ -9,6 +9,7 @@ import pytest
 
 from fiddlejax import planner
 from fiddlejax.planner import command, published
+from fiddlejax.planner.predict import stage_params
 from fiddlejax.planner.space import Layout
 
 TINY = dict(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=4, d_ff=256)
@@ -22,10 +23,13 @@ LAYOUTS = [
     (1, 4, 2, "zb-h1", 8, "full"),  # + the per-layer cotangents kept from I until W
     (1, 4, 2, "2bw", 4, "full"),  # + the second weight version, two gradient accumulators
     (8, 1, 1, None, 1, "none", 3, "fp32"),  # FSDP: state / 8 + one gathered layer (15%)
+    (2, 2, 2, "1f1b", 4, "full", 3, "fp32", "step"),  # FSDP gathered once: stage held whole
+    (4, 1, 2, None, 2, "none", 3, "fp32", "step"),
 ]  # bf16 with zero=3 through a pipeline: tests/test_scale.py (a Llama, as the benchmark)
 
 
-def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32") -> int:
+def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32",
+                   fsdp_gather="layer") -> int:
     """Argument + temp bytes of the compiled training step on one device (outputs alias the
     donated arguments, so they are not counted twice). 2bw: the multi-step program
     (``trainer.lower_steps``) with K = 1, as ``benchmarks/pipeline_2bw.py`` compiles it."""
@@ -39,7 +43,8 @@ def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32") -> int
     model = GPT(GPTConfig(**TINY), rngs=nnx.Rngs(0))
     mesh = fj.make_mesh(data=d, pipe=p, tensor=t)
     plan = fj.Plan(mesh=mesh, schedule=schedule, microbatches=m, remat=remat, zero=zero,
-                   compute_dtype="bfloat16" if precision == "bf16-mixed" else "float32")
+                   compute_dtype="bfloat16" if precision == "bf16-mixed" else "float32",
+                   fsdp_gather=fsdp_gather)
     trainer = fj.parallelize(model, optax.adamw(1e-3), plan)
     state = jax.eval_shape(trainer.init)
     shape = (d * m * MB, TINY["seq_len"] + 1)
@@ -58,12 +63,14 @@ def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32") -> int
 
 @pytest.mark.parametrize("row", LAYOUTS, ids=lambda r: "-".join(map(str, r)))
 def test_memory_within_10_percent_of_compiled(row):
-    d, p, t, schedule, m, remat, zero, precision = (*row, 0, "fp32")[:8]
+    d, p, t, schedule, m, remat, zero, precision, gather = (*row, *(0, "fp32", "layer")[
+        len(row) - 6:])
     model = planner.preset("tiny")
     lo = Layout(tensor=t, pipe=p, data=d, microbatch_size=MB, global_batch=d * m * MB,
-                schedule=schedule, remat=remat, precision=precision, zero=zero)
+                schedule=schedule, remat=remat, precision=precision, zero=zero,
+                fsdp_gather=gather)
     predicted = planner.memory(model, lo).total
-    measured = compiled_bytes(d, p, t, schedule, m, remat, zero, precision)
+    measured = compiled_bytes(d, p, t, schedule, m, remat, zero, precision, gather)
     err = predicted / measured - 1
     print(f"{lo.short()}: predicted {predicted / 2**20:.2f} MiB, compiled "
           f"{measured / 2**20:.2f} MiB, error {err:+.1%}")
@@ -291,6 +298,33 @@ def test_zero3_and_bf16_memory_rows():
     assert (b0.params, b0.grads, b0.optimizer) == (z0.params, z0.grads, z0.optimizer)
     assert b0.activations == pytest.approx(z0.activations / 2)
     assert b3.total < z3.total < z1.total
+
+
+def test_fsdp_gathered_once_per_step(capsys):
+    """fsdp_gather="step": one all-gather (bf16) and one reduce-scatter (float32) per step
+    instead of m of each (and m backward gathers); the stage's weights gathered in bf16 and its
+    gradient whole (plus its shard) held; no per-layer gather in the working set."""
+    spec, gpus = planner.preset("gpt3-6.7b"), planner.cluster("h100", nodes=2)
+    base = dict(tensor=1, pipe=2, data=8, microbatch_size=1, global_batch=64, schedule="1f1b",
+                remat="full", zero=3, precision="bf16-mixed")
+    per_layer, once = (planner.predict(spec, gpus, Layout(**base, fsdp_gather=g))
+                       for g in ("layer", "step"))
+    m, d = 8, 8
+    # per layer m x (2 gathers of 2-byte + 1 reduce-scatter of 4-byte weights), once 1 + 1
+    assert once.time.data_comm == pytest.approx(per_layer.time.data_comm * 3 / (4 * m), rel=0.05)
+    assert once.time.total < per_layer.time.total
+    n = stage_params(spec, once.layout)
+    assert once.memory.params - per_layer.memory.params == pytest.approx(n * 2)
+    assert once.memory.grads == pytest.approx(n * 4 * (1 + 1 / d))
+    assert once.memory.working < per_layer.memory.working
+    assert "gather=step" in once.layout.short()
+    with pytest.raises(ValueError, match="fsdp_gather='step' .* set zero=3"):
+        planner.validate(Layout(**{**base, "zero": 1}, fsdp_gather="step"), spec)
+    ranked = planner.search(spec, gpus, 64, zero=(3,), precision="bf16-mixed", remats=("full",))
+    assert {pr.layout.fsdp_gather for pr in ranked} == {"layer", "step"}
+    code, out, _ = run_cli(capsys, "predict", *GPT_FLAGS, "--pipe", "2", "--zero", "3",
+                           "--fsdp-gather", "step", "--global-batch", "64", "--json")
+    assert code == 0 and json.loads(out)["layout"]["fsdp_gather"] == "step"
 
 
 def test_search_picks_zero3_where_nothing_else_fits():

@@ -7,6 +7,8 @@ stashes in bf16 on float32 master weights. Sizes are measured on abstract models
 """
 
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -44,19 +46,23 @@ def reference():
     return model, batches, float(loss), grads, losses, params
 
 
-LAYOUTS = [  # data, pipe, tensor, schedule, microbatches, virtual, remat
-    (4, 1, 2, None, 2, 1, "none"),
-    (8, 1, 1, None, 1, 1, "full"),
-    (2, 2, 2, "1f1b", 2, 1, "dots"),
-    (2, 2, 1, "zb-v", 4, 2, "none"),
+LAYOUTS = [  # data, pipe, tensor, schedule, microbatches, virtual, remat, fsdp_gather
+    (4, 1, 2, None, 2, 1, "none", "layer"),
+    (8, 1, 1, None, 1, 1, "full", "layer"),
+    (2, 2, 2, "1f1b", 2, 1, "dots", "layer"),
+    (2, 2, 1, "zb-v", 4, 2, "none", "layer"),
+    (4, 1, 2, None, 2, 1, "full", "step"),
+    (8, 1, 1, None, 2, 1, "none", "step"),
+    (2, 2, 2, "1f1b", 4, 1, "none", "step"),
 ]
 
 
-@pytest.mark.parametrize("data,pipe,tensor,schedule,m,v,remat", LAYOUTS)
-def test_zero3_matches_single_device(reference, data, pipe, tensor, schedule, m, v, remat):
+@pytest.mark.parametrize("data,pipe,tensor,schedule,m,v,remat,gather", LAYOUTS)
+def test_zero3_matches_single_device(reference, data, pipe, tensor, schedule, m, v, remat,
+                                     gather):
     model, batches, ref_loss, ref_grads, ref_losses, ref_params = reference
     plan = fj.Plan(mesh=mesh(data, pipe, tensor), schedule=schedule, microbatches=m,
-                   virtual_stages=v, remat=remat, zero=3)
+                   virtual_stages=v, remat=remat, zero=3, fsdp_gather=gather)
     trainer = fj.parallelize(model, OPT, plan)
     state = trainer.init()
     w1 = state.params["blocks"]["w1"]
@@ -91,6 +97,48 @@ def test_zero3_argument_bytes_and_collectives():
                                      ).compile().as_text()
     assert sizes[3] <= 0.2 * sizes[0], sizes
     assert re.search(r" all-gather(-start)?\(", hlo) and re.search(r" reduce-scatter\(", hlo)
+
+
+def test_gather_once_moves_the_collectives_out_of_the_loops():
+    """fsdp_gather="step" on (2,2,2) 1f1b, m=8: no all-gather or reduce-scatter runs per
+    microbatch or tick (per layer, every one does), the arguments are the same sharded state,
+    and the step holds the stage's weights gathered and its gradient whole: the temp bytes
+    grow by about (2 x data - 1) x the sharded parameters per device (measured 1.00x)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fsdp_gather_once import collectives_in_loops
+
+    model = abstract_gpt(GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=4,
+                                   n_layers=8, d_ff=512))
+    batch = {"tokens": jax.ShapeDtypeStruct((32, 33), jnp.int32)}
+    seen, memory = {}, {}
+    for gather in ("layer", "step"):
+        trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2, 2), microbatches=8,
+                                                     remat="full", zero=3, fsdp_gather=gather))
+        state = trainer.abstract_state()
+        seen[gather] = collectives_in_loops(trainer.lower_step(state, batch).compile().as_text())
+        memory[gather] = trainer.memory(32)
+        shard = sum(x.size * x.dtype.itemsize // 8 for x in jax.tree.leaves(state.params))
+    assert seen["layer"]["all-gather"][1] > 0 and seen["layer"]["reduce-scatter"][1] > 0
+    assert seen["step"]["all-gather"][1] == 0 and seen["step"]["reduce-scatter"][1] == 0
+    assert seen["step"]["all-gather"][0] > 0 and seen["step"]["reduce-scatter"][0] > 0
+    assert memory["step"]["argument_bytes"] == memory["layer"]["argument_bytes"]
+    grown = memory["step"]["temp_bytes"] - memory["layer"]["temp_bytes"]
+    assert grown == pytest.approx((2 * 2 - 1) * shard, rel=0.15), (grown, shard)
+
+
+def test_gather_once_in_bf16(reference):
+    """Weights gathered once in bf16 (16-bit on the wire), gradients summed and reduced in
+    float32, loss within 2% of float32."""
+    model, batches, ref_loss, *_ = reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(
+        mesh=mesh(2, 2, 2), microbatches=2, zero=3, fsdp_gather="step",
+        compute_dtype="bfloat16"))
+    state = trainer.init()
+    hlo = trainer.lower_step(state, batches[0]).compile().as_text()
+    assert re.search(r"= u16\[[^\]]*\][^=\n]* all-gather", hlo)
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert abs(float(loss) - ref_loss) / ref_loss < 0.02
 
 
 def test_bf16_dots_float32_master_weights_and_loss(reference):
@@ -163,6 +211,10 @@ def test_bad_precision_and_indivisible_zero3_fail_before_compiling():
         fj.Plan(mesh=mesh(2), compute_dtype="int8")
     with pytest.raises(ValueError, match="zero=3 reduce-scatters"):
         fj.Plan(mesh=mesh(2), zero=3, grad_allreduce="ring")
+    with pytest.raises(ValueError, match="fsdp_gather='step' .* zero=1 .* set zero=3"):
+        fj.Plan(mesh=mesh(2), zero=1, fsdp_gather="step")
+    with pytest.raises(ValueError, match="fsdp_gather='steps' must be .*did you mean 'step'"):
+        fj.Plan(mesh=mesh(2), zero=3, fsdp_gather="steps")
     # d_model 256, 4 heads of 64, vocabulary 257: the large weights have no dimension data=3
     # divides
     cfg = GPTConfig(vocab_size=257, seq_len=8, d_model=256, n_heads=4, n_layers=1, d_ff=48)

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax.compute import grad_dtype
 from fiddlejax.pipeline import stage as stage_lib
 from fiddlejax.pipeline import tables as tb
 
@@ -236,7 +237,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
         return tick
 
     zeros = lambda *a: vary_data(jnp.zeros(*a))  # noqa: E731
-    carry = Carry(local0, [vary_data(jnp.zeros_like(o)) for o in shard.outer],
+    g_outer = [vary_data(jnp.zeros_like(o, grad_dtype(o.dtype))) for o in shard.outer]
+    carry = Carry(local0, g_outer,
                   zeros(act.shape, act.dtype),
                   zeros((steps,), jnp.float32), zeros((steps,), jnp.float32))
     if update is None:
@@ -312,7 +314,7 @@ def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
         stash=[stash_buffer(r) for r in res_abs],
         inbox=zeros((tables.num_inbox, *act.shape), act.dtype),
         wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if tables.split else None,
-        g_local=[vary(jnp.zeros_like(x)) for x in local],
+        g_local=[vary(jnp.zeros_like(x, grad_dtype(x.dtype))) for x in local],
         seed=vary(jnp.full((1,), tables.trash, jnp.int32)))
 
 

@@ -174,13 +174,16 @@ class Pipeline:
                              axis_names={"data"})
 
     # -- execution ---------------------------------------------------------------------------
-    def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable):
+    def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable,
+                       gather: Callable = lambda prm: prm):
         """Loss and gradients of one step: ``reduce(loss sum, weight, gradients)`` turns each
-        data replica's sums into the step's weighted mean over ``data``."""
+        data replica's sums into the step's weighted mean over ``data``; ``gather`` makes a
+        replica's parameters what its ticks use (FSDP gathered once per step; the gradients
+        are then of its result)."""
         specs = self.data_specs(params)
 
         def per_replica(prm, b):
-            return reduce(*executor.run(self, [prm], b, remat, self.tables))
+            return reduce(*executor.run(self, [gather(prm)], b, remat, self.tables))
 
         return self._over_data(per_replica, (specs, P("data")), (P(), specs))(params, batch)
 

@@ -21,7 +21,7 @@ from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
-from fiddlejax.planner.space import HEADS, PRECISIONS, ZEROS, Layout, schedule_kinds
+from fiddlejax.planner.space import FSDP_GATHERS, HEADS, PRECISIONS, ZEROS, Layout, schedule_kinds
 
 GIB = 2**30
 
@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--remat", default="none", choices=workload.POLICIES)
     pp.add_argument("--zero", type=int, default=0, choices=ZEROS,
                     help="1: optimizer state sharded over data; 3: FSDP")
+    pp.add_argument("--fsdp-gather", default="layer", choices=FSDP_GATHERS,
+                    help="zero=3: gather each layer's weights per use (layer) or a stage's "
+                    "once per step (step)")
     pp.add_argument("--head", default="vocab-parallel", choices=HEADS,
                     help="pipelines: embedding and head vocabulary-parallel on every stage "
                     "(fiddlejax) or on the first and last stage (Megatron-LM, to compare with "
@@ -143,7 +146,7 @@ def _print_search(model, clus, ranked: list[Prediction]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(Console().width, 130))
+    con = Console(width=max(Console().width, 150))
     con.print(f"[bold]{model.name}[/] ({model.params / 1e9:.2f}B params) on {clus.describe()}")
     t = Table(title=f"best {len(ranked)} layouts that fit")
     for c in ("#", "layout", "m", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
@@ -182,7 +185,8 @@ def plan_command(argv: list[str]) -> int:
                         virtual_stages=a.virtual_stages, microbatch_size=a.microbatch_size,
                         global_batch=a.global_batch, schedule=a.schedule,
                         steps_per_call=a.steps_per_call, remat=a.remat, zero=a.zero,
-                        precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap)
+                        precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap,
+                        fsdp_gather=a.fsdp_gather)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))

@@ -49,7 +49,10 @@ optimizer state, and adds to the working set what one layer's use materialises: 
 weights in the compute dtype, the next layer's prefetched, and the full-size float32 weight
 gradient before its reduce-scatter (or the embedding or head with its gradient, if larger). Its
 time pays, per microbatch, an all-gather forward and backward and a reduce-scatter of the
-stage's weights instead of one gradient all-reduce per step.
+stage's weights instead of one gradient all-reduce per step. Gathered once per step
+(``fsdp_gather="step"``) the stage's weights are held gathered in the compute dtype and its
+gradient accumulated at full size in float32 (plus its reduce-scattered shard), for one
+all-gather and one reduce-scatter per step.
 
 2bw (``Pipeline.train_2bw``) adds, per GPU, the second weight version (W(t-1), in the state),
 the program's stacked copy of both versions, a gradient accumulator per version (two steps
@@ -346,6 +349,8 @@ def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
     ls, lr = model.layer_params
     layer = ls / t + lr
     outer = max(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
+    if layout.gathers_once:  # gathered in the compute dtype once per step: in ``params``
+        return 0.0
     if layout.fsdp:
         return max(layer * (2 * ab + 4), outer * (ab + 4))
     return max(layer, outer) * ab if ab < 4 else 0.0
@@ -370,6 +375,11 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
         grads_copies = 3
     opt = n * ob / (d if layout.zero else 1)
     shard = d if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
+    # FSDP gathered once per step: the stage's weights held gathered in the compute dtype and
+    # the gradients accumulated at full size, reduce-scattered into their shards at the end.
+    gathered, grad_shard = 0.0, shard
+    if layout.gathers_once:
+        gathered, grads_copies, grad_shard = n * ab, grads_copies + 1 / d, 1
     mb = layout.microbatch_size
     per_layer = (model.stash_bytes if p > 1 else model.act_bytes)(layout.remat, t, ab) * mb
     held = held_microbatches(layout)
@@ -395,7 +405,7 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
         ls, lr = model.layer_params
         layer += (ls / t + lr) * gb
     head = 2 * mb * model.logits / vocab_shards * 4
-    if vocab_parallel(layout) and not layout.fsdp:
+    if vocab_parallel(layout) and (not layout.fsdp or layout.gathers_once):
         outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())
         head += outer * (gb + (ab if ab < 4 else 0))
     working = max(layer, head) if vocab_parallel(layout) else layer + head
@@ -403,7 +413,8 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
         working += inbox_slots(layout) * mb * model.boundary * ab
     if two_bw:  # the update, computed inside the pipeline program; XLA keeps each further
         working += n * pb + (_steps(layout) - 1) * n * ob  # step's optimizer state (measured)
-    return Memory(params=n * pb * param_copies / shard, grads=n * gb * grads_copies / shard,
+    return Memory(params=n * pb * param_copies / shard + gathered,
+                  grads=n * gb * grads_copies / grad_shard,
                   optimizer=opt, activations=stash, working=working)
 
 
@@ -485,9 +496,11 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     n_params = stage_params(model, layout)
     dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
     if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
-        # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce
-        dp = m * (allreduce_seconds(cluster, d, t * p, n_params * ab)
-                      + allreduce_seconds(cluster, d, t * p, n_params * gb) / 2)
+        # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce;
+        # gathered once per step: one all-gather and one reduce-scatter
+        gather = allreduce_seconds(cluster, d, t * p, n_params * ab) / 2
+        scatter = allreduce_seconds(cluster, d, t * p, n_params * gb) / 2
+        dp = gather + scatter if layout.gathers_once else m * (2 * gather + scatter)
     opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
     opt = opt_bytes / gpu.hbm_bandwidth
     vocab_ar = vocab_allreduces(model, cluster, layout) if vocab_parallel(layout) else 0.0

@@ -34,8 +34,10 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                schedules: Sequence[str] = DEFAULT_SCHEDULES, steps_per_call: int = 1,
                remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 3),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-               precision: str = "fp32", max_tensor: int | None = None) -> Iterator[Layout]:
-    """Every layout worth predicting (unvalidated)."""
+               precision: str = "fp32", max_tensor: int | None = None,
+               fsdp_gathers: Sequence[str] = ("layer", "step")) -> Iterator[Layout]:
+    """Every layout worth predicting (unvalidated); FSDP with several microbatches both
+    ways of gathering (``fsdp_gathers``)."""
     n = cluster.num_gpus
     max_tensor = max_tensor or cluster.gpus_per_node
     for t in _divisors(n):
@@ -58,10 +60,13 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                     k = steps_per_call if sched == "2bw" else 1
                     for remat in remats:
                         for z in zero if d > 1 and sched != "2bw" else (0,):
-                            yield Layout(tensor=t, pipe=p, data=d, virtual_stages=v,
-                                         microbatch_size=mb, global_batch=global_batch,
-                                         schedule=sched, remat=remat, zero=z,
-                                         precision=precision, steps_per_call=k)
+                            m = global_batch // (d * mb)
+                            for g in fsdp_gathers if z == 3 and m > 1 else ("layer",):
+                                yield Layout(tensor=t, pipe=p, data=d, virtual_stages=v,
+                                             microbatch_size=mb, global_batch=global_batch,
+                                             schedule=sched, remat=remat, zero=z,
+                                             precision=precision, steps_per_call=k,
+                                             fsdp_gather=g)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: int | None = None,

@@ -16,6 +16,7 @@ from fiddlejax.planner.workload import ModelSpec
 PRECISIONS = ("fp32", "bf16-mixed")
 HEADS = ("vocab-parallel", "last-stage")
 ZEROS = (0, 1, 3)
+FSDP_GATHERS = ("layer", "step")  # fj.Plan(fsdp_gather=)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
 
 
@@ -45,9 +46,11 @@ class Layout:
     parameters (master weights), gradients and moments in the state, each layer's weights cast to
     bf16 just before use, bf16 activations, stashes and stage-to-stage messages. ``zero``: 1
     shards the optimizer state over ``data``; 3 (FSDP) shards parameters, gradients and
-    optimizer state, and all-gathers each layer's weights just before use. ``dp_overlap`` is
-    the share of the data-parallel gradient reduction hidden under the backward (0 for
-    fiddlejax, which reduces after the last microbatch).
+    optimizer state, and all-gathers each layer's weights just before use (``fsdp_gather=
+    "layer"``, every microbatch) or a stage's weights once per step (``"step"``: held gathered
+    in the compute dtype with a full-size float32 gradient; ``Plan(fsdp_gather=)``).
+    ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under the
+    backward (0 for fiddlejax, which reduces after the last microbatch).
 
     ``head``: where a pipeline runs the embedding and the output head. ``vocab-parallel`` is
     fiddlejax's runtime: sharded over ``pipe`` x ``tensor`` on every stage, run once per
@@ -73,6 +76,7 @@ class Layout:
     head: str = "vocab-parallel"
     optimizer: str = "adam"
     dp_overlap: float = 0.0
+    fsdp_gather: str = "layer"
 
     @property
     def gpus(self) -> int:
@@ -94,6 +98,11 @@ class Layout:
         """ZeRO-3: parameters, gradients and optimizer state sharded over ``data``."""
         return self.zero == 3 and self.data > 1
 
+    @property
+    def gathers_once(self) -> bool:
+        """FSDP gathering a stage's weights once per step (``fsdp_gather="step"``)."""
+        return self.fsdp and self.fsdp_gather == "step"
+
     def short(self) -> str:
         s = f"t{self.tensor} p{self.pipe} d{self.data} mb{self.microbatch_size}"
         if self.pipe > 1:
@@ -101,7 +110,7 @@ class Layout:
             s += f" K{self.steps_per_call}" if self.kind == "2bw" else ""
             s += " head=last-stage" if self.head == "last-stage" else ""
         s += f" remat={self.remat}" + (f" zero{self.zero}" if self.zero else "")
-        return s
+        return s + (" gather=step" if self.fsdp_gather == "step" else "")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -169,6 +178,11 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
     if lo.zero not in ZEROS or isinstance(lo.zero, bool):
         raise ValueError(f"zero={lo.zero!r} must be 0 (off), 1 (optimizer state sharded over "
                          "data) or 3 (FSDP: parameters, gradients and optimizer state)")
+    if lo.fsdp_gather not in FSDP_GATHERS:
+        raise ValueError(f"fsdp_gather={lo.fsdp_gather!r} must be one of {FSDP_GATHERS}")
+    if lo.fsdp_gather == "step" and lo.zero != 3:
+        raise ValueError(f"fsdp_gather='step' gathers FSDP shards; zero={lo.zero} does not "
+                         "shard the parameters: set zero=3")
     if lo.precision not in PRECISIONS:
         raise ValueError(f"precision={lo.precision!r} must be one of {PRECISIONS}")
     if lo.head not in HEADS:
