@@ -144,10 +144,21 @@ def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
 
 def _per_device(f: Callable, x: jax.Array, spec: P) -> jax.Array:
     """``f`` (a collective over the manual ``data``) on each device's block of ``x``, split as
-    ``spec`` says over the other axes. Left to the partitioner, a collective over one manual
-    axis first replicates its operand over the automatic ones (every stage's layers on every
-    device)."""
-    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names={"pipe", "tensor"})(x)
+    ``spec`` says over the axes not yet manual. Left to the partitioner, a collective over one
+    manual axis first replicates its operand over the automatic ones: every stage's layers on
+    every device, a tensor-parallel weight whole on each of its devices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free = {a for a in (*mesh.auto_axes, *mesh.explicit_axes) if a != "data"}
+    if not free:
+        return f(x)
+
+    def kept(part):  # the axes of one dimension's entry that are still free
+        names = part if isinstance(part, tuple) else (part,)
+        names = tuple(a for a in names if a in free)
+        return names if len(names) > 1 else (names[0] if names else None)
+
+    spec = P(*(kept(part) for part in spec))
+    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=free)(x)
 
 
 def _per_leaf(f: Callable, dims: Any, tree: Any, specs: Any) -> Any:
@@ -162,22 +173,25 @@ def _per_leaf(f: Callable, dims: Any, tree: Any, specs: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ParamView:
     """Gather (over ``data`` on each leaf's FSDP dimension; -1: none) and cast (to the compute
-    dtype; ``None``: keep) parameters. ``dims`` trees are prefixes of the parameter trees."""
+    dtype; ``None``: keep) parameters. ``dims`` trees are prefixes of the parameter trees;
+    ``specs`` trees (the same prefixes) give each gathered leaf's split over the other axes."""
 
     dtype: Any = None
 
-    def leaf(self, x: jax.Array, dim: int) -> jax.Array:
+    def leaf(self, x: jax.Array, dim: int, spec: P | None = None) -> jax.Array:
         if dim >= 0:
-            x = jax.lax.all_gather(x, "data", axis=dim, tiled=True)
+            x = _per_device(lambda a: jax.lax.all_gather(a, "data", axis=dim, tiled=True), x,
+                            spec if spec is not None else P())
         if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(self.dtype)
         return x
 
-    def tree(self, params: Any, dims: Any) -> Any:
-        return jax.tree.map(lambda d, v: jax.tree.map(lambda a: self.leaf(a, d), v), dims,
-                            params)
+    def tree(self, params: Any, dims: Any, specs: Any = None) -> Any:
+        if specs is None:
+            specs = jax.tree.map(lambda _: P(), dims)
+        return _per_leaf(self.leaf, dims, params, specs)
 
-    def layer(self, layer: Callable, dims: Any, policy: Callable | None,
+    def layer(self, layer: Callable, dims: Any, policy: Callable | None, specs: Any = None,
               prevent_cse: bool = True) -> Callable:
         """``layer(params, x)`` on gathered, cast parameters, under a checkpoint ``policy``
         (``None``: save everything else) that never saves the gathered or cast weights."""
@@ -187,7 +201,7 @@ class ParamView:
             return False if prim.name in _NOT_SAVED else base(prim, *args, **kwargs)
 
         def viewed(lp, x):
-            return layer(self.tree(lp, dims), x)
+            return layer(self.tree(lp, dims, specs), x)
 
         return jax.checkpoint(viewed, policy=keep, prevent_cse=prevent_cse)
 

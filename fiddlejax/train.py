@@ -134,10 +134,10 @@ class Trainer:
             return getattr(path[0], "key", None) == s.stack
 
         self._dims = None
+        self._gather_specs = spec_tree  # the gathered leaves: split over pipe and tensor
         if plan.zero == 3 and plan.data > 1:
             self._dims = compute.fsdp_dims(internal, spec_tree, plan.data,
                                            lambda path: lead if in_stack(path) else 0)
-            self._gather_specs = spec_tree  # the gathered leaves: split over pipe and tensor
             spec_tree = compute.with_data_axis(spec_tree, self._dims)
         dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
         # fsdp_gather="step": the whole tree is gathered (and cast) once per step
@@ -153,9 +153,13 @@ class Trainer:
             return spec_tree
         dims = per_use if per_use is not None else jax.tree.map(lambda _: -1, internal)
         self._layer_dims = jax.tree.map(lambda d: d - lead if d >= 0 else -1, dims[s.stack])
+        self._layer_specs = jax.tree.map(  # one layer's: the stacking dimensions dropped
+            lambda _, v: P(*tuple(v.get_value() if isinstance(v, nnx.Variable) else v)[lead:]),
+            self._layer_dims, self._gather_specs[s.stack])
         outer = jax.tree_util.tree_map_with_path(
             lambda path, d: -1 if in_stack(path) else d, dims)
-        self.staged = compute.ViewedModel(s, lambda p: self._view.tree(p, outer))
+        self.staged = compute.ViewedModel(
+            s, lambda p: self._view.tree(p, outer, self._gather_specs))
         if self._pipeline is not None:
             self._pipeline.staged = self.staged
         return spec_tree
@@ -167,7 +171,7 @@ class Trainer:
         from fiddlejax.memory import policies
 
         jax_policy = policies.resolve(None if remat == "none" else remat).jax_policy
-        return lambda f: self._view.layer(f, self._layer_dims, jax_policy)
+        return lambda f: self._view.layer(f, self._layer_dims, jax_policy, self._layer_specs)
 
     def _to_internal(self, canonical: nnx.State) -> nnx.State:
         # An adapted model's blocks are stacked first (fiddlejax.adapt), then vocabularies padded.

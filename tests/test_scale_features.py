@@ -126,6 +126,26 @@ def test_gather_once_moves_the_collectives_out_of_the_loops():
     assert grown == pytest.approx((2 * 2 - 1) * shard, rel=0.15), (grown, shard)
 
 
+@pytest.mark.parametrize("pipe,tensor,gather", [(1, 4, "layer"), (2, 2, "layer"),
+                                                (2, 2, "step")])
+def test_fsdp_gathers_keep_the_tensor_split(pipe, tensor, gather):
+    """Gathering over data leaves a tensor-parallel weight split over tensor: no all-gather
+    yields the whole MLP width (d_ff 384, which only the MLP weights have), each yields its
+    1/tensor. Left to the partitioner, a gather over the manual data axis replicated its
+    operand over tensor first."""
+    model = abstract_gpt(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4,
+                                   n_layers=4, d_ff=384))
+    plan = fj.Plan(mesh=mesh(2, pipe, tensor), microbatches=2, zero=3, fsdp_gather=gather)
+    trainer = fj.parallelize(model, OPT, plan)
+    hlo = trainer.lower_step(trainer.abstract_state(),
+                             {"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
+                             ).compile().as_text()
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^=\n]* all-gather(?:-start)?\(", hlo)
+    dims = [set(map(int, s.split(","))) for s in shapes if s]
+    assert any(384 // tensor in d for d in dims), shapes
+    assert not any(384 in d for d in dims), shapes
+
+
 def test_gather_once_in_bf16(reference):
     """Weights gathered once in bf16 (16-bit on the wire), gradients summed and reduced in
     float32, loss within 2% of float32."""
