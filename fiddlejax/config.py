@@ -124,7 +124,7 @@ SPECS: dict[str, Spec] = {
     "plan.grad_allreduce": Spec(str),  # choices: fiddlejax.collectives
     "plan.topk_density": Spec(float, lo=0, hi=1, open_lo=True),
     "plan.topk_on": Spec(str, choices=("gradients", "updates")),
-    "plan.zero": Spec(int, choices=(0, 1, 3)),
+    "plan.zero": Spec(int, choices=(0, 1, 2, 3)),
     "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
     "plan.fsdp_gather": Spec(str, choices=("layer", "step")),
     "plan.rules": Spec(dict, null=True),

@@ -53,8 +53,10 @@ class Plan:
       (Lin et al. 2018) carried over to adaptive optimizers, whose per-coordinate scaling
       otherwise shrinks the delayed bursts error feedback releases (Adam's second moment grows
       with their square).
-    - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1); 3 shards the
-      parameters, gradients and optimizer state (ZeRO-3 / FSDP): each layer's weights are
+    - ``zero``: 1 shards the optimizer state over ``data`` (ZeRO stage 1); 2 also the reduced
+      gradients (ZeRO-2: a reduce-scatter instead of an all-reduce, each replica updating its
+      shard, then the parameters all-gathered: the traffic of plain data parallelism); 3 shards
+      the parameters, gradients and optimizer state (ZeRO-3 / FSDP): each layer's weights are
       all-gathered over ``data`` just before use, forward and backward, and its gradients are
       reduce-scattered.
     - ``fsdp_gather`` (with ``zero=3``): when layers gather their weights. ``"layer"`` (default):
@@ -155,15 +157,15 @@ class Plan:
             raise ValueError(
                 "schedule='2bw' keeps two weight versions per stage and updates them inside the "
                 "pipeline; it does not shard the optimizer state: set zero=0")
-        if self.zero not in (0, 1, 3) or isinstance(self.zero, bool):
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"zero={self.zero!r} must be 0 (off), 1 (shard the optimizer "
-                             "state over data) or 3 (FSDP: shard parameters, gradients and "
-                             "optimizer state over data)")
-        if self.zero == 3 and self.grad_allreduce not in ("xla",):
+                             "state over data), 2 (and the reduced gradients) or 3 (FSDP: "
+                             "shard parameters, gradients and optimizer state over data)")
+        if self.zero in (2, 3) and self.grad_allreduce not in ("xla",):
             raise ValueError(
-                f"zero=3 reduce-scatters each gradient as the transpose of its all-gather; "
-                f"grad_allreduce={self.grad_allreduce!r} would all-reduce whole gradients. "
-                "Use grad_allreduce='xla' with zero=3, or zero=1")
+                f"zero={self.zero} reduce-scatters each gradient; grad_allreduce="
+                f"{self.grad_allreduce!r} would all-reduce whole gradients. Use "
+                f"grad_allreduce='xla' with zero={self.zero}, or zero=1")
         if self.fsdp_gather not in FSDP_GATHERS:
             raise ValueError(f"fsdp_gather={self.fsdp_gather!r} must be 'layer' (each layer "
                              "gathers its weights before each use) or 'step' (once per step)"

@@ -47,7 +47,7 @@ class DenseExchange:
 
     @staticmethod
     def apply(t, state, loss, grads, **changes):
-        grads = jax.lax.with_sharding_constraint(grads, t.param_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, t.grad_shardings)
         updates, opt_state = t.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = _state(state, params=params, opt_state=opt_state, **changes)

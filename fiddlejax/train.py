@@ -86,6 +86,12 @@ class Trainer:
         # remat="auto" is resolved on the first batch, when the step's shapes are known.
         self._remat = None if plan.remat == "auto" else self._layer_remat(plan.remat)
         self.param_shardings = layout.shardings(self.mesh, spec_tree)
+        # ZeRO-2: the reduced gradients split over `data` as the optimizer state is
+        self.grad_shardings = self.param_shardings
+        if plan.zero == 2 and plan.data > 1:
+            self.grad_shardings = jax.tree.map(
+                lambda sp, v: NamedSharding(self.mesh, _add_data_axis(sp, v.shape, plan.data)),
+                spec_tree, internal, is_leaf=lambda x: isinstance(x, P))
         opt_abstract = jax.eval_shape(optimizer.init, internal)
         self.opt_shardings = _opt_shardings(optimizer, opt_abstract, spec_tree, plan)
         # How a step exchanges gradients and steps (dense, top-k, 2BW): chosen once.
@@ -147,6 +153,13 @@ class Trainer:
         per_use = self._dims if not self._gather_step else None
         self._view = (compute.ParamView(dtype)
                       if per_use is not None or dtype is not None else None)
+        # Gradients reduce-scattered whole after the microbatches: FSDP gathered once, or
+        # ZeRO-2 (onto the optimizer state's shards).
+        self._scatter_dims = self._dims if self._gather_step else None
+        if plan.zero == 2 and plan.data > 1:
+            self._scatter_dims = jax.tree.map(
+                lambda v, sp: _data_dim(sp.get_value(), v.shape, plan.data), internal,
+                spec_tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
         if self._pipeline is not None:
             self._pipeline.data_dims = self._dims
         if self._view is None:
@@ -235,11 +248,12 @@ class Trainer:
         if n == 1:  # no data parallelism: nothing to reduce
             return loss, grads
         loss = jax.lax.pmean(loss, "data")
-        if self._dims is not None:  # FSDP leaves arrive reduce-scattered (summed): divide
-            if self._gather_step:  # gathered once: whole sums, scattered here, once
-                grads = compute.scatter_whole(grads, self._dims, self._gather_specs)
+        if self._scatter_dims is not None:  # whole sums (ZeRO-2, FSDP gathered once)
+            grads = compute.scatter_whole(grads, self._scatter_dims, self._gather_specs)
+        sharded = self._dims if self._dims is not None else self._scatter_dims
+        if sharded is not None:  # sharded leaves arrive reduce-scattered (summed): divide
             grads = jax.tree.map(lambda d, g: jax.tree.map(
-                lambda a: a / n if d >= 0 else jax.lax.pmean(a, "data"), g), self._dims, grads)
+                lambda a: a / n if d >= 0 else jax.lax.pmean(a, "data"), g), sharded, grads)
         elif self.plan.grad_allreduce in ("xla", "topk"):  # topk: the exact mean (no residual)
             grads = jax.lax.pmean(grads, "data")
         else:
@@ -261,7 +275,8 @@ class Trainer:
         with _encodings(self.plan.encodings):
             if self._pipeline is not None:
                 return self._pipeline.loss_and_grads(params, batch, self._reduce_sums,
-                                                     self._remat, self._gather_once)
+                                                     self._remat, self._gather_once,
+                                                     self._zero2_specs(params))
 
             def per_replica(p, b):
                 if self.plan.data > 1:
@@ -274,10 +289,18 @@ class Trainer:
             if self.plan.data == 1:  # nothing to make manual; GSPMD handles `tensor`
                 return per_replica(params, batch)
             specs = P() if self._dims is None else compute.only_data(self._dims, params)
+            grad_specs = self._zero2_specs(params) or specs
             return jax.shard_map(
-                per_replica, mesh=self.mesh, in_specs=(specs, P("data")), out_specs=(P(), specs),
-                axis_names={"data"},
+                per_replica, mesh=self.mesh, in_specs=(specs, P("data")),
+                out_specs=(P(), grad_specs), axis_names={"data"},
             )(params, batch)
+
+    def _zero2_specs(self, params: nnx.State) -> Any:
+        """ZeRO-2: the reduced gradients' specs over ``data`` (the optimizer state's
+        shards); ``None`` otherwise (gradients sharded as the parameters)."""
+        if self.plan.zero != 2 or self._scatter_dims is None:
+            return None
+        return compute.only_data(self._scatter_dims, params)
 
     def _gather_once(self, params: nnx.State) -> nnx.State:
         """A replica's parameters as its step uses them: ``fsdp_gather="step"`` gathers the
@@ -694,6 +717,13 @@ def _masked(x) -> bool:
     if isinstance(x, nnx.Variable):
         x = x.get_value()
     return isinstance(x, optax.MaskedNode)
+
+
+def _data_dim(spec: P, shape: tuple[int, ...], data: int) -> int:
+    """The dimension ZeRO shards a leaf's optimizer state (and, with zero=2, its reduced
+    gradient) on over ``data``; -1: none."""
+    parts = tuple(_add_data_axis(spec, shape, data))
+    return parts.index("data") if "data" in parts else -1
 
 
 def _add_data_axis(spec: P, shape: tuple[int, ...], data: int) -> P:

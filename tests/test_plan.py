@@ -30,7 +30,7 @@ BAD = [
     (dict(microbatches=0), "microbatches=0 must be a positive int"),
     (dict(remat="auto"), "needs Plan\\(memory_budget"),
     (dict(remat="auto", memory_budget=-1), "memory_budget=-1 must be a positive number"),
-    (dict(zero=2), "zero=2 must be 0"),
+    (dict(zero=4), "zero=4 must be 0"),
 ]
 
 

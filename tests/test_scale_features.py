@@ -76,6 +76,35 @@ def test_zero3_matches_single_device(reference, data, pipe, tensor, schedule, m,
     assert_steps_match(trainer, state, batches, ref_losses, ref_params)
 
 
+@pytest.mark.parametrize("data,pipe,tensor,schedule", [(4, 1, 2, None), (2, 2, 2, "1f1b"),
+                                                      (8, 1, 1, None)])
+def test_zero2_reduce_scatters_gradients_onto_the_optimizer_shards(reference, data, pipe, tensor,
+                                                                   schedule):
+    """zero=2: single-device loss, gradients and steps; the step reduce-scatters the gradients
+    (zero=1 all-reduces them) and the state converts exactly to and from zero=0."""
+    model, batches, ref_loss, ref_grads, ref_losses, ref_params = reference
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(data, pipe, tensor),
+                                                 schedule=schedule, microbatches=2, zero=2))
+    state = trainer.init()
+    assert "data" not in state.params["blocks"]["w1"].sharding.spec  # parameters replicated
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    zero1 = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(data, pipe, tensor),
+                                               schedule=schedule, microbatches=2, zero=1))
+    for t, scatters in ((trainer, True), (zero1, False)):  # zero=1 all-reduces instead
+        hlo = t.lower_step(state, batches[0]).compile().as_text()
+        assert bool(re.search(r" reduce-scatter\(", hlo)) == scatters
+    plain = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(data, pipe, tensor),
+                                               schedule=schedule, microbatches=2))
+    canonical = trainer.to_canonical_state(state)
+    back = trainer.to_canonical_state(trainer.from_canonical_state(
+        plain.to_canonical_state(plain.from_canonical_state(canonical))))
+    for a, b in zip(jax.tree.leaves(canonical), jax.tree.leaves(back), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert_steps_match(trainer, state, batches, ref_losses, ref_params)
+
+
 SMALL = GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=4, n_layers=4, d_ff=512)
 
 

@@ -149,8 +149,10 @@ def test_errors_before_compile(gpt_reference):
         trainer.step(state, {"tokens": batches[0]["tokens"][:6]})
     with pytest.raises(ValueError, match="pipe=2 but schedule=None"):
         fj.Plan(mesh=mesh(2, 2, pipe=2), schedule=None)
-    with pytest.raises(ValueError, match="zero=2"):
-        fj.Plan(mesh=mesh(2, 2), zero=2)
+    with pytest.raises(ValueError, match="zero=5 must be 0"):
+        fj.Plan(mesh=mesh(2, 2), zero=5)
+    with pytest.raises(ValueError, match="zero=2 reduce-scatters .* grad_allreduce='xla'"):
+        fj.Plan(mesh=mesh(2, 2), zero=2, grad_allreduce="ring")
 
 
 def test_wrong_batch_dtype_and_shape():

@@ -175,17 +175,19 @@ class Pipeline:
 
     # -- execution ---------------------------------------------------------------------------
     def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable,
-                       gather: Callable = lambda prm: prm):
+                       gather: Callable = lambda prm: prm, grad_specs: Any = None):
         """Loss and gradients of one step: ``reduce(loss sum, weight, gradients)`` turns each
         data replica's sums into the step's weighted mean over ``data``; ``gather`` makes a
         replica's parameters what its ticks use (FSDP gathered once per step; the gradients
-        are then of its result)."""
+        are then of its result); ``grad_specs``: the reduced gradients' specs over ``data``
+        (ZeRO-2), else the parameters'."""
         specs = self.data_specs(params)
 
         def per_replica(prm, b):
             return reduce(*executor.run(self, [gather(prm)], b, remat, self.tables))
 
-        return self._over_data(per_replica, (specs, P("data")), (P(), specs))(params, batch)
+        return self._over_data(per_replica, (specs, P("data")),
+                               (P(), grad_specs or specs))(params, batch)
 
     def train_2bw(self, versions: list[nnx.State], opt_state: Any, batches: dict,
                   reduce: Callable, remat: Callable, optimizer: Any, opt_specs: Any):

@@ -495,6 +495,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     pb, gb, ob = _bytes(layout)
     n_params = stage_params(model, layout)
     dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
+    if layout.zero in (1, 2) and d > 1:  # the updated shards all-gathered (half a ring
+        # all-reduce of the parameters); ZeRO-2 reduce-scatters the gradients (the other half)
+        dp = (dp / 2 if layout.zero == 2 else dp) + allreduce_seconds(cluster, d, t * p,
+                                                                        n_params * pb) / 2
     if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
         # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce;
         # gathered once per step: one all-gather and one reduce-scatter

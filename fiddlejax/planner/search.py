@@ -32,7 +32,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                schedules: Sequence[str] = DEFAULT_SCHEDULES, steps_per_call: int = 1,
-               remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 3),
+               remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 2, 3),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
                precision: str = "fp32", max_tensor: int | None = None,
                fsdp_gathers: Sequence[str] = ("layer", "step")) -> Iterator[Layout]:

@@ -15,7 +15,7 @@ from fiddlejax.planner.workload import ModelSpec
 
 PRECISIONS = ("fp32", "bf16-mixed")
 HEADS = ("vocab-parallel", "last-stage")
-ZEROS = (0, 1, 3)
+ZEROS = (0, 1, 2, 3)
 FSDP_GATHERS = ("layer", "step")  # fj.Plan(fsdp_gather=)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
 
@@ -45,10 +45,12 @@ class Layout:
     activations); ``bf16-mixed`` is ``fj.Plan(compute_dtype="bfloat16")``: the same float32
     parameters (master weights), gradients and moments in the state, each layer's weights cast to
     bf16 just before use, bf16 activations, stashes and stage-to-stage messages. ``zero``: 1
-    shards the optimizer state over ``data``; 3 (FSDP) shards parameters, gradients and
-    optimizer state, and all-gathers each layer's weights just before use (``fsdp_gather=
-    "layer"``, every microbatch) or a stage's weights once per step (``"step"``: held gathered
-    in the compute dtype with a full-size float32 gradient; ``Plan(fsdp_gather=)``).
+    shards the optimizer state over ``data`` (the gradients all-reduced, the updated parameters
+    all-gathered); 2 also the reduced gradients (a reduce-scatter instead); 3 (FSDP) shards
+    parameters, gradients and optimizer state, and all-gathers each layer's weights just
+    before use (``fsdp_gather="layer"``, every microbatch) or a stage's weights once per step
+    (``"step"``: held gathered in the compute dtype with a full-size float32 gradient;
+    ``Plan(fsdp_gather=)``).
     ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under the
     backward (0 for fiddlejax, which reduces after the last microbatch).
 
@@ -177,7 +179,8 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
                          f"{sorted(model.act)}")
     if lo.zero not in ZEROS or isinstance(lo.zero, bool):
         raise ValueError(f"zero={lo.zero!r} must be 0 (off), 1 (optimizer state sharded over "
-                         "data) or 3 (FSDP: parameters, gradients and optimizer state)")
+                         "data), 2 (and the reduced gradients) or 3 (FSDP: parameters, "
+                         "gradients and optimizer state)")
     if lo.fsdp_gather not in FSDP_GATHERS:
         raise ValueError(f"fsdp_gather={lo.fsdp_gather!r} must be one of {FSDP_GATHERS}")
     if lo.fsdp_gather == "step" and lo.zero != 3:
