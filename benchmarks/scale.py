@@ -9,7 +9,7 @@ prediction is printed beside it, and the error compares them (the bar: within 15
 stash stores 16-bit residuals as their bits, so the CPU compile holds what a GPU would.
 Writes ``benchmarks/results/scale.md``.
 
-    python benchmarks/scale.py [--layers N] [--seq 4096] [--only 8b|70b]
+    python benchmarks/scale.py [--layers N] [--seq 4096] [--only 8b|70b] [--layout T,P,D,MB]
 
 ``--layers N`` compiles N and 2N layers instead of all of them (a full 70B compile needs more
 RAM and time than a small machine has) and extrapolates linearly per layer: compiled(L) =
@@ -107,10 +107,11 @@ def compiled_memory(shape: Shape, layout: planner.Layout, seq: int, layers: int)
 
 
 def measure(shape: Shape, seq: int, cluster: planner.ClusterSpec,
-            layers: int | None = None) -> dict:
-    """One row: the planner's layout and prediction, and the compiled peak bytes per device
-    (extrapolated from ``layers`` and ``2 x layers`` when given)."""
-    pr = pick_layout(shape.spec(seq), cluster, shape.global_batch)
+            layers: int | None = None, layout: planner.Layout | None = None) -> dict:
+    """One row: the planner's layout (or ``layout``) and prediction, and the compiled peak
+    bytes per device (extrapolated from ``layers`` and ``2 x layers`` when given)."""
+    pr = (pick_layout(shape.spec(seq), cluster, shape.global_batch) if layout is None
+          else planner.predict(shape.spec(seq), cluster, layout))
     lo = pr.layout
     t0 = time.perf_counter()
     if layers is None or layers >= shape.layers:
@@ -171,6 +172,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, help="compile N and 2N layers and extrapolate")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--only", choices=sorted(SHAPES))
+    ap.add_argument("--layout", metavar="T,P,D,MB",
+                    help="compile this tensor,pipe,data,microbatch-size layout (1f1b, full "
+                    "remat, zero=3, bf16) of the --only shape instead of the planner's pick; "
+                    "prints its row, writes nothing")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.md"))
     a = ap.parse_args()
     rows = []
@@ -178,9 +183,17 @@ def main() -> int:
         if a.only and key != a.only:
             continue
         cluster = planner.cluster("h100", nodes=shape.gpus // 8)
-        row = measure(shape, a.seq, cluster, a.layers)
+        given = None
+        if a.layout:
+            t, p, d, mb = (int(x) for x in a.layout.split(","))
+            given = planner.Layout(tensor=t, pipe=p, data=d, microbatch_size=mb,
+                                   global_batch=shape.global_batch, schedule="1f1b",
+                                   remat="full", zero=3, precision="bf16-mixed")
+        row = measure(shape, a.seq, cluster, a.layers, given)
         rows.append(row)
         print(markdown([row]).splitlines()[-1], f"({row['compile_s']:.0f} s)", flush=True)
+    if a.layout:
+        return 0 if all(abs(r["error"]) < 0.15 for r in rows) else 1
     table = markdown(rows)
     print(table)
     cmd = "python benchmarks/scale.py" + (f" --layers {a.layers}" if a.layers else "")
