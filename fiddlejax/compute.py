@@ -133,8 +133,8 @@ def scatter_whole(grads: Any, dims: Any, specs: Any) -> Any:
 
 def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
     """``x`` all-gathered over ``data`` on dimension ``d``; 16-bit floats as their bits, so that
-    a backend without 16-bit arithmetic (XLA's CPU) gathers and holds them as they are instead
-    of in float32 (what a GPU holds; the bitcasts cost nothing)."""
+    a backend without 16-bit arithmetic (XLA's CPU) sends 16 bits instead of converting to
+    float32 before the collective (a GPU sends 16 bits either way; the bitcasts cost nothing)."""
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return jax.lax.all_gather(x, "data", axis=d, tiled=True)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
