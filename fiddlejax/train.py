@@ -189,7 +189,10 @@ class Trainer:
     def _to_internal(self, canonical: nnx.State) -> nnx.State:
         # An adapted model's blocks are stacked first (fiddlejax.adapt), then vocabularies padded.
         params = layout.pad_vocab(self.staged.to_staged(canonical), self._vocab_multiple)
-        return self._pipeline.to_internal(params) if self._pipeline else params
+        if self._pipeline is None:
+            return params
+        # the shardings exist once __init__ has them (its own shape-only call goes without)
+        return self._pipeline.to_internal(params, getattr(self, "param_shardings", None))
 
     def _to_canonical(self, internal: nnx.State) -> nnx.State:
         params = (self._pipeline.to_canonical(internal, self.param_shardings) if self._pipeline

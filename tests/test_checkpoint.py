@@ -111,10 +111,12 @@ def test_restore_onto_another_layout_is_bit_exact(pair, tmp_path):
 
 
 
-@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved-1f1b", 2),
+                                               ("zb-v", 2)])
 def test_canonical_state_keeps_the_layers_split_over_pipe(schedule, virtual):
     """Saving and restoring never hold a whole model per device: the canonical layer stack
-    stays split over `pipe` (an all-to-all for interleaved), with no replica of the layers."""
+    stays split over `pipe` (an all-to-all for interleaved, chunks sent stage to stage for
+    zb-v's V), with no replica of the layers, and converts back bit for bit."""
     cfg = GPTConfig(vocab_size=256, seq_len=16, d_model=64, n_heads=4, n_layers=8, d_ff=256)
     tr = trainer(1, 4, 2, 0, schedule, virtual, cfg=cfg)
     to_canonical, to_internal = jax.jit(tr.to_canonical_state), jax.jit(tr.from_canonical_state)
@@ -130,6 +132,8 @@ def test_canonical_state_keeps_the_layers_split_over_pipe(schedule, virtual):
         mem = compiled.memory_analysis()
         assert mem.output_size_in_bytes <= 1.01 * args  # was 4x: the layers on every stage
         assert mem.temp_size_in_bytes <= args  # was 4-7x: gathered layers
+    canonical = random_canonical(cfg)
+    assert_bitwise_equal(tr.to_canonical_state(tr.from_canonical_state(canonical)), canonical)
 def test_muon_and_stale_correction_state_restores_onto_another_layout(tmp_path):
     """Muon's masked state (AdamW for non-matrices) and stale_correction's buffer are
     parameter-shaped where they should be, so they convert like Adam's moments."""

@@ -97,38 +97,112 @@ class Pipeline:
 
         return jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_var)
 
+    def _routes(self, to_canonical: bool) -> list[tuple] | None:
+        """How chunks move between the internal and the canonical layout, for equal chunks
+        (L = p x v x n; ``None`` otherwise): canonical device k holds chunks k v .. k v + v - 1
+        (its L / p layers, in order), chunk c sits in slot j of stage s. Rounds of moves, each
+        one ``ppermute`` (no device sends or receives twice): ``(pairs, take, put)``, device i
+        sending its slot ``take[i]`` and a receiving device writing slot ``put[i]``."""
+        p, v, n = self.index.shape
+        if self.staged.num_layers != p * v * n:
+            return None
+        moves = []  # (from device, its slot, to device, slot there)
+        for c, st in enumerate(self.schedule.placement):
+            j = self.schedule.chunks_of(st).index(c)
+            moves.append((st, j, c // v, c % v) if to_canonical else (c // v, c % v, st, j))
+        rounds: list[list] = []
+        for m in moves:  # first fit: a round takes a move if its devices are still free there
+            for r in rounds:
+                if all(m[0] != o[0] and m[2] != o[2] for o in r):
+                    r.append(m)
+                    break
+            else:
+                rounds.append([m])
+        out = []
+        for r in rounds:
+            take, put = np.zeros(p, np.int32), np.zeros(p, np.int32)
+            for a, ja, b, jb in r:
+                take[a], put[b] = ja, jb
+            out.append(([(a, b) for a, _, b, _ in r], take, put))
+        return out
+
+    def _moved(self, a: jax.Array, rest: tuple, to_canonical: bool) -> jax.Array:
+        """``a`` regrouped along ``_routes``, each device sending its chunks to where they go
+        (``[p, v, n, ...]`` <-> ``[L, ...]``, both split over ``pipe``; ``rest``: the other
+        dimensions' split). Every axis is manual, so nothing is gathered: left to the
+        partitioner, a regrouped stack is replicated, a whole model per device."""
+        p, v, n = self.index.shape
+        rounds = self._routes(to_canonical)
+
+        def regroup(x):
+            me = jax.lax.axis_index("pipe")
+            src = x[0] if to_canonical else x.reshape(v, n, *x.shape[1:])
+            out = jnp.zeros_like(src)
+            for pairs, take, put in rounds:
+                sent = src[jnp.asarray(take)[me]]
+                if any(i != k for i, k in pairs):
+                    sent = jax.lax.ppermute(sent, "pipe", pairs)
+                gets = np.zeros(p, bool)
+                gets[[k for _, k in pairs]] = True
+                slot = jnp.asarray(put)[me]
+                out = out.at[slot].set(jnp.where(jnp.asarray(gets)[me], sent, out[slot]))
+            return out.reshape(v * n, *out.shape[2:]) if to_canonical else out[None]
+
+        internal, canonical = P("pipe", None, None, *rest), P("pipe", *rest)
+        return jax.shard_map(
+            regroup, mesh=self.plan.mesh,
+            in_specs=internal if to_canonical else canonical,
+            out_specs=canonical if to_canonical else internal)(a)
+
     def _cyclic(self) -> bool:
         """Equal chunks placed cyclically (1f1b, interleaved): the canonical order is the
         internal ``[p, v, n]`` read as ``[v, p, n]``, a transpose that XLA splits with an
-        all-to-all. Any other layout regroups with a gather, which XLA replicates."""
+        all-to-all (cheaper there than moving chunk by chunk)."""
         p, v, n = self.index.shape
         L = self.staged.num_layers
         return L == p * v * n and np.array_equal(
             self.inverse, np.arange(L).reshape(p, v, n).transpose(1, 0, 2).reshape(-1))
 
-    def to_internal(self, params: nnx.State) -> nnx.State:
+    def to_internal(self, params: nnx.State, shardings: nnx.State | None = None) -> nnx.State:
+        """The stack as ``[pipe, virtual, layers, ...]``: a transpose for cyclic layouts; with
+        the internal ``shardings``, other equal chunks move chunk by chunk between the stages
+        (``_moved``); else (uneven partitions, or shapes alone) a gather, which XLA
+        replicates."""
         idx, cyclic = jnp.asarray(self.index), self._cyclic()
+        routes = None if cyclic else self._routes(False)
         p, v, n = self.index.shape
 
-        def regroup(var):
+        def regroup(var, sharding=None):
             a = var[...]
             if cyclic:
                 return var.replace(jnp.swapaxes(a.reshape(v, p, n, *a.shape[1:]), 0, 1))
+            if routes is not None and sharding is not None:
+                rest = tuple(sharding.get_value().spec)[3:]
+                return var.replace(self._moved(a, rest, to_canonical=False))
             padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
             return var.replace(jnp.take(padded, idx, axis=0))
 
-        return self._map_stack(regroup, params)
+        if shardings is None:
+            return self._map_stack(regroup, params)
+        stack = self.staged.stack
+        return jax.tree_util.tree_map_with_path(
+            lambda path, var, sh: regroup(var, sh) if getattr(path[0], "key", None) == stack
+            else var, params, shardings, is_leaf=_is_var)
 
     def to_canonical(self, internal: nnx.State, shardings: nnx.State) -> nnx.State:
         """The stack as ``[layers, ...]`` in canonical order, every leaf keeping its internal
         ``shardings`` (the layer axis over ``pipe`` when it divides): left to itself XLA
         replicates the regrouped layers, a whole model per device (a 70B checkpoint could not
-        be saved)."""
+        be saved). Cyclic layouts transpose, other equal chunks move chunk by chunk; uneven
+        partitions still gather."""
         L, stack, cyclic = self.staged.num_layers, self.staged.stack, self._cyclic()
+        routes = None if cyclic else self._routes(True)
 
         def visit(path, var, sharding):
             a, spec = var[...], tuple(sharding.get_value().spec)
             if getattr(path[0], "key", None) == stack:
+                if routes is not None:
+                    return var.replace(self._moved(a, spec[3:], to_canonical=True))
                 if cyclic:
                     a = jnp.swapaxes(a, 0, 1).reshape(L, *a.shape[3:])
                 else:
