@@ -186,17 +186,21 @@ class Trainer:
         jax_policy = policies.resolve(None if remat == "none" else remat).jax_policy
         return lambda f: self._view.layer(f, self._layer_dims, jax_policy, self._layer_specs)
 
-    def _to_internal(self, canonical: nnx.State) -> nnx.State:
+    def _to_internal(self, canonical: nnx.State, shardings: Any = None) -> nnx.State:
+        """``shardings``: the internal tree's (default: the parameters'; an optimizer-state
+        tree passes its own, ZeRO's ``data`` split included)."""
         # An adapted model's blocks are stacked first (fiddlejax.adapt), then vocabularies padded.
         params = layout.pad_vocab(self.staged.to_staged(canonical), self._vocab_multiple)
         if self._pipeline is None:
             return params
         # the shardings exist once __init__ has them (its own shape-only call goes without)
-        return self._pipeline.to_internal(params, getattr(self, "param_shardings", None))
+        if shardings is None:
+            shardings = getattr(self, "param_shardings", None)
+        return self._pipeline.to_internal(params, shardings)
 
-    def _to_canonical(self, internal: nnx.State) -> nnx.State:
-        params = (self._pipeline.to_canonical(internal, self.param_shardings) if self._pipeline
-                  else internal)
+    def _to_canonical(self, internal: nnx.State, shardings: Any = None) -> nnx.State:
+        params = (self._pipeline.to_canonical(internal, shardings or self.param_shardings)
+                  if self._pipeline else internal)
         return layout.unpad_vocab(self.staged.to_model(params), self._canonical_template)
 
     # -- the computation ---------------------------------------------------------------------
@@ -465,18 +469,20 @@ class Trainer:
     def _state_converters(self):
         if not hasattr(self, "_converters"):  # built on first use: most trainers never need them
             def convert(fn, s: TrainState) -> TrainState:
-                def whole(tree):  # fn converts whole parameter trees
+                def whole(tree, shardings=None):  # fn converts whole parameter trees
                     if not any(_masked(x) for x in jax.tree.leaves(tree, is_leaf=_masked)):
-                        return fn(tree)  # (an adapted model's two trees differ in structure)
+                        return fn(tree, shardings)  # (an adapted model's trees differ in structure)
                     # Parameters a part of the state leaves out (optax.MaskedNode: Muon's AdamW
                     # half, optax.masked) ride through as the parameters and are put back after.
                     filled = jax.tree.map(lambda x, p: p if _masked(x) else x, tree, s.params,
                                           is_leaf=_masked)
-                    return jax.tree.map(lambda x, y: x if _masked(x) else y, tree, fn(filled),
-                                        is_leaf=_masked)
+                    return jax.tree.map(lambda x, y: x if _masked(x) else y, tree,
+                                        fn(filled, shardings), is_leaf=_masked)
 
-                def opt_convert(o):
-                    return optax.tree_map_params(self.optimizer, whole, o, is_leaf=lambda _: True)
+                def opt_convert(o):  # each parameter-shaped tree with its own shardings
+                    own = iter(_param_trees(self.optimizer, self.opt_shardings))
+                    return optax.tree_map_params(self.optimizer, lambda t: whole(t, next(own)),
+                                                 o, is_leaf=lambda _: True)
 
                 # topk_on="updates": per-replica optimizer states convert replica by replica
                 per_replica = self.stepper.local_optimizer
@@ -713,6 +719,15 @@ def _opt_shardings(optimizer, opt_abstract, spec_tree, plan: Plan):
         transform_non_params=lambda _: NamedSharding(mesh, P()),
         is_leaf=lambda x: isinstance(x, P | nnx.Variable),
     )
+
+
+def _param_trees(optimizer, opt_tree) -> list:
+    """The parameter-shaped subtrees of an optimizer-state-shaped tree, in the order
+    ``optax.tree_map_params`` visits them."""
+    found: list = []
+    optax.tree_map_params(optimizer, lambda t: found.append(t) or t, opt_tree,
+                          is_leaf=lambda _: True)
+    return found
 
 
 def _masked(x) -> bool:

@@ -111,14 +111,16 @@ def test_restore_onto_another_layout_is_bit_exact(pair, tmp_path):
 
 
 
-@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved-1f1b", 2),
-                                               ("zb-v", 2)])
-def test_canonical_state_keeps_the_layers_split_over_pipe(schedule, virtual):
+@pytest.mark.parametrize("mesh, zero, schedule, virtual", [
+    ((1, 4, 2), 0, "1f1b", 1), ((1, 4, 2), 0, "interleaved-1f1b", 2), ((1, 4, 2), 0, "zb-v", 2),
+    ((2, 2, 2), 1, "1f1b", 1)])
+def test_canonical_state_keeps_the_layers_split_over_pipe(mesh, zero, schedule, virtual):
     """Saving and restoring never hold a whole model per device: the canonical layer stack
     stays split over `pipe` (an all-to-all for interleaved, chunks sent stage to stage for
-    zb-v's V), with no replica of the layers, and converts back bit for bit."""
+    zb-v's V; ZeRO's optimizer state keeps its data split), with no replica of the layers,
+    and converts back bit for bit."""
     cfg = GPTConfig(vocab_size=256, seq_len=16, d_model=64, n_heads=4, n_layers=8, d_ff=256)
-    tr = trainer(1, 4, 2, 0, schedule, virtual, cfg=cfg)
+    tr = trainer(*mesh, zero, schedule, virtual, cfg=cfg)
     to_canonical, to_internal = jax.jit(tr.to_canonical_state), jax.jit(tr.from_canonical_state)
     abstract = tr.abstract_state()
     out = to_canonical.lower(abstract).compile()

@@ -177,7 +177,7 @@ class Pipeline:
             if cyclic:
                 return var.replace(jnp.swapaxes(a.reshape(v, p, n, *a.shape[1:]), 0, 1))
             if routes is not None and sharding is not None:
-                rest = tuple(sharding.get_value().spec)[3:]
+                rest = _spec_of(sharding)[3:]
                 return var.replace(self._moved(a, rest, to_canonical=False))
             padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
             return var.replace(jnp.take(padded, idx, axis=0))
@@ -199,15 +199,19 @@ class Pipeline:
         routes = None if cyclic else self._routes(True)
 
         def visit(path, var, sharding):
-            a, spec = var[...], tuple(sharding.get_value().spec)
+            a, spec = var[...], _spec_of(sharding)
             if getattr(path[0], "key", None) == stack:
                 if routes is not None:
                     return var.replace(self._moved(a, spec[3:], to_canonical=True))
+                layers = "pipe" if L % self.p == 0 else None
                 if cyclic:
                     a = jnp.swapaxes(a, 0, 1).reshape(L, *a.shape[3:])
+                    if self.v == 1 and spec[2] is not None:  # ZeRO's data split on the
+                        more = spec[2] if isinstance(spec[2], tuple) else (spec[2],)
+                        layers = ("pipe", *more)  # layers of a stage: a plain reshape
                 else:
                     a = jnp.take(a.reshape(-1, *a.shape[3:]), jnp.asarray(self.inverse), axis=0)
-                spec = ("pipe" if L % self.p == 0 else None, *spec[3:])
+                spec = (layers, *spec[3:])
             return var.replace(jax.lax.with_sharding_constraint(
                 a, jax.sharding.NamedSharding(self.plan.mesh, P(*spec))))
 
@@ -300,6 +304,12 @@ class Pipeline:
     def stage_flops(self, params: nnx.State, batch: dict, remat: Callable) -> list[dict]:
         """Compiled FLOPs of each stage's step (see :mod:`fiddlejax.pipeline.measure`)."""
         return measure.stage_flops(self, params, batch, remat)
+
+
+def _spec_of(sharding) -> tuple:
+    """A leaf's sharding spec, bare or in an ``nnx.Variable`` (parameter shardings are held in
+    Variables, the optimizer state's parameter-shaped ones bare)."""
+    return tuple((sharding.get_value() if _is_var(sharding) else sharding).spec)
 
 
 def outer_spec(v, names: tuple, rules, p: int) -> P:
