@@ -177,7 +177,7 @@ class Pipeline:
             if cyclic:
                 return var.replace(jnp.swapaxes(a.reshape(v, p, n, *a.shape[1:]), 0, 1))
             if routes is not None and sharding is not None:
-                rest = _spec_of(sharding)[3:]
+                rest = _spec_of(sharding, a.ndim + 2)[3:]  # canonical [L, ...] -> internal
                 return var.replace(self._moved(a, rest, to_canonical=False))
             padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
             return var.replace(jnp.take(padded, idx, axis=0))
@@ -199,7 +199,8 @@ class Pipeline:
         routes = None if cyclic else self._routes(True)
 
         def visit(path, var, sharding):
-            a, spec = var[...], _spec_of(sharding)
+            a = var[...]
+            spec = _spec_of(sharding, a.ndim)
             if getattr(path[0], "key", None) == stack:
                 if routes is not None:
                     return var.replace(self._moved(a, spec[3:], to_canonical=True))
@@ -306,10 +307,12 @@ class Pipeline:
         return measure.stage_flops(self, params, batch, remat)
 
 
-def _spec_of(sharding) -> tuple:
-    """A leaf's sharding spec, bare or in an ``nnx.Variable`` (parameter shardings are held in
-    Variables, the optimizer state's parameter-shaped ones bare)."""
-    return tuple((sharding.get_value() if _is_var(sharding) else sharding).spec)
+def _spec_of(sharding, ndim: int) -> tuple:
+    """A leaf's sharding spec, one entry per dimension, bare or in an ``nnx.Variable``
+    (parameter shardings are held in Variables, the optimizer state's parameter-shaped ones
+    bare; a part of the state an optimizer masks out has a replicated ``P()``)."""
+    spec = tuple((sharding.get_value() if _is_var(sharding) else sharding).spec)
+    return spec + (None,) * (ndim - len(spec))
 
 
 def outer_spec(v, names: tuple, rules, p: int) -> P:
