@@ -126,13 +126,13 @@ class Pipeline:
             out.append(([(a, b) for a, _, b, _ in r], take, put))
         return out
 
-    def _moved(self, a: jax.Array, rest: tuple, to_canonical: bool) -> jax.Array:
-        """``a`` regrouped along ``_routes``, each device sending its chunks to where they go
-        (``[p, v, n, ...]`` <-> ``[L, ...]``, both split over ``pipe``; ``rest``: the other
-        dimensions' split). Every axis is manual, so nothing is gathered: left to the
-        partitioner, a regrouped stack is replicated, a whole model per device."""
+    def _moved(self, a: jax.Array, rest: tuple, rounds: list, to_canonical: bool) -> jax.Array:
+        """``a`` regrouped along ``rounds`` (``_routes``), each device sending its chunks to
+        where they go (``[p, v, n, ...]`` <-> ``[L, ...]``, both split over ``pipe``;
+        ``rest``: the other dimensions' split). Every axis is manual, so nothing is
+        gathered: left to the partitioner, a regrouped stack is replicated, a whole model per
+        device."""
         p, v, n = self.index.shape
-        rounds = self._routes(to_canonical)
 
         def regroup(x):
             me = jax.lax.axis_index("pipe")
@@ -178,7 +178,7 @@ class Pipeline:
                 return var.replace(jnp.swapaxes(a.reshape(v, p, n, *a.shape[1:]), 0, 1))
             if routes is not None and sharding is not None:
                 rest = _spec_of(sharding, a.ndim + 2)[3:]  # canonical [L, ...] -> internal
-                return var.replace(self._moved(a, rest, to_canonical=False))
+                return var.replace(self._moved(a, rest, routes, to_canonical=False))
             padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
             return var.replace(jnp.take(padded, idx, axis=0))
 
@@ -203,7 +203,7 @@ class Pipeline:
             spec = _spec_of(sharding, a.ndim)
             if getattr(path[0], "key", None) == stack:
                 if routes is not None:
-                    return var.replace(self._moved(a, spec[3:], to_canonical=True))
+                    return var.replace(self._moved(a, spec[3:], routes, to_canonical=True))
                 layers = "pipe" if L % self.p == 0 else None
                 if cyclic:
                     a = jnp.swapaxes(a, 0, 1).reshape(L, *a.shape[3:])
