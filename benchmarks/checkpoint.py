@@ -44,7 +44,7 @@ from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax import checkpoint  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("none", "sync", "async", "checkfreq")

@@ -102,7 +102,7 @@ def compiled(model: planner.ModelSpec, layout: planner.Layout, config) -> dict:
     from flax import nnx
 
     import fiddlejax as fj
-    from models.llama import Llama
+    from fiddlejax.models.llama import Llama
 
     net = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     mesh = fj.make_mesh(data=layout.data, pipe=layout.pipe, tensor=layout.tensor,
@@ -135,7 +135,7 @@ def priced_rows() -> list[str]:
 
 
 def compiled_rows(seq: int) -> list[str]:
-    from models.llama import LlamaConfig
+    from fiddlejax.models.llama import LlamaConfig
 
     config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

@@ -23,8 +23,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
-from models.common import scan_layers  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.models.common import scan_layers  # noqa: E402
+from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, d_ff=512)
 

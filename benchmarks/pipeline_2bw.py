@@ -63,7 +63,7 @@ def memory(quick: bool) -> list[dict]:
     from flax import nnx
 
     import fiddlejax as fj
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, seq_len=64 if quick else 128, d_model=128, n_heads=4,
                     n_layers=4, d_ff=512)

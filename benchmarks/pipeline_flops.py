@@ -37,8 +37,8 @@ from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax.memory import policies  # noqa: E402
+from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
 from fiddlejax.pipeline import costs  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
 
 QUICK = dict(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=8, d_ff=64)
 FULL = dict(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=8, d_ff=256)

@@ -22,7 +22,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=8, d_ff=256)
 MB = 2  # sequences per microbatch

@@ -33,9 +33,9 @@ from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax import planner  # noqa: E402
+from fiddlejax.models.bert import BERT, BERTConfig, mlm_batch  # noqa: E402
+from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
 from fiddlejax.pipeline import schedules  # noqa: E402
-from models.bert import BERT, BERTConfig, mlm_batch  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 GLOBAL_BATCH, MB = 16, 2  # sequences per step; per microbatch

@@ -42,7 +42,7 @@ from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax import planner  # noqa: E402
-from models.llama import Llama, LlamaConfig  # noqa: E402
+from fiddlejax.models.llama import Llama, LlamaConfig  # noqa: E402
 
 GIB = 2**30
 

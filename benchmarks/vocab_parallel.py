@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _model(vocab: int, tie: bool, abstract: bool):
     from flax import nnx
 
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=vocab, seq_len=64, d_model=256, n_heads=4, n_layers=8,
                     d_ff=1024, tie_embeddings=tie)

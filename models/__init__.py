@@ -4,6 +4,10 @@ The library never imports this package; the job (``fiddlejax.app``) looks a mode
 config name and asks the entry to build it, feed it, count its FLOPs and name its Muon matrices,
 so the job holds no per-model code. Importing this package is cheap: each entry imports its
 model module only when called.
+
+They install as ``fiddlejax.models`` (the folder is ``models/`` in the repository), so a user's
+own ``models`` package is never shadowed. The old name ``import models`` resolves only from a
+checkout's root, where it warns and hands back ``fiddlejax.models`` itself.
 """
 
 from __future__ import annotations
@@ -12,6 +16,20 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+if __name__ == "models":  # pragma: no cover - the old import path, see the docstring
+    import importlib
+    import sys
+    import warnings
+
+    warnings.warn("the bundled models moved: import them as `fiddlejax.models` (`import models` "
+                  "works only from a fiddlejax checkout's root and will go)", DeprecationWarning,
+                  stacklevel=2)
+    # One module object per model under both names, so classes and REGISTRY entries agree.
+    sys.modules[__name__] = importlib.import_module("fiddlejax.models")
+    for _sub in ("common", "gpt", "bert", "cnn", "llama"):
+        sys.modules[f"{__name__}.{_sub}"] = importlib.import_module(f"fiddlejax.models.{_sub}")
+
 
 # Muon orthogonalizes each layer's matrices: which axes of a stacked block leaf are the matrix's
 # input (reduction) and output axes, counted from the end so every parallel layout agrees.
@@ -116,7 +134,7 @@ def transformer_flops(model, batch_size: int, lookups: tuple[str, ...] = ("wte",
 def _gpt_build(mcfg: dict, seed: int):
     from flax import nnx
 
-    from models.gpt import GPT, GPTConfig
+    from .gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(**_pick(mcfg, GPTConfig)), rngs=nnx.Rngs(seed))
 
@@ -136,7 +154,7 @@ def _gpt_flops(model, batch_size: int) -> float:
 def _llama_build(mcfg: dict, seed: int):
     from flax import nnx
 
-    from models.llama import Llama, LlamaConfig
+    from .llama import Llama, LlamaConfig
 
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
         return Llama.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
@@ -166,7 +184,7 @@ def _llama_flops(model, batch_size: int) -> float:
 def _bert_build(mcfg: dict, seed: int):
     from flax import nnx
 
-    from models.bert import BERT, BERTConfig
+    from .bert import BERT, BERTConfig
 
     fields = _pick(mcfg, BERTConfig)
     fields["vocab_size"] = mcfg["vocab_size"] + 1  # + [MASK]
@@ -174,7 +192,7 @@ def _bert_build(mcfg: dict, seed: int):
 
 
 def _bert_batches(cfg, model, process_index, process_count) -> Batches:
-    from models.bert import masked_batches
+    from .bert import masked_batches
 
     return masked_batches(cfg, model, process_index, process_count)
 
@@ -182,20 +200,20 @@ def _bert_batches(cfg, model, process_index, process_count) -> Batches:
 def _cnn_build(mcfg: dict, seed: int):
     from flax import nnx
 
-    from models.cnn import CNN, CNNConfig
+    from .cnn import CNN, CNNConfig
 
     return CNN(CNNConfig(channels=mcfg["channels"], n_layers=mcfg["n_layers"]),
                rngs=nnx.Rngs(seed))
 
 
 def _cnn_batches(cfg, model, process_index, process_count) -> Batches:
-    from models.cnn import digit_batches
+    from .cnn import digit_batches
 
     return digit_batches(cfg, process_index, process_count)
 
 
 def _cnn_flops(model, batch_size: int) -> float:
-    from models.cnn import flops_per_step
+    from .cnn import flops_per_step
 
     return flops_per_step(model.config, batch_size)
 

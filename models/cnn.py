@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fiddlejax.memory import gist
-from models.common import annotated, param, scan_layers, stacked
+
+from .common import annotated, param, scan_layers, stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,8 @@ def flops_per_step(config: CNNConfig, batch_size: int) -> float:
 def digit_batches(cfg: dict, process_index: int, process_count: int):
     """The job's train and validation streams: 8x8 digits, ``{"images", "labels"}``."""
     from fiddlejax import data
-    from models import Batches
+
+    from . import Batches
 
     b, seed = cfg["data"]["batch_size"], cfg["data"]["seed"]
     shard = {"process_index": process_index, "process_count": process_count}

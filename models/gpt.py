@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common import Block, LayerNorm, cross_entropy, param, scan_layers, stacked
+from .common import Block, LayerNorm, cross_entropy, param, scan_layers, stacked
 
 
 @dataclasses.dataclass(frozen=True)

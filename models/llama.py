@@ -32,7 +32,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
-from models.common import annotated, attention, cross_entropy, param, scan_layers, stacked
+
+from .common import annotated, attention, cross_entropy, param, scan_layers, stacked
 
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -33,7 +33,7 @@ def reference_loss_fn(model: nnx.Module):
 
 
 def _scan(m, x):
-    from models.common import scan_layers
+    from fiddlejax.models.common import scan_layers
 
     return scan_layers(getattr(m, m.stack), x)
 

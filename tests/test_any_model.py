@@ -286,10 +286,10 @@ def classification(logits, batch):
 def bundled(name):
     """A tiny bundled model, how the reference calls it, a user loss equal to the model's own
     ``loss``, and a batch of 8."""
-    from models.bert import BERT, BERTConfig, mlm_batch
-    from models.cnn import CNN, CNNConfig
-    from models.gpt import GPT, GPTConfig
-    from models.llama import Llama, LlamaConfig
+    from fiddlejax.models.bert import BERT, BERTConfig, mlm_batch
+    from fiddlejax.models.cnn import CNN, CNNConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
+    from fiddlejax.models.llama import Llama, LlamaConfig
 
     tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 63)
     if name == "gpt":
@@ -399,7 +399,7 @@ def test_names_that_do_not_fit_the_rank_are_named():
 
 
 def test_stack_without_the_layers_name_gets_it():
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32),
                 rngs=nnx.Rngs(0))

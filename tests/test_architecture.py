@@ -1,8 +1,9 @@
 """The import graph: the library stands apart from the app and the example models.
 
-``fiddlejax/`` outside ``fiddlejax/app/`` never imports ``models`` (statically, anywhere in a
-module, and at run time when every library module is imported), so the library can be used and
-tested without the examples; the app reaches models only through ``models.REGISTRY``.
+``fiddlejax/`` outside ``fiddlejax/app/`` never imports the bundled models (``fiddlejax.models``,
+the repository's ``models/`` folder; statically, anywhere in a module, and at run time when every
+library module is imported), so the library can be used and tested without the examples; the app
+reaches models only through ``fiddlejax.models.REGISTRY``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "fiddlejax"
 APP = LIBRARY / "app"
+MODELS = LIBRARY / "models"  # a link to the repository's models/ folder
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -24,17 +26,22 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module)
+            out.add(node.module)  # and `from pkg import mod` as pkg.mod
+            out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
+def is_models(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in ("models", "fiddlejax.models"))
+
+
 def library_files() -> list[Path]:
-    return [p for p in sorted(LIBRARY.rglob("*.py")) if APP not in p.parents]
+    return [p for p in sorted(LIBRARY.rglob("*.py"))
+            if APP not in p.parents and MODELS not in p.parents]
 
 
 def test_library_never_imports_models():
-    bad = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p)
-                                             if m == "models" or m.startswith("models."))
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p) if is_models(m))
            for p in library_files()}
     assert not {k: v for k, v in bad.items() if v}, bad
 
@@ -42,8 +49,8 @@ def test_library_never_imports_models():
 def test_app_reaches_models_only_through_the_registry():
     """The app names no model module: what it knows of a model is a registry entry."""
     for p in sorted(APP.rglob("*.py")):
-        mods = {m for m in imported_modules(p) if m.startswith("models")}
-        assert mods <= {"models"}, (p.name, mods)
+        mods = {m for m in imported_modules(p) if is_models(m)}
+        assert mods <= {"fiddlejax.models"}, (p.name, mods)
 
 
 def test_importing_every_library_module_loads_no_model():
@@ -52,7 +59,8 @@ def test_importing_every_library_module_loads_no_model():
     names = [n.removesuffix(".__init__") for n in names]
     code = ("import importlib, sys\n"
             f"for n in {names!r}:\n    importlib.import_module(n)\n"
-            "print(sorted(m for m in sys.modules if m == 'models' or m.startswith('models.')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'models'\n"
+            "             or m.startswith('fiddlejax.models')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -67,8 +75,7 @@ def test_registry_entries_build_feed_and_count_every_model():
     from flax import nnx
     from optax.contrib import MuonDimensionNumbers
 
-    import models
-    from fiddlejax import config
+    from fiddlejax import config, models
 
     for name, entry in models.REGISTRY.items():
         cfg = config.load(None, [f"model.name={name}", "model.n_layers=1", "model.seq_len=16",

@@ -21,8 +21,8 @@ from flax import nnx
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
 from fiddlejax.app import checkpoints as job_ckpt
+from fiddlejax.models.gpt import GPT, GPTConfig
 from fiddlejax.train import TrainState
-from models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 # Pipeline layouts need a layer per chunk: 9 layers over 4 stages x 2 chunks is uneven (padded).
@@ -141,7 +141,7 @@ def test_muon_and_stale_correction_state_restores_onto_another_layout(tmp_path):
     parameter-shaped where they should be, so they convert like Adam's moments."""
     from optax.contrib import muon
 
-    import models
+    from fiddlejax import models
 
     opt = fj.stale_correction(muon(1e-2, muon_weight_dimension_numbers=models.REGISTRY[
         "gpt"].muon_dims))
@@ -222,7 +222,7 @@ from flax import nnx
 import orbax.checkpoint._src.path.atomicity as atomicity
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
-from models.gpt import GPT, GPTConfig
+from fiddlejax.models.gpt import GPT, GPTConfig
 
 cfg = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 mesh = fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1])

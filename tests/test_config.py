@@ -9,8 +9,7 @@ import sys
 import pytest
 import yaml
 
-import models
-from fiddlejax import config
+from fiddlejax import config, models
 from fiddlejax.app import build, train
 
 # (overrides, words the one-line error must hold). All fail before any device work.

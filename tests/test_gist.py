@@ -271,7 +271,7 @@ def test_plan_encodings_through_the_trainer():
     from helpers import reference_loss_and_grads, rel_err
 
     import fiddlejax as fj
-    from models.cnn import CNN, CNNConfig
+    from fiddlejax.models.cnn import CNN, CNNConfig
 
     model = CNN(CNNConfig(channels=8, n_layers=2), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ from flax import nnx
 from helpers import reference_loss_and_grads, rel_err, tokens
 
 import fiddlejax as fj
-from models.llama import Llama, LlamaConfig, parse_size, read_safetensors
+from fiddlejax.models.llama import Llama, LlamaConfig, parse_size, read_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"  # made by fixtures/make_llama_fixture.py
 VARIANTS = ("llama_tiny", "llama_tiny_llama3")

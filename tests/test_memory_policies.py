@@ -180,7 +180,7 @@ def test_policies_inside_pipeline_runtime(remat):
     from helpers import reference_loss_and_grads, rel_err, tokens
 
     import fiddlejax as fj
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
     model = GPT(cfg, rngs=nnx.Rngs(0))

@@ -12,9 +12,9 @@ from helpers import (
 )
 
 import fiddlejax as fj
+from fiddlejax.models.bert import BERT, BERTConfig, mlm_batch
+from fiddlejax.models.gpt import GPT, GPTConfig
 from fiddlejax.pipeline import runtime, schedules
-from models.bert import BERT, BERTConfig, mlm_batch
-from models.gpt import GPT, GPTConfig
 
 
 def gpt(n_layers=8, tied=False, seed=0):
@@ -195,7 +195,7 @@ def test_compiled_flops_equal_unpipelined(kind, m, v, remat):
 def _muon_corrected():
     from optax.contrib import muon
 
-    import models
+    from fiddlejax import models
 
     return fj.stale_correction(muon(1e-2, adam_learning_rate=1e-2, muon_weight_dimension_numbers=
                                     models.REGISTRY["gpt"].muon_dims), 1.0)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import fiddlejax as fj
-from models.gpt import GPT, GPTConfig
+from fiddlejax.models.gpt import GPT, GPTConfig
 
 
 def mesh(data=1, pipe=1, tensor=1):

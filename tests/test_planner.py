@@ -38,7 +38,7 @@ def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32",
     from flax import nnx
 
     import fiddlejax as fj
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(**TINY), rngs=nnx.Rngs(0))
     mesh = fj.make_mesh(data=d, pipe=p, tensor=t)
@@ -82,7 +82,7 @@ def test_analytic_gpt_matches_the_flax_model():
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(**TINY), rngs=nnx.Rngs(0))
     measured = planner.from_flax(model, {"tokens": jnp.zeros((1, TINY["seq_len"] + 1),
@@ -251,7 +251,7 @@ def test_analytic_llama_matches_the_flax_model():
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.llama import Llama, LlamaConfig
+    from fiddlejax.models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, seq_len=32)
@@ -366,7 +366,7 @@ def test_bloom_shaped_memory_within_10_percent_of_compiled(d, p, t, m):
     from flax import nnx
 
     import fiddlejax as fj
-    from models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt import GPT, GPTConfig
 
     mb = 2
     model = nnx.eval_shape(lambda: GPT(GPTConfig(**BLOOM_TINY), rngs=nnx.Rngs(0)))

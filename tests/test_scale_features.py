@@ -26,7 +26,7 @@ from helpers import (
 
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
-from models.gpt import GPT, GPTConfig
+from fiddlejax.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=4, d_ff=64)
 OPT = optax.adamw(1e-2)

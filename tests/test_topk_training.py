@@ -15,7 +15,7 @@ from helpers import rel_err, tokens
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
 from fiddlejax.collectives import compression
-from models.gpt import GPT, GPTConfig
+from fiddlejax.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 

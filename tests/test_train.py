@@ -16,9 +16,9 @@ from helpers import (
 )
 
 import fiddlejax as fj
-from models.bert import BERT, BERTConfig, mlm_batch
-from models.cnn import CNN, CNNConfig
-from models.gpt import GPT, GPTConfig
+from fiddlejax.models.bert import BERT, BERTConfig, mlm_batch
+from fiddlejax.models.cnn import CNN, CNNConfig
+from fiddlejax.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 OPT = optax.adamw(1e-2)

@@ -15,7 +15,7 @@ from flax import nnx
 from helpers import rel_err
 
 import fiddlejax as fj
-from models.gpt import GPT, GPTConfig
+from fiddlejax.models.gpt import GPT, GPTConfig
 
 PAD = 0
 # Vocabulary 63 divides no tensor size above 1: the plan pads it to 64.

@@ -6,8 +6,8 @@ lives with the models, in ``models.REGISTRY``; this module only reads the config
 
 from __future__ import annotations
 
-import models
 from fiddlejax import config as config_lib
+from fiddlejax import models
 
 
 def setup_devices(cfg: dict) -> None:
