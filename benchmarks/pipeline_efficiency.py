@@ -35,10 +35,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
-from fiddlejax import staged  # noqa: E402
 from fiddlejax.memory import policies  # noqa: E402
 from fiddlejax.models.common import scan_layers  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.split import split_model  # noqa: E402
 
 P_STAGES, MB, SEQ = 4, 4, 64
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2),
@@ -87,7 +87,7 @@ def single_layer_bytes(remat: str, d: int) -> float:
     pol = policies.resolve(remat)
 
     def temp(layers):
-        sm, params = staged.split(GPT(config(d, layers), rngs=nnx.Rngs(0)))
+        sm, params = split_model(GPT(config(d, layers), rngs=nnx.Rngs(0)))
         layer = policies.remat_layer(sm.layer, pol) if pol.remat else sm.layer
 
         def loss(p, b):

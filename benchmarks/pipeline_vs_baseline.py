@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
-from fiddlejax import staged  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.split import split_model  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=8, d_ff=256)
 PIPE, MB = 4, 2  # stages; sequences per microbatch
@@ -42,7 +42,7 @@ PIPE, MB = 4, 2  # stages; sequences per microbatch
 
 def baseline_step(model, mesh, m: int):
     """A jitted GPipe-by-autodiff SGD step (the MaxText-style baseline) and its inputs."""
-    sm, params = staged.split(model)
+    sm, params = split_model(model)
     stack = sm.stack
     lps = sm.num_layers // PIPE
 

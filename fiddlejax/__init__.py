@@ -15,6 +15,7 @@ _EXPORTS = {
     "TrainState": "fiddlejax.train",
     "parallelize": "fiddlejax.train",
     "mean_loss": "fiddlejax.staged",
+    "split_model": "fiddlejax.split",
     "CheckpointManager": "fiddlejax.checkpoint",
     "stale_correction": "fiddlejax.pipeline.staleness",
 }

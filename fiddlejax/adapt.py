@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from fiddlejax import sharding
-from fiddlejax.staged import Loss, StagedModel, as_weighted, unpad_outputs
+from fiddlejax.staged import Loss, StagedModel, as_weighted, check_dropout, unpad_outputs
 
 # What the stand-ins do in the current trace: ("prologue",), ("epilogue", x) or
 # ("record", blocks, log).
@@ -205,18 +205,6 @@ def _unit(model: nnx.Module, layers: str, blocks: list) -> int:
             f"{type(model).__name__}.{layers}: blocks differ in {diff}; stacking units of {k} "
             f"blocks ({n // k} units: a pipeline cuts between units)", stacklevel=4)
     return k
-
-
-def check_dropout(model: nnx.Module) -> None:
-    """Refuse dropout > 0 (fiddlejax runs deterministic models); rate-0 RNG streams are fine."""
-    for path, m in nnx.iter_graph(model):
-        rate = (getattr(m, "rate", 0.0) if isinstance(m, nnx.Dropout)
-                else getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0)
-        if isinstance(rate, int | float) and rate > 0:
-            where = ".".join(str(p) for p in path) or "the model"
-            raise ValueError(
-                f"{type(model).__name__}.{where} has dropout rate {rate}: parallelized training "
-                "runs deterministic models only for now; build the model with dropout 0.0")
 
 
 def _bad_state(model: nnx.Module, blocks: list, layers: str) -> None:

@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fiddlejax import sharding
-
 Loss = Callable[[Any, dict], Any]  # (outputs, batch) -> scalar mean, or (sum, weight)
 
 
@@ -146,40 +144,13 @@ def unpad_outputs(outputs: Any, vocab_pads: tuple[tuple[int, int], ...]) -> Any:
     return jax.tree.map(cut, outputs)
 
 
-def split(model: nnx.Module, loss_fn: Loss | None = None,
-          layers: str | None = None) -> tuple[StagedModel, nnx.State]:
-    """Split ``model`` into its static :class:`StagedModel` and its parameters.
-
-    ``layers``: the path of the repeated blocks of a model without the staged protocol.
-    """
-    from fiddlejax import adapt
-
-    explicit = all(hasattr(model, a) for a in ("stack", "prologue", "head"))
-    if layers is not None and not (explicit and layers == model.stack):
-        return adapt.adapt(model, loss_fn, layers)
-    for attr in ("stack", "prologue", "head"):
-        if not hasattr(model, attr):
-            raise TypeError(
-                f"{type(model).__name__} lacks `{attr}`: fiddlejax needs a model that declares "
-                "`stack` (name of its stacked layers), `prologue(batch)`, `head(x)` and "
-                "`loss(outputs, batch)` (see fiddlejax.staged)"
-            )
-    if loss_fn is None and not hasattr(model, "loss"):
-        raise TypeError(f"{type(model).__name__} has no `loss(outputs, batch)`; pass loss=")
-    layers = getattr(model, model.stack, None)
-    if not isinstance(layers, nnx.Module):
-        raise TypeError(f"{type(model).__name__}.{model.stack} must be an nnx.Module of layers")
-    # RNG streams of rate-0 dropouts are constants; a rate above 0 is refused by name.
-    adapt.check_dropout(model)
-    layer_graphdef, layer_state, _ = nnx.split(layers, nnx.Param, ...)
-    leaves = jax.tree.leaves(layer_state)
-    if not leaves:
-        raise ValueError(f"{type(model).__name__}.{model.stack} has no parameters")
-    num_layers = int(leaves[0].shape[0])
-    sharding.name_stack(model, model.stack)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    sharding.check_ranks(params, type(model).__name__)
-    # A rate-0 dropout's RNG streams in the layers: layer 0's serve every layer (never drawn).
-    layer_rest = jax.tree.map(lambda a: a[0], nnx.state(layers, nnx.Not(nnx.Param)))
-    return StagedModel(graphdef, rest, model.stack, layer_graphdef, num_layers, loss_fn,
-                       layer_rest=layer_rest), params
+def check_dropout(model: nnx.Module) -> None:
+    """Refuse dropout > 0 (fiddlejax runs deterministic models); rate-0 RNG streams are fine."""
+    for path, m in nnx.iter_graph(model):
+        rate = (getattr(m, "rate", 0.0) if isinstance(m, nnx.Dropout)
+                else getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0)
+        if isinstance(rate, int | float) and rate > 0:
+            where = ".".join(str(p) for p in path) or "the model"
+            raise ValueError(
+                f"{type(model).__name__}.{where} has dropout rate {rate}: parallelized training "
+                "runs deterministic models only for now; build the model with dropout 0.0")

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from fiddlejax import checks, compute, layout, sharding, staged, stepping
 from fiddlejax.plan import Plan
+from fiddlejax.split import split_model
 
 
 @jax.tree_util.register_dataclass
@@ -56,7 +57,7 @@ class Trainer:
         self.mesh = plan.mesh
         self.optimizer = optimizer
         self.model_name = type(model).__name__
-        self.staged, canonical = staged.split(model, loss, layers=layers)
+        self.staged, canonical = split_model(model, loss, layers=layers)
         # Vocabulary padded for `tensor` is sliced off the outputs before any loss sees it.
         self.staged = dataclasses.replace(
             self.staged, vocab_pads=layout.vocab_pads(canonical, self._vocab_multiple))

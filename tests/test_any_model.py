@@ -260,7 +260,7 @@ def test_required_optional_parameter_is_called_with_none():
             assert cache is None
             return super().__call__(tokens)
 
-    staged, canonical = fj.staged.split(Cached(pattern=(None,), rngs=nnx.Rngs(0)), next_token,
+    staged, canonical = fj.split_model(Cached(pattern=(None,), rngs=nnx.Rngs(0)), next_token,
                                         layers="blocks")
     staged.prologue(staged.to_staged(canonical), {"tokens": jnp.zeros((2, 9), jnp.int32)})
 
@@ -269,7 +269,7 @@ def test_blocks_without_a_pattern_are_refused_naming_the_attribute():
     model = Local(pattern=(4, 4, None), repeats=1, rngs=nnx.Rngs(0))
     model.blocks.append(Attn(16, 8, nnx.Rngs(1)))
     with pytest.raises(ValueError, match=r"block 2 differs from block 0 in window = 4 vs None"):
-        fj.staged.split(model, next_token, layers="blocks")
+        fj.split_model(model, next_token, layers="blocks")
 
 
 # -- the bundled models through the new form and through the explicit protocol ---------------
@@ -362,7 +362,7 @@ def test_unsplittable_forward_is_named(cls, match):
 def test_missing_path_names_the_submodules():
     model = Local(rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"no 'decoder'.*\['blocks', 'embed', 'head'\]"):
-        fj.staged.split(model, next_token, layers="decoder.blocks")
+        fj.split_model(model, next_token, layers="decoder.blocks")
 
 
 def test_dropout_is_refused_and_rate_zero_rng_streams_are_ignored():
@@ -371,9 +371,9 @@ def test_dropout_is_refused_and_rate_zero_rng_streams_are_ignored():
             super().__init__(rngs=nnx.Rngs(0))
             self.drop = nnx.Dropout(rate, rngs=nnx.Rngs(dropout=1))
 
-    fj.staged.split(Drop(0.0), next_token, layers="blocks")  # RNG streams at rate 0: fine
+    fj.split_model(Drop(0.0), next_token, layers="blocks")  # RNG streams at rate 0: fine
     with pytest.raises(ValueError, match=r"Drop.drop has dropout rate 0.1"):
-        fj.staged.split(Drop(0.1), next_token, layers="blocks")
+        fj.split_model(Drop(0.1), next_token, layers="blocks")
 
 
 # -- silent cases turned into results, warnings or named errors -----------------------------
@@ -395,7 +395,7 @@ def test_names_that_do_not_fit_the_rank_are_named():
     model = Local(rngs=nnx.Rngs(0))
     model.blocks[0].q.kernel.set_metadata(out_sharding=("embed",))
     with pytest.raises(ValueError, match=r"blocks/0/q/kernel has shape \(16, 16\) but 1 sharding"):
-        fj.staged.split(model, next_token, layers="blocks")
+        fj.split_model(model, next_token, layers="blocks")
 
 
 def test_stack_without_the_layers_name_gets_it():
@@ -406,7 +406,7 @@ def test_stack_without_the_layers_name_gets_it():
     for _, v in nnx.to_flat_state(nnx.state(model.blocks, nnx.Param)):  # as flax's scan example
         v.set_metadata(out_sharding=v.get_metadata()["out_sharding"][1:])
     with pytest.warns(UserWarning, match=r"lack the 'layers' name"):
-        _, params = fj.staged.split(model)
+        _, params = fj.split_model(model)
     for _, v in nnx.to_flat_state(params["blocks"]):
         assert v.get_metadata()["out_sharding"][0] == "layers"
 
@@ -423,7 +423,7 @@ def test_name_based_remat_without_names_is_refused():
     from fiddlejax.memory import policies
 
     model = Local(pattern=(None,), repeats=2, rngs=nnx.Rngs(0))
-    staged, canonical = fj.staged.split(model, next_token, layers="blocks")
+    staged, canonical = fj.split_model(model, next_token, layers="blocks")
     params = staged.to_staged(canonical)
     layer = jax.tree.map(lambda a: a[0], params[staged.stack])
     msg = staged.prologue(params, {"tokens": jnp.zeros((2, 9), jnp.int32)})

@@ -308,12 +308,12 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
     import jax
     import numpy as np
 
-    from fiddlejax import staged
     from fiddlejax.memory import remat_layer
     from fiddlejax.pipeline import costs
     from fiddlejax.sharding import param_specs
+    from fiddlejax.split import split_model
 
-    sm, params = staged.split(model)
+    sm, params = split_model(model)
     specs = param_specs(params)
     flat_p = jax.tree_util.tree_leaves_with_path(params)
     flat_s = jax.tree.leaves(specs, is_leaf=lambda x: x.__class__.__name__ == "PartitionSpec")

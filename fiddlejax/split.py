@@ -1,0 +1,51 @@
+"""A user's model as its static :class:`~fiddlejax.staged.StagedModel` and its parameters.
+
+The one entry every layout starts from: a model that declares the staged protocol is taken as
+it declares itself; any other NNX model is adapted (:mod:`fiddlejax.adapt`) from the path of its
+repeated blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from fiddlejax import adapt, sharding
+from fiddlejax.staged import Loss, StagedModel, check_dropout
+
+
+def split_model(model: nnx.Module, loss_fn: Loss | None = None,
+                layers: str | None = None) -> tuple[StagedModel, nnx.State]:
+    """Split ``model`` into its static :class:`StagedModel` and its parameters.
+
+    ``layers``: the path of the repeated blocks of a model without the staged protocol.
+    """
+    explicit = all(hasattr(model, a) for a in ("stack", "prologue", "head"))
+    if layers is not None and not (explicit and layers == model.stack):
+        return adapt.adapt(model, loss_fn, layers)
+    for attr in ("stack", "prologue", "head"):
+        if not hasattr(model, attr):
+            raise TypeError(
+                f"{type(model).__name__} lacks `{attr}`: fiddlejax needs a model that declares "
+                "`stack` (name of its stacked layers), `prologue(batch)`, `head(x)` and "
+                "`loss(outputs, batch)` (see fiddlejax.staged)"
+            )
+    if loss_fn is None and not hasattr(model, "loss"):
+        raise TypeError(f"{type(model).__name__} has no `loss(outputs, batch)`; pass loss=")
+    layers = getattr(model, model.stack, None)
+    if not isinstance(layers, nnx.Module):
+        raise TypeError(f"{type(model).__name__}.{model.stack} must be an nnx.Module of layers")
+    # RNG streams of rate-0 dropouts are constants; a rate above 0 is refused by name.
+    check_dropout(model)
+    layer_graphdef, layer_state, _ = nnx.split(layers, nnx.Param, ...)
+    leaves = jax.tree.leaves(layer_state)
+    if not leaves:
+        raise ValueError(f"{type(model).__name__}.{model.stack} has no parameters")
+    num_layers = int(leaves[0].shape[0])
+    sharding.name_stack(model, model.stack)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sharding.check_ranks(params, type(model).__name__)
+    # A rate-0 dropout's RNG streams in the layers: layer 0's serve every layer (never drawn).
+    layer_rest = jax.tree.map(lambda a: a[0], nnx.state(layers, nnx.Not(nnx.Param)))
+    return StagedModel(graphdef, rest, model.stack, layer_graphdef, num_layers, loss_fn,
+                       layer_rest=layer_rest), params
