@@ -1,0 +1,217 @@
+"""The repeated blocks of an unmodified NNX model: found by path, grouped, stacked, unstacked.
+
+:func:`fiddlejax.adapt.adapt` names the blocks with a path (a list, an ``nnx.List`` or numbered
+attributes); here they are found, checked to hold parameters only, grouped into the shortest
+repeating unit when their static attributes differ, and their parameters moved between the
+model's own tree and the staged tree that stacks them on a leading layer axis.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def find_blocks(model: nnx.Module, layers: str) -> tuple[Any, str, list[str | int], list]:
+    """(parent module, attribute, state keys of the blocks, the blocks) for ``layers``."""
+    parts = layers.split(".")
+    parent = model
+    for k, part in enumerate(parts[:-1]):
+        if not hasattr(parent, part):
+            raise ValueError(_not_found(model, ".".join(parts[: k + 1]), layers))
+        parent = getattr(parent, part)
+    last = parts[-1]
+    if last.endswith("*"):
+        prefix = last[:-1]
+        found = {}
+        for name in vars(parent):
+            m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+            if m:
+                found[int(m.group(1))] = name
+        if not found:
+            raise ValueError(_not_found(model, layers, layers))
+        names = [found[i] for i in sorted(found)]
+        return parent, last, names, [getattr(parent, n) for n in names]
+    if not hasattr(parent, last):
+        raise ValueError(_not_found(model, layers, layers))
+    held = getattr(parent, last)
+    if isinstance(held, list | tuple | nnx.List):
+        blocks = list(held)
+        if not blocks or not all(isinstance(b, nnx.Module) for b in blocks):
+            raise TypeError(f"{type(model).__name__}.{layers} must hold nnx.Module blocks; it "
+                            f"holds {[type(b).__name__ for b in blocks][:4]}")
+        return parent, last, list(range(len(blocks))), blocks
+    if isinstance(held, nnx.Module):
+        raise TypeError(
+            f"{type(model).__name__}.{layers} is one module ({type(held).__name__}), not a list "
+            "of blocks: for blocks already stacked with nnx.vmap, declare the explicit staged "
+            "protocol (stack, prologue, head, loss; see fiddlejax.staged); else name the list "
+            "that holds the blocks")
+    raise TypeError(f"{type(model).__name__}.{layers} is a {type(held).__name__}; name a list, "
+                    "an nnx.List or numbered attributes ('block_*') holding the blocks")
+
+
+def _not_found(model, what: str, layers: str) -> str:
+    attrs = sorted(k for k, v in vars(model).items()
+                   if isinstance(v, nnx.Module | list | tuple) and not k.startswith("_"))
+    return (f"layers={layers!r}: {type(model).__name__} has no {what!r}; its submodules are "
+            f"{attrs}. Name the attribute path of the repeated blocks, e.g. layers='decoder."
+            "blocks', or 'decoder.block_*' for numbered attributes")
+
+
+def block_keys(layers: str, attr: str, keys: list[str | int]) -> tuple[tuple, ...]:
+    """The model's state paths of each block (attributes below the root, then the key)."""
+    prefix = tuple(layers.split(".")[:-1])
+    if attr.endswith("*"):
+        return tuple((*prefix, k) for k in keys)
+    return tuple((*prefix, attr, k) for k in keys)
+
+
+def static_diff(a: Any, b: Any, path: str = "") -> str | None:
+    """The first static attribute (path and both values) in which two blocks differ."""
+    if isinstance(a, nnx.Module) and isinstance(b, nnx.Module):
+        if type(a) is not type(b):
+            return f"{path or 'the block'} is {type(a).__name__} vs {type(b).__name__}"
+        for k in sorted(set(vars(a)) | set(vars(b))):
+            if k.startswith("_"):
+                continue
+            va, vb = vars(a).get(k), vars(b).get(k)
+            if isinstance(va, nnx.Variable) or isinstance(vb, nnx.Variable):
+                found = _variable_diff(va, vb, f"{path}{k}")
+            else:
+                found = static_diff(va, vb, f"{path}{k}.")
+            if found:
+                return found
+        return None
+    if isinstance(a, list | tuple | nnx.List) and isinstance(b, list | tuple | nnx.List):
+        if len(a) != len(b):
+            return f"{path[:-1]} has {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = static_diff(x, y, f"{path}{i}.")
+            if found:
+                return found
+        return None
+    try:
+        same = bool(a == b)
+    except Exception:  # arrays and the like: not static
+        same = True
+    return None if same else f"{path[:-1]} = {a!r} vs {b!r}"
+
+
+def _variable_diff(va: Any, vb: Any, where: str) -> str | None:
+    """How two variables differ in shape or metadata (their values may differ freely)."""
+    if np.shape(va) != np.shape(vb):
+        return f"{where} has shape {np.shape(va)} vs {np.shape(vb)}"
+    ma, mb = (v.get_metadata() if isinstance(v, nnx.Variable) else {} for v in (va, vb))
+    if ma != mb:
+        key = next(m for m in sorted(set(ma) | set(mb)) if ma.get(m) != mb.get(m))
+        return f"{where} metadata {key}={ma.get(key)!r} vs {mb.get(key)!r}"
+    return None
+
+
+def repeating_unit(model: nnx.Module, layers: str, blocks: list) -> int:
+    """The shortest period ``k`` (dividing the block count) after which blocks repeat."""
+    defs = [nnx.split(b)[0] for b in blocks]
+    n = len(blocks)
+    for k in range(1, n + 1):
+        if n % k == 0 and all(defs[i] == defs[i % k] for i in range(n)):
+            break
+    if k > 1:
+        j = next(i for i in range(1, n) if defs[i] != defs[0])
+        diff = static_diff(blocks[0], blocks[j]) or "their structure"
+        if k == n:
+            raise ValueError(
+                f"{type(model).__name__}.{layers}: block {j} differs from block 0 in {diff}, "
+                f"and the {n} blocks repeat in no pattern that divides {n}; fiddlejax stacks "
+                "identical blocks (or a repeating unit of them). Make the blocks identical, or "
+                "a whole number of repeats of a unit")
+        # stacklevel 4: the user's parallelize() call (here < adapt < split_model < parallelize).
+        warnings.warn(
+            f"{type(model).__name__}.{layers}: blocks differ in {diff}; stacking units of {k} "
+            f"blocks ({n // k} units: a pipeline cuts between units)", stacklevel=4)
+    return k
+
+
+def check_params_only(model: nnx.Module, blocks: list, layers: str) -> None:
+    """Refuse blocks holding state besides parameters and RNG streams: it would not be carried."""
+    for i, b in enumerate(blocks):
+        other = nnx.state(b, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+        leaves = jax.tree_util.tree_flatten_with_path(other)[0]
+        if leaves:
+            path = jax.tree_util.keystr(leaves[0][0])
+            raise ValueError(
+                f"{type(model).__name__}.{layers}[{i}]{path} is non-parameter state (batch "
+                "statistics, a cache?); fiddlejax trains blocks whose only state is nnx.Param")
+
+
+# -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) ----------------
+def stack_params(params: nnx.State, template: nnx.State, keys: tuple, unit: int, stack: str,
+                 owner: str) -> nnx.State:
+    """``params`` (the model's tree) with the blocks stacked under ``stack``; every leaf takes
+    the variable type and sharding names of ``template`` (so params without metadata, e.g.
+    restored ones, are laid out as the trainer planned). ``owner`` names the model in errors."""
+    values = {p: _value(v) for p, v in nnx.to_flat_state(params)}
+    flat_template = list(nnx.to_flat_state(template))
+    missing = [p for p, _ in flat_template if p not in values]
+    if missing:
+        raise ValueError(f"params lack {'/'.join(map(str, missing[0]))} of "
+                         f"{owner}'s parameter tree")
+    outer, blocks = [], {}
+    for path, t in flat_template:
+        i = _block_index(keys, path)
+        if i is None:
+            outer.append((path, _with_value(t, values[path])))
+        else:
+            u, j = divmod(i, unit)
+            sub = path[len(keys[i]):]
+            blocks.setdefault((j, sub), [t, []])[1].append(values[path])
+    stacked = []
+    for (j, sub), (t, vals) in blocks.items():
+        key = (stack, j, *sub) if unit > 1 else (stack, *sub)
+        stacked.append((key, _with_value(t, jnp.stack(vals), stacked=True)))
+    return nnx.from_flat_state(outer + stacked)
+
+
+def unstack_params(params: nnx.State, template: nnx.State, keys: tuple, unit: int,
+                   stack: str) -> nnx.State:
+    """The inverse of :func:`stack_params`: blocks unstacked into the model's own tree."""
+    flat = dict(nnx.to_flat_state(params))
+    out = []
+    for path, t in dict(nnx.to_flat_state(template)).items():
+        i = _block_index(keys, path)
+        if i is None:
+            out.append((path, _with_value(t, _value(flat[path]))))
+            continue
+        sub = path[len(keys[i]):]
+        u, j = divmod(i, unit)
+        key = (stack, j, *sub) if unit > 1 else (stack, *sub)
+        out.append((path, _with_value(t, _value(flat[key])[u])))
+    return nnx.from_flat_state(out)
+
+
+def _block_index(keys: tuple, path: tuple) -> int | None:
+    for i, key in enumerate(keys):
+        if path[: len(key)] == key:
+            return i
+    return None
+
+
+def _value(v):
+    return v.get_value() if isinstance(v, nnx.Variable) else v
+
+
+def _with_value(v, value, stacked: bool = False):
+    """``v`` (a Variable, or a raw leaf) holding ``value``; a stacked one gains the "layers"
+    sharding name in front of its own (or none, when unannotated)."""
+    if not isinstance(v, nnx.Variable):
+        return value
+    names = v.get_metadata().get("out_sharding")
+    if stacked and names:
+        return v.replace(value, out_sharding=("layers", *names))
+    return v.replace(value)

@@ -1,0 +1,142 @@
+"""Stand-ins that take the blocks' places to split a model's own forward, and the split's checks.
+
+An adapted model keeps its ``__call__``; on a copy of the model its blocks are replaced by
+:class:`StandIn` objects whose behaviour the active :func:`acting` mode picks: stop at the first
+block (the prologue), hand the stack's output to what follows the last block (the epilogue), or
+run the real blocks and record each call (the once-per-batch-shape check of :func:`check_log`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from fiddlejax.side_inputs import activation, describe
+
+# What the stand-ins do in the current trace: ("prologue",), ("epilogue", x, out_treedef) or
+# ("record", blocks, log).
+_MODE: contextvars.ContextVar = contextvars.ContextVar("fiddlejax_adapt_mode", default=None)
+
+
+class Stop(Exception):  # noqa: N818 -- control flow, not an error
+    """Raised by the first stand-in in prologue mode, carrying the first block's arguments."""
+
+    def __init__(self, args, kwargs):
+        self.args_, self.kwargs_ = args, kwargs
+
+
+class StandIn:
+    """Takes block ``i``'s place inside the model while its forward is split."""
+
+    def __init__(self, i: int):
+        self.i = i
+
+    def __eq__(self, other):
+        return isinstance(other, StandIn) and other.i == self.i
+
+    def __hash__(self):
+        return hash(("fiddlejax-block", self.i))
+
+    def __repr__(self):
+        return f"<fiddlejax block {self.i}>"
+
+    def __call__(self, *args, **kwargs):
+        mode = _MODE.get()
+        if mode is None:
+            raise RuntimeError("a fiddlejax stand-in block was called outside fiddlejax")
+        if mode[0] == "prologue":
+            raise Stop(args, kwargs)
+        if mode[0] == "epilogue":  # the stack's output, in the structure a block returns
+            return jax.tree.unflatten(mode[2], [mode[1] if self.i == 0 else args[0]])
+        _, blocks, log = mode  # record: run the real block and note what it got
+        out = blocks[self.i](*args, **kwargs)
+        log.append((self.i, args, kwargs, out))
+        return out
+
+
+@contextlib.contextmanager
+def acting(*mode: Any) -> Iterator[None]:
+    """The stand-ins act in ``mode`` (see :class:`StandIn`) within this block."""
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list) -> nnx.Module:
+    """A copy of ``model`` whose blocks (found at ``layers``) are stand-ins."""
+    copy = nnx.merge(*nnx.split(model), copy=True)
+    host = copy
+    for part in layers.split(".")[:-1]:
+        host = getattr(host, part)
+    stand_ins = [StandIn(i) for i in range(len(keys))]
+    if attr.endswith("*"):
+        for k, s in zip(keys, stand_ins, strict=True):
+            object.__setattr__(host, k, s)
+    else:
+        object.__setattr__(host, attr, tuple(stand_ins))
+    return copy
+
+
+def check_log(log: list, n: int, where: str) -> Any:
+    """Check a recorded forward: each of the ``n`` blocks called once, in order, back to back,
+    with the same side inputs, returning one activation; returns a block output's treedef."""
+    order = [i for i, *_ in log]
+    if order != list(range(n)):
+        raise ValueError(f"{where}: __call__ runs the blocks in the order {order[:8]}; "
+                         f"fiddlejax needs each of the {n} blocks called once, in order")
+    out_def = None
+    for i, args, kwargs, out in log:
+        if not args or not isinstance(args[0], jax.Array):
+            raise TypeError(f"{where}: block {i} gets no array as its first argument; "
+                            "fiddlejax passes the activation first")
+        leaves, tdef = jax.tree.flatten(out)
+        arrays = [a for a in leaves if isinstance(a, jax.Array)]
+        if len(arrays) != 1 or arrays[0].shape != args[0].shape:
+            raise TypeError(
+                f"{where}: block {i} returns {describe(out)}; fiddlejax carries one "
+                f"activation between blocks: an array shaped like the input "
+                f"{tuple(args[0].shape)}, alone or with Nones (e.g. (x, None))")
+        out_def = out_def or tdef
+        if i == 0:
+            continue
+        if args[0] is not activation(log[i - 1][3]):
+            raise ValueError(
+                f"{where}: __call__ changes the activation between block {i - 1} and block "
+                f"{i}; fiddlejax runs the blocks back to back. Move that code into the "
+                "blocks, or declare the staged protocol (fiddlejax.staged)")
+        if not _same_sides(log[0][1][1:], log[0][2], args[1:], kwargs):
+            raise ValueError(
+                f"{where}: block {i} receives other side inputs than block 0 (a per-layer "
+                "cache or mask?); fiddlejax passes every block the same side inputs")
+    return out_def
+
+
+def _same_sides(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict) -> bool:
+    """The same side inputs: the very same arrays, and equal static values."""
+    first, now = jax.tree.flatten((args0, kwargs0)), jax.tree.flatten((args, kwargs))
+    return first[1] == now[1] and all(
+        (x is y) if isinstance(x, jax.Array) else _equal(x, y)
+        for x, y in zip(first[0], now[0], strict=True))
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def depends(jaxpr: Any, n_inputs: int) -> list[bool]:
+    """Whether each output of ``jaxpr`` depends on its first ``n_inputs`` inputs."""
+    dep = {id(v) for v in jaxpr.invars[:n_inputs]}
+    for eqn in jaxpr.eqns:
+        if any(id(v) in dep for v in eqn.invars):
+            dep.update(id(v) for v in eqn.outvars)
+    return [id(v) in dep for v in jaxpr.outvars]
