@@ -1,8 +1,10 @@
-"""The documentation: it builds with warnings as errors, its links resolve, its examples run.
+"""The documentation: it builds with warnings as errors, its links resolve, its generated pages
+are current.
 
 The site is built once (``mkdocs build --strict``: broken internal links and anchors, pages
-missing from the build and docstring problems are errors). The Python examples of the pages a
-newcomer copies from run as written, one namespace per page, on the 8 simulated CPU devices.
+missing from the build and docstring problems are errors). The generated reference pages are
+committed text (``python docs/hooks/build.py --write``) and must match the code. The Python
+examples run in tests/test_doc_snippets.py, the shell commands in tests/test_docs_commands.py.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-EXAMPLE_PAGES = ["README.md", "docs/quickstart.md", "docs/byom.md"]
-_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
-def python_blocks(path: Path) -> list[str]:
-    """The fenced ```python blocks of a Markdown file, in order."""
-    return _FENCE.findall(path.read_text())
+def hooks():
+    """docs/hooks/build.py as a module (it is not a package)."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +56,6 @@ def test_docs_build_strict_and_every_page_is_built(site):
 
 
 def test_config_reference_lists_every_default_key(site):
-    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks" / "build.py")
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
     import yaml
 
     def leaves(d, prefix=""):
@@ -66,7 +66,7 @@ def test_config_reference_lists_every_default_key(site):
                 yield f"{prefix}{k}"
 
     defaults = yaml.safe_load((ROOT / "fiddlejax" / "configs" / "default.yaml").read_text())
-    entries = hooks.config_entries()
+    entries = hooks().config_entries()
     assert [k for k, _, _ in entries] == list(leaves(defaults))
     for key, value, _ in entries:  # the value as written is the value the job reads
         default = defaults
@@ -75,8 +75,43 @@ def test_config_reference_lists_every_default_key(site):
         assert yaml.safe_load(value) == default, key
     assert any(doc for _, _, doc in entries), "same-line comments become the meaning column"
     html = (site / "config" / "index.html").read_text()
+    page = (DOCS / "config.md").read_text()
     for key, _, _ in entries:
         assert f"<code>{key}</code>" in html, key
+        assert f"| `{key}` |" in page, key  # committed, readable without building the site
+
+
+def test_generated_pages_are_committed_and_current():
+    build = hooks()
+    stale = build.stale()
+    assert not stale, (f"{', '.join(stale)} differ from what the code generates; run "
+                       "python docs/hooks/build.py --write and commit the result")
+
+
+def test_module_map_lists_each_module_once():
+    table = hooks().module_map()
+    rows = re.findall(r"^\| `([^`]+)` \|", table, re.M)
+    assert len(rows) == len(set(rows))
+    assert "fiddlejax/mesh.py" in rows and "models/gpt.py" in rows
+    assert not [r for r in rows if r.startswith("fiddlejax/models/")]  # the link to models/
+    assert "fiddlejax.models" in table  # says what models/ is called once installed
+
+
+def test_a_stale_page_is_reported_with_the_command(tmp_path, monkeypatch, capsys):
+    build = hooks()
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("# P\n\n<!-- config-reference:begin -->\nold\n<!-- config-reference:end -->\n")
+    monkeypatch.setattr(build, "ROOT", tmp_path)
+    monkeypatch.setattr(build, "COMMITTED", {"docs/page.md": ("config-reference",
+                                                              lambda: "| new |\n")})
+    assert build.main(["--check"]) == 1
+    assert "run python docs/hooks/build.py --write" in capsys.readouterr().err
+    assert build.main(["--write"]) == 0 and build.main(["--check"]) == 0
+    assert "| new |" in page.read_text() and "old" not in page.read_text()
+    page.write_text("# P\n")  # markers gone: an error, not a silently missing section
+    with pytest.raises(ValueError, match="no <!-- config-reference:begin -->"):
+        build.main(["--check"])
 
 
 def test_readme_relative_links_resolve():
@@ -86,15 +121,3 @@ def test_readme_relative_links_resolve():
     assert links, "the README links to the docs"
     for target in links:
         assert (ROOT / target.split("#")[0]).exists(), f"README.md links to missing {target}"
-
-
-@pytest.mark.parametrize("page", EXAMPLE_PAGES)
-def test_page_examples_run(page):
-    blocks = python_blocks(ROOT / page)
-    assert blocks, f"{page} has no Python examples"
-    namespace = {"__name__": "docs_example"}
-    for i, code in enumerate(blocks):
-        try:
-            exec(compile(code, f"{page}[python block {i}]", "exec"), namespace)
-        except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"{page}, Python block {i} failed:\n{code}") from e
