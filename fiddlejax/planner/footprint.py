@@ -1,0 +1,265 @@
+"""Predicted memory per GPU of a layout: what each rank holds, and what the schedule keeps.
+
+Parameters, gradients and optimizer state from the parameter counts, with what each rank holds:
+layer weights split over ``tensor`` (biases and norms whole), the stage's
+``virtual x ceil(layers / chunks)`` layers (the runtime pads chunks to equal length), and the
+parameters outside the stack: in a pipeline every leaf of at least 65,536 elements split over
+``pipe`` x ``tensor`` on every stage (``outer_params``), smaller ones as without a pipeline.
+Gradients are held once in a pipeline: each layer's weight gradient is added, layer by layer
+and in place, into the accumulator the optimizer reads (``pipeline.stage``'s layer loops carry
+it); without a pipeline, microbatches accumulate beside each microbatch's fresh gradients
+(twice). Activations: the stash buffer of ``held`` (schedule's peak held chunk activations) x
+layers per chunk x the remat policy's residuals per layer (without remat, the explicit
+``jax.vjp`` residuals: ``ModelSpec.act_stashed``), a carry of the layer loops that each
+layer reads and writes in place (no slot is copied out and back); for ``zb-h1`` the per-layer
+output cotangents its split backward keeps from I until W, buffered the same way; and a working
+set: one layer's full residuals on this rank (XLA's attention keeps its scores float32 in any
+compute dtype) with the weights it uses (and, for a whole backward in a pipeline, that layer's
+fresh float32 gradient before it is added in place), the logits, the pipeline inboxes. A
+vocabulary-parallel head never runs beside a layer, so the larger of the two counts; it holds
+its float32 logits and their gradient, its weight shard's fresh float32 gradient (before it is
+added into the accumulator) and, in bf16, the shard's bf16 copy. The stash stores 16-bit
+residuals as their bits, so XLA's CPU compile (which computes bf16 in float32) holds what a GPU
+does: one prediction serves both.
+
+Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
+"bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
+activations, stashes and messages; each layer's bf16 weight copy is a transient. ``zero=1``
+divides the optimizer state by ``data``; ``zero=3`` (FSDP) divides parameters, gradients and
+optimizer state, and adds to the working set what one layer's use materialises: the gathered
+weights in the compute dtype, the next layer's prefetched, and the full-size float32 weight
+gradient before its reduce-scatter (or the embedding or head with its gradient, if larger).
+Gathered once per step (``fsdp_gather="step"``) the stage's weights are held gathered in the
+compute dtype and its gradient accumulated at full size in float32 (plus its reduce-scattered
+shard).
+
+2bw (``Pipeline.train_2bw``) adds, per GPU, the second weight version (W(t-1), in the state),
+the program's stacked copy of both versions, a gradient accumulator per version (two steps
+overlap) and the optimizer update applied inside the program: with the reduced gradient 1F1B
+already holds, parameters 4x, gradients 3x, and one parameter-sized update in the working set.
+Optimizer state is 1F1B's (``zero=1`` is refused); the activation stash is 1F1B's over K x m.
+Each further step of a K-step call adds one optimizer state to the working set: XLA does not
+reuse the buffers of the unrolled steps' updates (measured at (1, 4, 2) with AdamW, whose state
+is 2 parameter copies: 1.1 to 1.9 copies per further step for K = 2..8; with SGD, 1.7 copies
+once K >= 3, not modelled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fiddlejax.pipeline.schedules import interleaves
+from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for
+from fiddlejax.planner.workload import ModelSpec
+
+VOCAB_PARALLEL_MIN = 65_536  # the pipeline shards outer leaves this large over pipe x tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU, by what they hold."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # stash of held microbatches
+    working: float  # transient: one layer's residuals, logits
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.working
+
+    def to_dict(self) -> dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        return d
+
+
+# ----------------------------------------------------------------------------- shares
+
+
+def state_bytes(layout: Layout) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter: float32 in both precisions
+    (``bf16-mixed`` keeps float32 master weights in the state and casts each layer to bf16 just
+    before use, a transient counted in the working set)."""
+    return 4, 4, (8 if layout.optimizer == "adam" else 0)
+
+
+def activation_bytes(layout: Layout) -> int:
+    """Bytes per activation element in the layout's compute dtype."""
+    return 4 if layout.precision == "fp32" else 2
+
+
+def schedule_steps(layout: Layout) -> int:
+    """Optimizer steps one schedule spans (K for ``2bw``, else 1)."""
+    return layout.steps_per_call if layout.kind == "2bw" else 1
+
+
+def chunk_layers(model: ModelSpec, layout: Layout) -> int:
+    """Layers in the largest chunk; with per-layer costs, PipeDream's balanced partition."""
+    chunks = layout.pipe * layout.virtual_stages
+    if model.layer_costs is None:
+        return math.ceil(model.num_layers / chunks)
+    from fiddlejax.pipeline.partition import balanced
+
+    counts = balanced(list(model.layer_costs), chunks)
+    return max(counts)
+
+
+def held_microbatches(layout: Layout) -> int:
+    """Peak (microbatch, chunk) activations a stage holds, from the schedule itself."""
+    if layout.pipe == 1:
+        return 1
+    p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
+    k = schedule_steps(layout)
+    if p * m * v * k <= MAX_BUILT_ACTIONS:
+        return schedule_for(layout.kind, p, m, v, k).max_held
+    if layout.kind == "2bw":
+        return min(k * m, p)
+    if layout.kind == "gpipe":
+        return m * v
+    if interleaves(layout.kind):
+        return min(m * v, (v - 1) * p + 2 * (p - 1) + 1)
+    return min(m, p)
+
+
+def inbox_slots(layout: Layout) -> int:
+    """Boundary-sized buffers a stage keeps for received activations and cotangents (the tick
+    table's inbox peaks) plus the split backward's saved cotangent."""
+    p, m, v = layout.pipe, layout.microbatches, layout.virtual_stages
+    k = schedule_steps(layout)
+    if p == 1:
+        return 0
+    if p * m * v * k > MAX_BUILT_ACTIONS:
+        return 3
+    peaks = schedule_for(layout.kind, p, m, v, k).ticks.inbox_peak
+    return max(a for a, _ in peaks) + max(g for _, g in peaks) + 1
+
+
+def vocab_parallel(layout: Layout) -> bool:
+    """Whether the embedding and head run vocabulary-parallel over ``pipe`` x ``tensor``."""
+    return layout.pipe > 1 and layout.head == "vocab-parallel"
+
+
+def _outer_leaf(n: int, split: bool, layout: Layout) -> float:
+    """One GPU's share of an outer parameter leaf of ``n`` elements."""
+    if vocab_parallel(layout) and n >= VOCAB_PARALLEL_MIN:
+        return n / (layout.pipe * layout.tensor)
+    return n / layout.tensor if split else n
+
+
+def outer_params(model: ModelSpec, layout: Layout) -> float:
+    """Parameters outside the layer stack one GPU holds. A fiddlejax pipeline shards every such
+    leaf of at least ``VOCAB_PARALLEL_MIN`` elements (embedding, head, a large position table)
+    over ``pipe`` x ``tensor``, on every stage, because its prologue and head run
+    vocabulary-parallel over all of them; smaller leaves (final norm) keep their tensor split
+    or stay whole. ``head="last-stage"``: the first stage's embedding or the last stage's head,
+    whichever is larger."""
+    if layout.pipe > 1 and layout.head == "last-stage":
+        t = layout.tensor
+        return max(s / t + r for s, r in (model.prologue_params, model.epilogue_params))
+    return sum(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
+
+
+def stage_params(model: ModelSpec, layout: Layout) -> float:
+    """Parameters one GPU holds (one weight version): its stage's layers split over tensor
+    (biases and norms whole), and its share of the embedding and head (``outer_params``)."""
+    t = layout.tensor
+    stage_layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
+                    else model.num_layers)
+    ls, lr = model.layer_params
+    return stage_layers * (ls / t + lr) + outer_params(model, layout)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory(model: ModelSpec, layout: Layout) -> Memory:
+    """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
+    p, d = layout.pipe, layout.data
+    pb, gb, ob = state_bytes(layout)
+    ab = activation_bytes(layout)
+    n = stage_params(model, layout)
+    # A pipeline adds each layer's weight gradient into the accumulator the optimizer reads,
+    # in place (fiddlejax.pipeline.stage): one copy. Without a pipeline, microbatches scan
+    # with an accumulator beside each microbatch's gradients: two.
+    grads_copies = 1 if p > 1 or layout.microbatches == 1 else 2
+    two_bw = layout.kind == "2bw"
+    # 2bw: W(t) and W(t-1) in the state plus the program's stacked copy of both; a gradient
+    # accumulator per version (two steps overlap) plus the reduced gradient.
+    param_copies = 4 if two_bw else 1
+    if two_bw:
+        grads_copies = 3
+    opt = n * ob / (d if layout.zero else 1)
+    shard = d if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
+    # FSDP gathered once per step: the stage's weights held gathered in the compute dtype and
+    # the gradients accumulated at full size, reduce-scattered into their shards at the end.
+    gathered, grad_shard = 0.0, shard
+    if layout.gathers_once:
+        gathered, grads_copies, grad_shard = n * ab, grads_copies + 1 / d, 1
+    return Memory(params=n * pb * param_copies / shard + gathered,
+                  grads=n * gb * grads_copies / grad_shard,
+                  optimizer=opt, activations=_stash(model, layout),
+                  working=_working_set(model, layout, n))
+
+
+def _stash(model: ModelSpec, layout: Layout) -> float:
+    """Bytes of the activations kept from forward to backward (the schedule's held chunks)."""
+    t, p, ab, mb = layout.tensor, layout.pipe, activation_bytes(layout), layout.microbatch_size
+    per_layer = (model.stash_bytes if p > 1 else model.act_bytes)(layout.remat, t, ab) * mb
+    if p == 1:
+        return model.num_layers * per_layer
+    # The stash buffer's ``held`` slots, a carry of the layer loops: each layer reads and
+    # writes only its own slice in place, so no slot is copied out and back.
+    held, lmax = held_microbatches(layout), chunk_layers(model, layout)
+    stash = held * lmax * per_layer
+    if layout.kind == "zb-h1":  # I keeps each layer's output cotangent until W
+        stash += held * lmax * mb * model.boundary * ab
+    return stash
+
+
+def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
+    """Transient bytes: one layer's full residuals on this rank (a backward or a recomputation
+    materialises them) with the weights it uses, the fp32 logits and their gradient, and
+    (pipelines) the inboxes that receive activations and cotangents (sized by the schedule's
+    tick table). A vocabulary-parallel head runs between the stage programs, never beside a
+    layer: the larger of the two counts. It holds, besides its logits and their gradient, the
+    fresh float32 gradient of its weight shard (added into the accumulator after the matmul)
+    and, in bf16, the weight shard's compute-dtype copy. ``n``: the stage's parameters."""
+    t, p, mb = layout.tensor, layout.pipe, layout.microbatch_size
+    pb, gb, ob = state_bytes(layout)
+    ab = activation_bytes(layout)
+    vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
+    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout)
+    if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
+        # gradient is live beside the recomputed residuals until it is added in place
+        ls, lr = model.layer_params
+        layer += (ls / t + lr) * gb
+    head = 2 * mb * model.logits / vocab_shards * 4
+    if vocab_parallel(layout) and (not layout.fsdp or layout.gathers_once):
+        outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())
+        head += outer * (gb + (ab if ab < 4 else 0))
+    working = max(layer, head) if vocab_parallel(layout) else layer + head
+    if p > 1:
+        working += inbox_slots(layout) * mb * model.boundary * ab
+    if layout.kind == "2bw":  # the update, computed inside the pipeline program; XLA keeps
+        # each further step's optimizer state (measured)
+        working += n * pb + (schedule_steps(layout) - 1) * n * ob
+    return working
+
+
+def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
+    """Transient bytes of weights materialised for use: with FSDP, one layer gathered over
+    ``data`` in the compute dtype, the next one prefetched, and its full-size float32 gradient
+    before the reduce-scatter; or the embedding or head, gathered with its gradient (whichever
+    is larger). Without FSDP, in bf16, the bf16 copy of the largest of those."""
+    t, ab = layout.tensor, activation_bytes(layout)
+    ls, lr = model.layer_params
+    layer = ls / t + lr
+    outer = max(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
+    if layout.gathers_once:  # gathered in the compute dtype once per step: in ``params``
+        return 0.0
+    if layout.fsdp:
+        return max(layer * (2 * ab + 4), outer * (ab + 4))
+    return max(layer, outer) * ab if ab < 4 else 0.0

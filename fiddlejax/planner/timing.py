@@ -1,0 +1,246 @@
+"""Predicted step time of a layout: compute, communication and the pipeline's bubble.
+
+One microbatch through one chunk (``layers / (pipe x virtual)`` layers) costs
+  forward  = matmul FLOPs / (tensor x peak x gemm_efficiency)
+           + elementwise bytes / HBM bandwidth           (a roofline: every residual written and
+                                                           read once)
+           + tensor-parallel all-reduces                  (``collectives.cost``, on NVLink or NICs)
+  backward = 2 x forward compute + the same all-reduces, plus the recomputation the remat policy
+             implies (``full`` re-runs the forward; ``dots``/``minimal`` its elementwise part).
+The schedule simulator (``pipeline.schedules.simulate``) runs the real action lists with those
+F/B (or F/I/W) costs and the stage-to-stage transfer time as latency: its makespan minus the
+stage's busy time is the bubble. ``2bw`` runs 1F1B over the K x m microbatches of
+``steps_per_call`` = K optimizer steps without a flush: the simulator's makespan of that
+schedule, divided by K, is the time per step, so the fill and drain are amortized over K
+steps. The data-parallel gradient all-reduce follows (exposed, except ``dp_overlap``), then the
+optimizer update (HBM bound). The embedding and head of a pipeline run vocabulary-parallel over
+every device of ``pipe`` x ``tensor`` once per microbatch, between the stage programs: each
+device pays 1/(pipe x tensor) of their FLOPs per microbatch, serially with the ticks, plus
+their activation-sized all-reduces (``vocab_allreduces``). ``head="last-stage"`` (Megatron's
+placement, for published runs) charges them to every stage instead (the slowest sets the pace).
+
+ZeRO-3 (FSDP) pays, per microbatch, an all-gather forward and backward and a reduce-scatter of
+the stage's weights instead of one gradient all-reduce per step; gathered once per step
+(``fsdp_gather="step"``), one all-gather and one reduce-scatter per step.
+
+zb-h1's I and W split one backward: I runs the input-gradient chain and keeps every layer's
+output cotangent, W turns each into its layer's weight gradient without re-running the chain
+(``Pipeline._layerwise_fns``), so I + W cost one backward (I = W = B/2 in the simulator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from fiddlejax.planner.cluster import ClusterSpec
+from fiddlejax.planner.footprint import (
+    activation_bytes,
+    chunk_layers,
+    schedule_steps,
+    stage_params,
+    state_bytes,
+    vocab_parallel,
+)
+from fiddlejax.planner.space import Layout, schedule_for
+from fiddlejax.planner.workload import ModelSpec
+
+MAX_SIMULATED_ACTIONS = 20_000  # beyond this the bubble uses the schedule's closed form
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds per training step, split by cause; ``total`` is the predicted step time."""
+
+    compute: float  # matmuls + elementwise + recomputation on the slowest stage
+    tensor_comm: float  # tensor-parallel all-reduces (exposed: they sit on the critical path)
+    bubble: float  # pipeline fill/drain idle time, stage-to-stage transfers included
+    data_comm: float  # the whole gradient reduction
+    data_comm_exposed: float  # the part not hidden under the backward
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tensor_comm + self.bubble + self.data_comm_exposed
+                + self.optimizer)
+
+    @property
+    def overlapped(self) -> float:
+        return self.data_comm - self.data_comm_exposed
+
+    def to_dict(self) -> dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        d["overlapped"] = self.overlapped
+        return d
+
+
+def _chunk_cost_scale(model: ModelSpec, layout: Layout) -> float:
+    """The slowest chunk's cost in units of an average layer (uneven layers)."""
+    if model.layer_costs is None:
+        return float(chunk_layers(model, layout))
+    from fiddlejax.pipeline.partition import balanced, chunk_costs
+
+    costs = list(model.layer_costs)
+    counts = balanced(costs, layout.pipe * layout.virtual_stages)
+    mean = sum(costs) / len(costs)
+    return max(chunk_costs(counts, costs)) / mean
+
+
+@functools.lru_cache(maxsize=4096)
+def _makespan(kind: str, p: int, m: int, v: int, f: float, b: float, lat: float,
+              simulate: bool = True, k: int = 1) -> float:
+    """Pipeline makespan for per-chunk costs F=f, B=b (I=W=b/2 when split) and transfer lat:
+    the schedule simulator's, or the closed form (fill + drain) when too large or not asked.
+    ``k`` steps without a flush (``2bw``): the makespan of all k steps."""
+    i = w = b / 2  # a split backward: b is the whole of I + W
+    if simulate and p * m * v * k <= MAX_SIMULATED_ACTIONS:
+        from fiddlejax.pipeline.schedules import simulate
+
+        s = schedule_for(kind, p, m, v, k)
+        return simulate(s, {"F": f, "B": b, "I": i, "W": w}, latency=lat).makespan
+    if kind == "zb-h1":
+        return m * v * (f + i + w) + (p - 1) * (f + i + 2 * lat)
+    return k * m * v * (f + b) + (p - 1) * (f + b + 2 * lat)  # 2bw: 1F1B over k x m
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+@functools.lru_cache(maxsize=4096)
+def _allreduce(size: int, per_node: int, nbytes: float, nvlink: float, nic: float,
+               nvlat: float) -> float:
+    """All-reduce seconds for a group of ``size`` GPUs, ``per_node`` of them per node."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    from fiddlejax.collectives import cost, topology
+
+    if size <= per_node:
+        topo = topology.switch(size, nvlink, nvlat / 2)
+        return cost.predict("ring", topo, nbytes)
+    nodes = size // per_node
+    topo = topology.multi_node(nodes, per_node, nic_bandwidth=nic, nvlink_bandwidth=nvlink)
+    best = cost.predict("ring", topo, nbytes)
+    if per_node > 1:
+        best = min(best, cost.predict("hierarchical", topo, nbytes))
+    return best
+
+
+def allreduce_seconds(cluster: ClusterSpec, size: int, stride: int, nbytes: float) -> float:
+    """Predicted all-reduce time of ``nbytes`` over ``size`` GPUs ``stride`` apart (mesh order
+    is data-major, tensor innermost, so tensor groups are contiguous and data groups strided)."""
+    if size <= 1:
+        return 0.0
+    per_node = max(1, cluster.gpus_per_node // stride) if stride < cluster.gpus_per_node else 1
+    per_node = min(per_node, size)
+    if size % per_node:
+        per_node = 1
+    return _allreduce(size, per_node, float(nbytes), cluster.nvlink_bandwidth,
+                      cluster.nic_bandwidth, cluster.nvlink_latency)
+
+
+def vocab_allreduces(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> float:
+    """Seconds per microbatch of the vocabulary-parallel prologue's and head's all-reduces:
+    the embedding's output over pipe x tensor and its gradient to every stage over pipe
+    (backward), the last stage's output to every stage over pipe and the head's input
+    gradient over pipe x tensor; activation-sized. The softmax statistics ([rows, seq],
+    float32) add three small ones over pipe x tensor."""
+    t, p, mb = layout.tensor, layout.pipe, layout.microbatch_size
+    act = mb * model.boundary * activation_bytes(layout)
+    stats = mb * model.seq_len * 4
+    return (2 * _closed_allreduce(cluster, p * t, 1, act)
+            + 2 * _closed_allreduce(cluster, p, t, act)
+            + 3 * _closed_allreduce(cluster, p * t, 1, stats))
+
+
+def _closed_allreduce(cluster: ClusterSpec, size: int, stride: int, nbytes: float) -> float:
+    """The faster of a ring at the group's slowest link and a hierarchical all-reduce (ring
+    inside each node, ring over nodes on 1/k of the bytes): the closed forms of
+    ``collectives.cost`` for groups of hundreds of GPUs, where its topology model is slow."""
+    if size <= 1:
+        return 0.0
+    bw, lat = cluster.group_bandwidth(size, stride)
+    best = 2 * (size - 1) * (lat + nbytes / size / bw)
+    k = min(size, max(1, cluster.gpus_per_node // stride))
+    nodes = size // k
+    if 1 < k and nodes > 1 and size % k == 0:
+        inner = 2 * (k - 1) * (cluster.nvlink_latency + nbytes / k / cluster.nvlink_bandwidth)
+        outer = 2 * (nodes - 1) * (cluster.nic_latency
+                                   + nbytes / k / nodes / cluster.nic_bandwidth)
+        best = min(best, inner + outer)
+    return best
+
+
+def _data_comm(cluster: ClusterSpec, layout: Layout, n_params: float) -> float:
+    """Seconds of the data-parallel reduction per step: the gradient all-reduce, ZeRO-1/2's
+    all-gather of the updated shards, or FSDP's gathers and reduce-scatters."""
+    t, p, d, m = layout.tensor, layout.pipe, layout.data, layout.microbatches
+    pb, gb, _ = state_bytes(layout)
+    ab = activation_bytes(layout)
+    dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
+    if layout.zero in (1, 2) and d > 1:  # the updated shards all-gathered (half a ring
+        # all-reduce of the parameters); ZeRO-2 reduce-scatters the gradients (the other half)
+        dp = (dp / 2 if layout.zero == 2 else dp) + allreduce_seconds(cluster, d, t * p,
+                                                                        n_params * pb) / 2
+    if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
+        # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce;
+        # gathered once per step: one all-gather and one reduce-scatter
+        gather = allreduce_seconds(cluster, d, t * p, n_params * ab) / 2
+        scatter = allreduce_seconds(cluster, d, t * p, n_params * gb) / 2
+        dp = gather + scatter if layout.gathers_once else m * (2 * gather + scatter)
+    return dp
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+              simulate: bool = True) -> tuple[StepTime, float]:
+    """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
+    the schedules' closed-form bubbles (fast, for searching)."""
+    gpu = cluster.gpu
+    t, p, d, v, mb, m = (layout.tensor, layout.pipe, layout.data, layout.virtual_stages,
+                         layout.microbatch_size, layout.microbatches)
+    k = schedule_steps(layout)
+    ab = activation_bytes(layout)
+    flop_rate = gpu.peak_flops * gpu.gemm_efficiency
+    layers = _chunk_cost_scale(model, layout)
+    # One layer, one microbatch, one tensor rank.
+    mm = mb * model.layer_flops / t / flop_rate
+    split, rep = model.act["none"]
+    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_bandwidth
+    ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab) * model.tp_allreduces
+    recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
+    recompute_ar = ar if layout.remat == "full" else 0.0
+    # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)
+    # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
+    # outside the stages' switch on every device of pipe x tensor (serial with the ticks: all
+    # devices take part), plus their activation-sized all-reduces (``vocab_allreduces``).
+    head = mb * (model.epilogue_flops + model.prologue_flops) / t / flop_rate
+    outside = 0.0
+    if vocab_parallel(layout):
+        head, outside = 0.0, 3 * head / p
+    f_comp = layers * (mm + ew) + head
+    b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
+    f_ar = layers * ar
+    b_ar = layers * (ar + recompute_ar)
+    f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
+    busy = m * v * (f + b)
+    if p > 1:
+        bw, lat = cluster.group_bandwidth(p, t)
+        xfer = lat + mb * model.boundary * ab / bw
+        makespan = _makespan(layout.kind, p, m, v, f, b, xfer, simulate, k) / k
+    else:
+        makespan = busy
+    bubble = max(0.0, makespan - busy)
+    pb, gb, ob = state_bytes(layout)
+    n_params = stage_params(model, layout)
+    dp = _data_comm(cluster, layout, n_params)
+    opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
+    opt = opt_bytes / gpu.hbm_bandwidth
+    vocab_ar = vocab_allreduces(model, cluster, layout) if vocab_parallel(layout) else 0.0
+    time = StepTime(
+        compute=m * (v * (f_comp + b_comp) + outside),
+        tensor_comm=m * (v * (f_ar + b_ar) + vocab_ar), bubble=bubble,
+        data_comm=dp, data_comm_exposed=dp * (1.0 - layout.dp_overlap), optimizer=opt)
+    return time, (bubble / makespan if makespan else 0.0)
