@@ -17,10 +17,11 @@ Vocabulary:
 Dependencies: F(m, c) needs F(m, c-1); B(m, c) and I(m, c) need F(m, c) and the input-gradient
 op (B or I) of (m, c+1); W(m, c) needs I(m, c). Each stage runs its own list strictly in order.
 
-Modules, each importing only those above it: ``ir`` (actions, ``Schedule``, JSON),
-``validation``, ``timeline`` (simulation, tick table, stash slots), ``generators`` (GPipe,
-1F1B, interleaved, 2BW), ``zero_bubble`` (ZB-H1, ZB-V, interleaved ZB) and ``registry``
-(``register``, ``build``). Import names from this package, not from the modules.
+Modules, each importing only those above it: ``ir`` (ops, costs, ``Action``, ``ScheduleError``
+and ``ScheduleLike``, the view of a schedule the next two read), ``validation``, ``timeline``
+(simulation, tick table, stash slots), ``schedule`` (``Schedule``, JSON), ``generators``
+(GPipe, 1F1B, interleaved, 2BW), ``zero_bubble`` (ZB-H1, ZB-V, interleaved ZB) and
+``registry`` (``register``, ``build``). Import names from this package, not from the modules.
 """
 
 # Names outside ``__all__`` are re-exported as before the split (``X as X`` marks them).
@@ -31,19 +32,12 @@ from fiddlejax.pipeline.schedules.generators import (
     two_bw,
     weight_updates,
 )
-from fiddlejax.pipeline.schedules.ir import (
-    DEFAULT_COSTS,
-    OPS,
-    Action,
-    Schedule,
-    ScheduleError,
-    dump,
-    load,
-)
+from fiddlejax.pipeline.schedules.ir import DEFAULT_COSTS, OPS, Action, ScheduleError
 from fiddlejax.pipeline.schedules.registry import _REGISTRY as _REGISTRY
 from fiddlejax.pipeline.schedules.registry import Generator as Generator
 from fiddlejax.pipeline.schedules.registry import MinMicrobatches as MinMicrobatches
 from fiddlejax.pipeline.schedules.registry import build, interleaves, kinds, register
+from fiddlejax.pipeline.schedules.schedule import Schedule, dump, load
 from fiddlejax.pipeline.schedules.timeline import (
     Simulation,
     Span,

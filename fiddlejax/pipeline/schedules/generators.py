@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fiddlejax.pipeline.schedules.ir import Action, Schedule, ScheduleError
+from fiddlejax.pipeline.schedules.ir import Action, ScheduleError
+from fiddlejax.pipeline.schedules.schedule import Schedule
 from fiddlejax.pipeline.schedules.timeline import tick_table
 
 

@@ -13,7 +13,8 @@ from fiddlejax.pipeline.schedules.generators import (
     two_bw,
     weight_updates,
 )
-from fiddlejax.pipeline.schedules.ir import Schedule, _count
+from fiddlejax.pipeline.schedules.ir import _count
+from fiddlejax.pipeline.schedules.schedule import Schedule
 from fiddlejax.pipeline.schedules.validation import validate
 from fiddlejax.pipeline.schedules.zero_bubble import interleaved_zb, zb_h1, zb_v
 

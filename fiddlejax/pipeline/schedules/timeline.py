@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from fiddlejax.pipeline.schedules.ir import DEFAULT_COSTS, OPS, Action, Schedule
+from fiddlejax.pipeline.schedules.ir import DEFAULT_COSTS, OPS, Action, ScheduleLike
 from fiddlejax.pipeline.schedules.validation import Position, _dependency_positions, _raise_deadlock
 
 
@@ -46,7 +46,7 @@ def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def simulate(
-    schedule: Schedule, costs: Mapping[str, float] | None = None, latency: float = 0.0
+    schedule: ScheduleLike, costs: Mapping[str, float] | None = None, latency: float = 0.0
 ) -> Simulation:
     """Timeline of ``schedule`` with per-op ``costs`` (overrides of F=1, B=2, I=1, W=1).
 
@@ -127,7 +127,7 @@ class TickTable:
         return len(self.ticks[0]) if self.ticks else 0
 
 
-def tick_table(schedule: Schedule, costs: Mapping[str, float] | None = None) -> TickTable:
+def tick_table(schedule: ScheduleLike, costs: Mapping[str, float] | None = None) -> TickTable:
     """Assign every action a tick, greedily and deterministically (see ``TickTable``).
 
     At each tick every stage runs its next action if all its inputs were made at an earlier
@@ -173,7 +173,7 @@ def tick_table(schedule: Schedule, costs: Mapping[str, float] | None = None) -> 
 
 
 def _inbox_peak(
-    s: Schedule, deps: list[list[list[Position]]], tick_of: list[list[int]], num_ticks: int
+    s: ScheduleLike, deps: list[list[list[Position]]], tick_of: list[list[int]], num_ticks: int
 ) -> tuple[tuple[int, int], ...]:
     """Peak count of received-but-unused activations and gradients per stage (see TickTable)."""
     peaks = []
@@ -199,7 +199,7 @@ def _inbox_peak(
     return tuple(peaks)
 
 
-def stash_slots(schedule: Schedule) -> tuple[dict[tuple[int, int], int], ...]:
+def stash_slots(schedule: ScheduleLike) -> tuple[dict[tuple[int, int], int], ...]:
     """Per stage, a stash slot for each (microbatch, chunk), reused once released.
 
     Slots are taken lowest-free-first at F and freed at B/W, so stage s needs exactly

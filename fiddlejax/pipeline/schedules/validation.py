@@ -5,7 +5,18 @@ Also the dependency positions and deadlock report that the timeline simulators r
 
 from __future__ import annotations
 
-from fiddlejax.pipeline.schedules.ir import OPS, Action, Schedule, ScheduleError, _count, _is_int
+from typing import TypeVar
+
+from fiddlejax.pipeline.schedules.ir import (
+    OPS,
+    Action,
+    ScheduleError,
+    ScheduleLike,
+    _count,
+    _is_int,
+)
+
+_S = TypeVar("_S", bound=ScheduleLike)  # validate returns what it was given
 
 
 def _producer_key(a: Action) -> tuple[str, int, int]:
@@ -28,7 +39,7 @@ def _needs(a: Action, num_chunks: int) -> list[tuple[str, int, int]]:
 Position = tuple[int, int]  # (stage, index in that stage's list)
 
 
-def _check_structure(s: Schedule) -> dict[tuple[str, int, int], Position]:
+def _check_structure(s: ScheduleLike) -> dict[tuple[str, int, int], Position]:
     """Everything but ordering; returns where each activation / gradient is produced."""
     _count(s.stages, "stages")
     _count(s.microbatches, "microbatches")
@@ -99,7 +110,7 @@ def _check_structure(s: Schedule) -> dict[tuple[str, int, int], Position]:
     return produced
 
 
-def _dependency_positions(s: Schedule) -> list[list[list[Position]]]:
+def _dependency_positions(s: ScheduleLike) -> list[list[list[Position]]]:
     produced = _check_structure(s)
     return [[[produced[k] for k in _needs(a, s.num_chunks)] for a in row] for row in s.actions]
 
@@ -110,7 +121,9 @@ def _blocker(deps: list[list[list[Position]]], st: int, ptr: list[int]) -> Posit
     return min(waits, key=lambda d: d[0] != st)
 
 
-def _describe_wait(s: Schedule, deps: list[list[list[Position]]], st: int, ptr: list[int]) -> str:
+def _describe_wait(
+    s: ScheduleLike, deps: list[list[list[Position]]], st: int, ptr: list[int]
+) -> str:
     i = ptr[st]
     t, j = _blocker(deps, st, ptr)
     head = f"stage {st} action {i} {s.actions[st][i]} needs {s.actions[t][j]}"
@@ -119,7 +132,7 @@ def _describe_wait(s: Schedule, deps: list[list[list[Position]]], st: int, ptr: 
     return f"{head} (stage {t} action {j}), which never runs before it (deadlock)"
 
 
-def _advance_all(s: Schedule, deps: list[list[list[Position]]]) -> list[int]:
+def _advance_all(s: ScheduleLike, deps: list[list[list[Position]]]) -> list[int]:
     """Run every stage in order as far as dependencies allow; returns how far each got."""
     ptr = [0] * s.stages
     progress = True
@@ -135,7 +148,7 @@ def _advance_all(s: Schedule, deps: list[list[list[Position]]]) -> list[int]:
     return ptr
 
 
-def _raise_deadlock(s: Schedule, deps: list[list[list[Position]]], ptr: list[int]) -> None:
+def _raise_deadlock(s: ScheduleLike, deps: list[list[list[Position]]], ptr: list[int]) -> None:
     """Raise if some stage is stuck at ``ptr`` (a state where no stage can make progress)."""
     stuck = [st for st in range(s.stages) if ptr[st] < len(s.actions[st])]
     if not stuck:
@@ -155,7 +168,7 @@ def _raise_deadlock(s: Schedule, deps: list[list[list[Position]]], ptr: list[int
     )
 
 
-def validate(schedule: Schedule) -> Schedule:
+def validate(schedule: _S) -> _S:
     """Check that ``schedule`` can run as written; raise ``ScheduleError`` naming the first fault.
 
     Checks, in order: counts and placement; each action's op, microbatch, chunk and stage

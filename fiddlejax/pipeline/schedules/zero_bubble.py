@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fiddlejax.pipeline.schedules.generators import _schedule
-from fiddlejax.pipeline.schedules.ir import Action, Schedule, ScheduleError
+from fiddlejax.pipeline.schedules.ir import Action, ScheduleError
+from fiddlejax.pipeline.schedules.schedule import Schedule
 
 
 def zb_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
