@@ -12,7 +12,7 @@ _EXPORTS = {
     "make_mesh": "fiddlejax.mesh",
     "Plan": "fiddlejax.plan",
     "Trainer": "fiddlejax.train",
-    "TrainState": "fiddlejax.train",
+    "TrainState": "fiddlejax.state",
     "parallelize": "fiddlejax.train",
     "mean_loss": "fiddlejax.staged",
     "split_model": "fiddlejax.split",

@@ -125,3 +125,18 @@ def check_remat_names(policy: Any, layer: Any, layer_params: Any, x: Any,
             f"{model_name} tags {sorted(tagged) or 'none'} (jax.ad_checkpoint.checkpoint_name), "
             "so it would save nothing and equal remat='full'. Use remat='full', 'dots' or "
             "'dots_no_batch' (by primitive), or fj.memory.policy(save=[names the layer tags])")
+
+
+def check_canonical(params: Any, template: Any, model_name: str) -> None:
+    """``params`` must have the model's own parameter tree, shapes and dtypes, with values."""
+    import jax
+
+    want = jax.tree.map(lambda a: (a.shape, a.dtype), template)
+    got = jax.tree.map(lambda a: (tuple(a.shape), a.dtype), params)
+    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+        raise ValueError(f"params do not match {model_name}'s parameter tree and shapes")
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        raise ValueError(
+            f"{model_name} is abstract (built with nnx.eval_shape): it has no weights "
+            "to initialise. Measure it with trainer.memory(batch_size) or "
+            "trainer.lower_step(trainer.abstract_state(), batch), or pass real params")

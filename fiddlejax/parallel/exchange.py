@@ -9,25 +9,38 @@
 - :class:`TwoBWStepper`: PipeDream-2BW, K optimizer steps in one pipelined program on two
   weight versions, the optimizer applied inside the pipeline.
 
-A strategy holds no arrays; it is given the Trainer (its layout, loss and reduction) per call.
+A strategy holds no arrays; each call is given the :class:`Program` being traced.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax import remat as remat_
+from fiddlejax.parallel import data
 
-def _state(state, **changes):
-    from fiddlejax.train import TrainState
+if TYPE_CHECKING:
+    from fiddlejax.parallel.layout import Layout
 
-    fields = {"step": state.step + 1, "params": state.params, "opt_state": state.opt_state,
-              "residual": state.residual, "prev_params": state.prev_params, **changes}
-    return TrainState(**fields)
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What one traced step needs: the layout, each layer's remat and the optimizer."""
+
+    lay: Layout
+    remat: Callable
+    optimizer: optax.GradientTransformation
+
+    def loss_and_grads(self, params, batch):
+        return data.loss_and_grads(self.lay, self.remat, params, batch)
 
 
 class DenseExchange:
@@ -37,20 +50,23 @@ class DenseExchange:
     local_optimizer = False  # one optimizer state (sharded by the plan), not one per replica
     versions = 1          # weight versions in TrainState (2BW keeps two)
 
-    def step(self, t, state, batch):
-        loss, grads = t._sharded_loss_and_grads(state.params, batch)
-        return self.apply(t, state, loss, grads)
+    def check(self, optimizer: optax.GradientTransformation) -> None:
+        """Raise before compiling if this strategy cannot run ``optimizer``."""
 
-    def steps(self, t, state, batches):
+    def step(self, prog: Program, state, batch):
+        loss, grads = prog.loss_and_grads(state.params, batch)
+        return self.apply(prog, state, loss, grads)
+
+    def steps(self, prog: Program, state, batches):
         """K steps on batches ``[K, batch, ...]`` in one program (metrics ``[K]``)."""
-        return jax.lax.scan(partial(self.step, t), state, batches)
+        return jax.lax.scan(partial(self.step, prog), state, batches)
 
     @staticmethod
-    def apply(t, state, loss, grads, **changes):
-        grads = jax.lax.with_sharding_constraint(grads, t.grad_shardings)
-        updates, opt_state = t.optimizer.update(grads, state.opt_state, state.params)
+    def apply(prog: Program, state, loss, grads, **changes):
+        grads = jax.lax.with_sharding_constraint(grads, prog.lay.grad_shardings)
+        updates, opt_state = prog.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = _state(state, params=params, opt_state=opt_state, **changes)
+        new = state.advanced(params=params, opt_state=opt_state, **changes)
         return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
@@ -69,21 +85,22 @@ class TopKExchange(DenseExchange):
         self.on = on
         self.local_optimizer = on == "updates"
 
-    def step(self, t, state, batch):
+    def step(self, prog: Program, state, batch):
+        lay = prog.lay
         if not self.local_optimizer:
-            loss, grads, residual = self.loss_and_grads(t, state.params, batch, state.residual)
-            residual = jax.lax.with_sharding_constraint(residual, t.residual_shardings)
-            return self.apply(t, state, loss, grads, residual=residual)
+            loss, grads, residual = self.loss_and_grads(prog, state.params, batch, state.residual)
+            residual = jax.lax.with_sharding_constraint(residual, lay.residual_shardings)
+            return self.apply(prog, state, loss, grads, residual=residual)
         # The replicas' optimizers ran inside; apply the exchanged update.
         loss, updates, residual, opt_state, norm = self.loss_and_grads(
-            t, state.params, batch, state.residual, state.opt_state)
-        updates = jax.lax.with_sharding_constraint(updates, t.param_shardings)
-        residual = jax.lax.with_sharding_constraint(residual, t.residual_shardings)
+            prog, state.params, batch, state.residual, state.opt_state)
+        updates = jax.lax.with_sharding_constraint(updates, lay.param_shardings)
+        residual = jax.lax.with_sharding_constraint(residual, lay.residual_shardings)
         params = optax.apply_updates(state.params, updates)
-        new = _state(state, params=params, opt_state=opt_state, residual=residual)
+        new = state.advanced(params=params, opt_state=opt_state, residual=residual)
         return new, {"loss": loss, "grad_norm": norm}  # replica mean of local gradient norms
 
-    def loss_and_grads(self, t, params, batch, residual: Any, opt_state: Any = None):
+    def loss_and_grads(self, prog: Program, params, batch, residual: Any, opt_state: Any = None):
         """Each replica sends the largest ``topk_density`` fraction of (its gradient + its
         residual) per leaf and keeps the rest as its new residual; the step's gradient is the
         mean over replicas of what was sent. With a per-replica ``opt_state`` the gradients are
@@ -91,17 +108,18 @@ class TopKExchange(DenseExchange):
         opt_state, gradient norm), else (loss, mean sent gradient, residual)."""
         from fiddlejax.collectives import compression
 
-        n, density = t.plan.data, t.plan.topk_density
+        lay = prog.lay
+        n, density = lay.plan.data, lay.plan.topk_density
         local_opt = opt_state is not None
 
         def per_replica(p, b, r, *o):
             if n > 1:  # local gradients, as in the dense path
                 p = jax.lax.pcast(p, ("data",), to="varying")
-            loss, grads = t._replica_mean(*t._local_loss_and_grads(p, b))
+            loss, grads = data.replica_mean(lay.plan, *data.local_sums(lay, prog.remat, p, b))
             r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
             if local_opt:
                 norm = optax.tree.norm(grads)
-                grads, o = t.optimizer.update(grads, jax.tree.map(lambda x: x[0], o[0]), p)
+                grads, o = prog.optimizer.update(grads, jax.tree.map(lambda x: x[0], o[0]), p)
                 o = (jax.tree.map(lambda x: x[None], o),
                      jax.lax.pmean(norm, "data") if n > 1 else norm)
             if n > 1:
@@ -116,11 +134,11 @@ class TopKExchange(DenseExchange):
             return (loss, grads, jax.tree.map(lambda x: x[None], r), *o)
 
         args = (params, batch, residual) + ((opt_state,) if local_opt else ())
-        with t._encodings():
+        with remat_.encodings(lay.plan.encodings):
             if n == 1:
                 return per_replica(*args)
             return jax.shard_map(
-                per_replica, mesh=t.mesh, in_specs=(P(), P("data"), P("data"))
+                per_replica, mesh=lay.mesh, in_specs=(P(), P("data"), P("data"))
                 + ((P("data"),) if local_opt else ()),
                 out_specs=(P(), P(), P("data")) + ((P("data"), P()) if local_opt else ()),
                 axis_names={"data"},
@@ -132,19 +150,38 @@ class TwoBWStepper(DenseExchange):
 
     versions = 2
 
-    def step(self, t, state, batch):  # one 2BW step: the K = 1 case of `steps`
-        new, metrics = self.steps(t, state, jax.tree.map(lambda x: x[None], batch))
+    def check(self, optimizer: optax.GradientTransformation) -> None:
+        if not _leafwise(optimizer):
+            raise ValueError(
+                "schedule='2bw' applies the optimizer inside the pipeline, one stage at a time "
+                "(as PipeDream-2BW does), so each parameter's update may depend only on its own "
+                "gradient; this optimizer mixes parameters (optax.clip_by_global_norm?). Use "
+                "an elementwise one, e.g. optax.adamw without a global-norm clip "
+                "(fiddlejax train: optimizer.clip=0), or another schedule")
+
+    def step(self, prog: Program, state, batch):  # one 2BW step: the K = 1 case of `steps`
+        new, metrics = self.steps(prog, state, jax.tree.map(lambda x: x[None], batch))
         return new, jax.tree.map(lambda x: x[0], metrics)
 
-    def steps(self, t, state, batches):
+    def steps(self, prog: Program, state, batches):
+        lay = prog.lay
         k = jax.tree.leaves(batches)[0].shape[0]
-        opt_specs = jax.tree.map(lambda s: P(), t.opt_shardings)  # whole per data replica
-        losses, norms, prev, params, opt_state = t.pipeline.train_2bw(
-            [state.prev_params, state.params], state.opt_state, batches, t._reduce_sums,
-            t._remat, t.optimizer, opt_specs)
-        new = _state(state, step=state.step + k, params=params, opt_state=opt_state,
-                     residual=None, prev_params=prev)
+        opt_specs = jax.tree.map(lambda s: P(), lay.opt_shardings)  # whole per data replica
+        losses, norms, prev, params, opt_state = lay.pipeline.train_2bw(
+            [state.prev_params, state.params], state.opt_state, batches,
+            lambda *s: data.reduce_sums(lay, *s), prog.remat, prog.optimizer, opt_specs)
+        new = state.advanced(step=state.step + k, params=params, opt_state=opt_state,
+                             residual=None, prev_params=prev)
         return new, {"loss": losses, "grad_norm": norms}
+
+
+def _leafwise(optimizer: optax.GradientTransformation) -> bool:
+    """Whether a parameter's update ignores the other parameters' gradients (a quick probe)."""
+    params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    state = optimizer.init(params)
+    small, _ = optimizer.update({"a": jnp.full(3, 0.5), "b": jnp.full(3, 0.5)}, state, params)
+    large, _ = optimizer.update({"a": jnp.full(3, 0.5), "b": jnp.full(3, 1e3)}, state, params)
+    return bool(jnp.allclose(small["a"], large["a"]))
 
 
 def pick(plan) -> DenseExchange:
@@ -156,4 +193,4 @@ def pick(plan) -> DenseExchange:
     return DenseExchange()
 
 
-__all__ = ["DenseExchange", "TopKExchange", "TwoBWStepper", "pick"]
+__all__ = ["DenseExchange", "Program", "TopKExchange", "TwoBWStepper", "pick"]

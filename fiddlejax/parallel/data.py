@@ -1,0 +1,157 @@
+"""The ``data`` axis as replicas: each computes its rows' loss and gradients, then they reduce.
+
+A replica sums ``(loss, weight, gradients)`` over its microbatches; :func:`replica_mean`
+scales the sums so that their mean over ``data`` is the step's weighted mean, and
+:func:`reduce` takes that mean with the plan's all-reduce (XLA's, a
+``fiddlejax.collectives`` algorithm, or the reduce-scatter onto ZeRO/FSDP shards). Without a
+pipeline the replicas run under ``jax.shard_map`` manual over ``data``; with one, the pipeline
+runtime runs them and is handed :func:`reduce_sums`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from fiddlejax import compute
+from fiddlejax import remat as remat_
+from fiddlejax.parallel import zero as zero_
+from fiddlejax.plan import Plan
+
+if TYPE_CHECKING:
+    from fiddlejax.parallel.layout import Layout
+
+
+def microbatch_loss(lay: Layout, remat: Callable, params: nnx.State,
+                    batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(loss sum, weight) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
+    s = lay.model
+    layer = remat(s.layer)
+    x = s.prologue(params, batch)
+    x = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params[s.stack])[0]
+    return s.weighted_loss(params, x, batch)
+
+
+def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
+    """(loss sum, weight, gradients of the sum) of one replica's rows, summed over its
+    microbatches (inside shard_map); :func:`replica_mean` normalizes them."""
+    m = lay.plan.microbatches
+    vg = jax.value_and_grad(lambda p, b: microbatch_loss(lay, remat, p, b), has_aux=True)
+
+    def one(mb):
+        (total, weight), grads = vg(params, mb)
+        return total, weight, grads
+
+    if m == 1:
+        total, weight, grads = one(batch)
+        return total, weight, jax.tree.map(
+            lambda g: g.astype(compute.grad_dtype(g.dtype)), grads)
+    mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+    def body(acc, mb):
+        return jax.tree.map(jnp.add, acc, one(mb)), None
+
+    zero = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
+    # float32 sums even for weights gathered once in bf16 (fsdp_gather="step")
+    zeros = (zero, zero, jax.tree.map(
+        lambda x: jnp.zeros_like(x, compute.grad_dtype(x.dtype)), params))
+    return jax.lax.scan(body, zeros, mbs)[0]
+
+
+def replica_mean(plan: Plan, total, weight, grads):
+    """A replica's loss sum and gradients scaled so that their mean over ``data`` is the
+    step's weighted mean: ``x * data / (sum of all replicas' weights)``. For a mean loss
+    (weight 1 per microbatch) that is ``x / microbatches``, as for equal-sized shards."""
+    n = plan.data
+    all_weight = jax.lax.psum(weight, "data") if n > 1 else weight
+    scale = n / all_weight
+    return total * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+
+def reduce(lay: Layout, loss, grads):
+    """The mean over ``data`` of the replicas' scaled loss and gradients."""
+    plan, zero = lay.plan, lay.zero
+    n = plan.data
+    if n == 1:  # no data parallelism: nothing to reduce
+        return loss, grads
+    loss = jax.lax.pmean(loss, "data")
+    if zero.scatter_dims is not None:  # whole sums (ZeRO-2, FSDP gathered once)
+        grads = compute.scatter_whole(grads, zero.scatter_dims, zero.gather_specs)
+    sharded = zero.dims if zero.dims is not None else zero.scatter_dims
+    if sharded is not None:  # sharded leaves arrive reduce-scattered (summed): divide
+        return loss, jax.tree.map(lambda d, g: jax.tree.map(
+            lambda a: a / n if d >= 0 else jax.lax.pmean(a, "data"), g), sharded, grads)
+    if plan.grad_allreduce in ("xla", "topk"):  # topk: the exact mean (no residual)
+        return loss, jax.lax.pmean(grads, "data")
+    from fiddlejax import collectives
+
+    grads = collectives.allreduce_tree(grads, "data", algorithm=plan.grad_allreduce,
+                                       bucket_bytes=plan.bucket_bytes)
+    return loss, jax.tree.map(lambda g: g / n, grads)
+
+
+def reduce_sums(lay: Layout, total, weight, grads):
+    """The step's loss and gradients from one replica's sums (the pipeline's ``reduce``)."""
+    return reduce(lay, *replica_mean(lay.plan, total, weight, grads))
+
+
+def loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
+    """The step's exact loss and gradients, in the trainer's layout (inside ``jit``)."""
+    with remat_.encodings(lay.plan.encodings):
+        return _loss_and_grads(lay, remat, params, batch)
+
+
+def _loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
+    plan, zero = lay.plan, lay.zero
+    if lay.pipeline is not None:
+        return lay.pipeline.loss_and_grads(
+            params, batch, lambda *s: reduce_sums(lay, *s), remat,
+            lambda p: zero_.gather_once(zero, p), zero_.scatter_specs(plan, zero, params))
+
+    def per_replica(p, b):
+        if plan.data > 1:
+            p = zero_.vary_replicated(zero, p)
+        return reduce_sums(lay, *local_sums(lay, remat, zero_.gather_once(zero, p), b))
+
+    if plan.data == 1:  # nothing to make manual; GSPMD handles `tensor`
+        return per_replica(params, batch)
+    specs = P() if zero.dims is None else compute.only_data(zero.dims, params)
+    grad_specs = zero_.scatter_specs(plan, zero, params) or specs
+    return jax.shard_map(per_replica, mesh=plan.mesh, in_specs=(specs, P("data")),
+                         out_specs=(P(), grad_specs), axis_names={"data"})(params, batch)
+
+
+def loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Array:
+    """The step's mean loss without gradients (validation)."""
+    if lay.pipeline is not None:  # the pipeline runs forward and backward together
+        return loss_and_grads(lay, remat, params, batch)[0]
+    with remat_.encodings(lay.plan.encodings):
+        return _loss(lay, remat, params, batch)
+
+
+def _loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Array:
+    zero = lay.zero
+    if zero.dims is None:
+        total, weight = microbatch_loss(lay, remat, params, batch)
+        return total / weight
+
+    def per_replica(p, b):  # FSDP: layers gather their weights over `data`
+        total, weight = microbatch_loss(lay, remat, zero_.gather_once(zero, p), b)
+        return jax.lax.psum(total, "data") / jax.lax.psum(weight, "data")
+
+    specs = compute.only_data(zero.dims, params)
+    return jax.shard_map(per_replica, mesh=lay.plan.mesh, in_specs=(specs, P("data")),
+                         out_specs=P(), axis_names={"data"})(params, batch)
+
+
+def match_varying(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` marked varying over the manual axes ``like`` varies over (scan carries must agree)."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    axes = tuple(sorted(getattr(mat, "varying", ()) or ()))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+

@@ -1,0 +1,39 @@
+"""The ``tensor`` axis: Megatron-style splits of the parameters, from their logical axis names.
+
+Each parameter's logical names (``vocab``, ``heads``, ``mlp``, ...) map to mesh axes through the
+plan's rules; matmuls on split weights get their all-reduces from the GSPMD partitioner. A
+vocabulary is padded to a multiple of the devices that split it, and the padding is sliced off
+every output before a loss sees it (``staged.unpad_outputs``), so it never changes a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from fiddlejax import layout, sharding
+from fiddlejax.plan import Plan
+from fiddlejax.staged import StagedModel
+
+
+def vocab_multiple(plan: Plan) -> int:
+    """Vocabularies split over ``tensor``, and over ``pipe`` too in a pipeline (its embedding
+    and head are not replicated per stage), pad to a multiple of those devices."""
+    return plan.tensor * (plan.pipe if plan.schedule is not None else 1)
+
+
+def with_vocab_pads(staged: StagedModel, canonical: nnx.State, plan: Plan) -> StagedModel:
+    """``staged`` told which vocabulary sizes are padded, so it slices its outputs back."""
+    return dataclasses.replace(
+        staged, vocab_pads=layout.vocab_pads(canonical, vocab_multiple(plan)))
+
+
+def param_specs(internal: nnx.State, plan: Plan, pipeline, model_name: str) -> nnx.State:
+    """A PartitionSpec per internal parameter over ``tensor`` (and ``pipe`` for a pipeline's
+    stages), checked to divide the mesh before anything compiles."""
+    specs = (pipeline.param_specs(internal) if pipeline is not None
+             else layout.specs(internal, plan.axis_rules))
+    layout.check_divisible(internal, specs, plan.mesh)
+    sharding.tensor_unused(specs, plan.tensor, model_name)
+    return specs

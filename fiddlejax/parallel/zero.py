@@ -1,0 +1,172 @@
+"""The ``data`` axis as a store: ZeRO-1/2 optimizer-state and gradient shards, ZeRO-3 (FSDP).
+
+- ZeRO-1 (``zero=1``): each optimizer-state leaf also splits over ``data`` on its first free
+  dimension that divides; ZeRO-2 (``zero=2``) reduce-scatters the gradients onto those shards.
+- ZeRO-3 (``zero=3``): the parameters split over ``data`` too (:func:`fiddlejax.compute.fsdp_dims`)
+  and the computation sees them through a :class:`~fiddlejax.compute.ParamView` that gathers
+  each layer's weights when it runs (``fsdp_gather="layer"``) or the whole tree once per step
+  (``"step"``), in the compute dtype, keeping the ``pipe``/``tensor`` split.
+
+:func:`lay_out` decides it once; the functions below apply it inside a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fiddlejax import compute
+from fiddlejax.plan import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero:
+    """How the parameters and gradients are stored over ``data`` and seen by the computation.
+
+    ``dims``: each leaf's FSDP dimension (-1: replicated), ``None`` without zero=3;
+    ``gather_specs``: the leaves' specs once gathered (split over pipe and tensor only);
+    ``scatter_dims``: the dimensions whole-gradient sums are reduce-scattered on (ZeRO-2, or
+    FSDP gathered once per step), else ``None``; ``view``: how layers see their parameters
+    (gathers, casts), ``None`` when they see them as stored.
+    """
+
+    dims: Any = None
+    gather_specs: Any = None
+    scatter_dims: Any = None
+    gather_step: bool = False
+    gather_dtype: Any = None
+    view: compute.ParamView | None = None
+    layer_dims: Any = None
+    layer_specs: Any = None
+
+
+def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
+            pipelined: bool) -> tuple[Zero, nnx.State, Any]:
+    """``(zero, specs, outer_view)``: the storage over ``data`` for ``plan``, the parameters'
+    specs with their FSDP dimensions added, and the view of the tree outside the layer stack
+    (a function of the parameters, or ``None`` when the model sees them as stored)."""
+    lead = 3 if pipelined else 1  # stack: [pipe, virtual, layers, ...] or [layers, ...]
+
+    def in_stack(path) -> bool:
+        return getattr(path[0], "key", None) == stack
+
+    dims, gather_specs = None, specs
+    if plan.zero == 3 and plan.data > 1:
+        dims = compute.fsdp_dims(internal, specs, plan.data,
+                                 lambda path: lead if in_stack(path) else 0)
+        specs = compute.with_data_axis(specs, dims)
+    dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
+    gather_step = dims is not None and plan.fsdp_gather == "step"
+    per_use = dims if not gather_step else None
+    view = compute.ParamView(dtype) if per_use is not None or dtype is not None else None
+    # Whole gradient sums are reduce-scattered after the microbatches: FSDP gathered once per
+    # step, or ZeRO-2 (onto the optimizer state's shards).
+    scatter_dims = dims if gather_step else None
+    if plan.zero == 2 and plan.data > 1:
+        scatter_dims = jax.tree.map(
+            lambda v, sp: data_dim(sp.get_value(), v.shape, plan.data), internal, specs,
+            is_leaf=lambda x: isinstance(x, nnx.Variable))
+    zero = Zero(dims, gather_specs, scatter_dims, gather_step, dtype)
+    if view is None:
+        return zero, specs, None
+    used = per_use if per_use is not None else jax.tree.map(lambda _: -1, internal)
+    layer_dims = jax.tree.map(lambda d: d - lead if d >= 0 else -1, used[stack])
+    layer_specs = jax.tree.map(  # one layer's: the stacking dimensions dropped
+        lambda _, v: P(*tuple(v.get_value() if isinstance(v, nnx.Variable) else v)[lead:]),
+        layer_dims, gather_specs[stack])
+    outer = jax.tree_util.tree_map_with_path(lambda path, d: -1 if in_stack(path) else d, used)
+    zero = dataclasses.replace(zero, view=view, layer_dims=layer_dims, layer_specs=layer_specs)
+    return zero, specs, lambda p: view.tree(p, outer, gather_specs)
+
+
+def grad_shardings(plan: Plan, specs: nnx.State, internal: nnx.State, params: Any) -> Any:
+    """ZeRO-2: the reduced gradients split over ``data`` as the optimizer state is; else the
+    parameters' own shardings ``params``."""
+    if not (plan.zero == 2 and plan.data > 1):
+        return params
+    return jax.tree.map(
+        lambda sp, v: NamedSharding(plan.mesh, add_data_axis(sp, v.shape, plan.data)),
+        specs, internal, is_leaf=lambda x: isinstance(x, P))
+
+
+def opt_shardings(optimizer, opt_abstract, specs, plan: Plan):
+    """Optimizer-state shardings mirror the parameters'; ZeRO-1 also splits them over ``data``."""
+    mesh = plan.mesh
+
+    def spec_for(leaf, spec):
+        s = spec if isinstance(spec, P) else spec[...]
+        if plan.zero and plan.data > 1 and "data" not in jax.tree.leaves(tuple(s)):
+            s = add_data_axis(s, leaf.shape, plan.data)
+        return NamedSharding(mesh, s)
+
+    def unwrap(x):
+        return x.get_value() if isinstance(x, nnx.Variable) else x
+
+    plain = jax.tree.map(lambda v: v.get_value(), specs,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def leaf_sharding(leaf, spec):  # a masked leaf holds nothing: any sharding covers it
+        return NamedSharding(mesh, P()) if masked(leaf) else spec_for(unwrap(leaf), spec)
+
+    return optax.tree_map_params(
+        optimizer, leaf_sharding, opt_abstract, plain,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+        is_leaf=lambda x: isinstance(x, P | nnx.Variable))
+
+
+def gather_once(zero: Zero, params: nnx.State) -> nnx.State:
+    """A replica's parameters as its step uses them: ``fsdp_gather="step"`` gathers the FSDP
+    shards (in the compute dtype) once, before the first microbatch; else as given (the layers
+    gather per use)."""
+    if not zero.gather_step:
+        return params
+    return compute.gather_whole(params, zero.dims, zero.gather_specs, zero.gather_dtype)
+
+
+def vary_replicated(zero: Zero, params: nnx.State) -> nnx.State:
+    """Replicated parameters marked varying over ``data``, so autodiff returns each replica's
+    own gradients (not an implicit psum) for the plan's reduction; FSDP shards vary already."""
+    if zero.dims is None:
+        return jax.lax.pcast(params, ("data",), to="varying")
+    return jax.tree.map(
+        lambda d, v: v if d >= 0 else jax.lax.pcast(v, ("data",), to="varying"),
+        zero.dims, params)
+
+
+def scatter_specs(plan: Plan, zero: Zero, params: nnx.State) -> Any:
+    """ZeRO-2: the reduced gradients' specs over ``data`` (the optimizer state's shards);
+    ``None`` otherwise (gradients sharded as the parameters)."""
+    if plan.zero != 2 or zero.scatter_dims is None:
+        return None
+    return compute.only_data(zero.scatter_dims, params)
+
+
+def masked(x) -> bool:
+    """An optax.MaskedNode, bare or in an nnx.Variable: no state for this parameter."""
+    if isinstance(x, nnx.Variable):
+        x = x.get_value()
+    return isinstance(x, optax.MaskedNode)
+
+
+def data_dim(spec: P, shape: tuple[int, ...], data: int) -> int:
+    """The dimension ZeRO shards a leaf's optimizer state (and, with zero=2, its reduced
+    gradient) on over ``data``; -1: none."""
+    parts = tuple(add_data_axis(spec, shape, data))
+    return parts.index("data") if "data" in parts else -1
+
+
+def add_data_axis(spec: P, shape: tuple[int, ...], data: int) -> P:
+    """``spec`` with ``data`` on the first free dimension that ``data`` divides."""
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for d, (size, ax) in enumerate(zip(shape, parts)):
+        if ax is None and size % data == 0 and size >= data:
+            parts[d] = "data"
+            return P(*parts)
+    return P(*parts)
