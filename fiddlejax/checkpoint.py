@@ -20,7 +20,8 @@ What is saved, per step directory:
   fingerprint (a position-weighted sum of its bits, mod 2**32, computed on device), the plan that
   saved it, the job config, the data iterator state, the RNG key and user extras. Restore checks
   names, shapes and dtypes against the target before reading arrays, and fingerprints after, so a
-  different model or a corrupted checkpoint fails with an error naming the array.
+  different model or a corrupted checkpoint fails with an error naming the array
+  (:mod:`fiddlejax.checkpoint_manifest`).
 
 CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkfreq`, SIGTERM handling
 :mod:`fiddlejax.preemption`, the ``fiddlejax train`` glue :mod:`fiddlejax.app.checkpoints`): with
@@ -28,91 +29,28 @@ CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkfreq`, SIGT
 time, the snapshot stall, the background persist time and the slowdown of steps that overlap a
 persist, and picks the smallest interval that keeps the measured
 cost under ``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish
-before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred.
+before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred
+(the clock is :mod:`fiddlejax.checkpoint_timing`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from fiddlejax import checkpoint_manifest as manifest
 from fiddlejax.checkfreq import CheckFreq
+from fiddlejax.checkpoint_manifest import FORMAT, jsonable, named_leaves
+from fiddlejax.checkpoint_timing import SaveTiming
 from fiddlejax.preemption import Preemption
 
-FORMAT = 1  # bump when the layout of a step directory changes
-
-
-# -- naming and fingerprints ---------------------------------------------------------------------
-def _segment(key) -> str | None:
-    tu = jax.tree_util
-    if isinstance(key, tu.DictKey):
-        return str(key.key)
-    if isinstance(key, tu.GetAttrKey):
-        return None if key.name == "value" else key.name  # nnx.Variable's payload: not a level
-    if isinstance(key, tu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, tu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def named_leaves(tree) -> tuple[list[tuple[str, ...]], list, Any]:
-    """(path segments, leaves, treedef) of ``tree``, paths as strings without Variable levels."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [tuple(s for s in map(_segment, p) if s is not None) for p, _ in flat]
-    return paths, [x for _, x in flat], treedef
-
-
-def _nest(paths: list[tuple[str, ...]], leaves: list) -> dict:
-    out: dict = {}
-    for path, leaf in zip(paths, leaves):
-        d = out
-        for s in path[:-1]:
-            d = d.setdefault(s, {})
-        d[path[-1]] = leaf
-    return out
-
-
-def _lookup(tree: dict, path: tuple[str, ...]):
-    for s in path:
-        tree = tree[s]
-    return tree
-
-
-def _fingerprint(x: jax.Array) -> jax.Array:
-    """A position-weighted sum of the bits of ``x`` mod 2**32.
-
-    Integer addition is associative, so every layout and reduction order gives the same value;
-    any single changed element changes it (the weights are odd).
-    """
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    else:
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-    index = jnp.zeros(x.shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(x.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
-        stride = stride * x.shape[d] % 2**32
-    weights = index * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.sum(bits * (weights | jnp.uint32(1)), dtype=jnp.uint32)
-
-
-@jax.jit
-def _fingerprints(leaves: list) -> jax.Array:
-    return jnp.stack([_fingerprint(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
-
-
-def _name(path: tuple[str, ...]) -> str:
-    return ".".join(path)
+__all__ = ["FORMAT", "CheckFreq", "CheckpointManager", "Preemption", "Restored", "jsonable",
+           "named_leaves"]
 
 
 # -- what a restore returns --------------------------------------------------------------------
@@ -167,6 +105,9 @@ class CheckpointManager:
         self.preemption = preemption
         self.checkfreq = CheckFreq(checkfreq_overhead) if every == "auto" else None
         self.restored: Restored | None = None
+        self._timing = SaveTiming(self.checkfreq)  # for CheckFreq and stats()
+        self._pending: int | None = None  # step whose background write may still run
+        self._last_saved: int | None = None
 
         policies = [cm.LatestN(n=max_to_keep)]
         best_fn = None
@@ -180,7 +121,7 @@ class CheckpointManager:
             best_fn=best_fn, best_mode=best_mode,
             preservation_policy=cm.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-            async_options=(ocp.AsyncOptions(post_finalization_callback=self._persisted)
+            async_options=(ocp.AsyncOptions(post_finalization_callback=self._timing.persisted)
                            if async_save else None),
         )
         self._ocp = ocp
@@ -193,18 +134,6 @@ class CheckpointManager:
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=arrays),
                            "meta": ocp.JsonCheckpointHandler()})
-        # timing, for CheckFreq and stats()
-        self._lock = threading.Lock()
-        self._t0: float | None = None  # first save() call
-        self._last_return: float | None = None
-        self._stall = 0.0  # seconds spent blocked in save()
-        self._interfered = 0.0  # extra step time while a persist ran (CheckFreq mode)
-        self._persist_start: float | None = None
-        self._persist_end: float | None = None
-        self._pending: int | None = None  # step whose background write may still run
-        self._window_extra = 0.0
-        self._saves = 0
-        self._last_saved: int | None = None
 
     # -- saving ----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -216,18 +145,14 @@ class CheckpointManager:
                 return False
             k = self.checkfreq.interval()
             if k is None:  # profiling: the first, cold save is not a measurement; take another
-                return not self._persisting()
+                return not self._timing.persisting()
             return step - self._last_saved >= k
         return bool(self.every) and step % self.every == 0
-
-    def _persisting(self) -> bool:
-        with self._lock:
-            return self._persist_start is not None and self._persist_end is None
 
     def warm_up(self, state) -> None:
         """Compile the save path now, so the first save (maybe a preemption's) is quick."""
         _, leaves, _ = named_leaves(self.trainer.to_canonical_state(state))
-        np.asarray(_fingerprints(leaves))
+        np.asarray(manifest.fingerprints(leaves))
 
     def save(self, step: int, state, force: bool = False, *, metrics: dict | None = None,
              data_state: Any = None, rng: jax.Array | None = None, extra: Any = None) -> bool:
@@ -241,115 +166,50 @@ class CheckpointManager:
         if self.checkfreq is not None:  # time steps exactly: wait for the step to finish
             jax.block_until_ready(state.step)
         now = time.perf_counter()
-        self._account_step(now)
+        timing = self._timing
+        timing.step_ended(now)
         if not (force or self.should_save(step)):
-            self._last_return = time.perf_counter()
+            timing.last_return = time.perf_counter()
             return False
         latest = self._mngr.latest_step()
         if latest is not None and step <= latest:
             if step == latest:
-                self._last_return = time.perf_counter()
+                timing.last_return = time.perf_counter()
                 return False  # already saved (e.g. a forced final save after a periodic one)
             raise ValueError(f"step={step} is not after the latest checkpoint step {latest} in "
                              f"{self.directory}; steps must increase")
         self._finish_pending()  # Orbax would wait for it anyway; we also check it committed
-        self._book_persist()
+        timing.book_persist()
         canonical = self.trainer.to_canonical_state(state)
         paths, leaves, _ = named_leaves(canonical)
-        fps = np.asarray(_fingerprints(leaves))
+        fps = np.asarray(manifest.fingerprints(leaves))
         meta = self._meta(step, paths, leaves, fps, data_state, rng, extra, metrics)
         ocp = self._ocp
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(_nest(paths, leaves)),
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(manifest.nest(paths, leaves)),
                                   meta=ocp.args.JsonSave(meta))
-        with self._lock:
-            self._persist_start = self._persist_end = None
+        timing.snapshot_begins()
         ranked = self.best_metric is not None and self.best_metric in (metrics or {})
         self._mngr.save(step, args=args, metrics=jsonable(metrics) if ranked else None,
                         force=True)
-        self._pending, self._last_saved, self._saves = step, step, self._saves + 1
-        end = time.perf_counter()
-        with self._lock:  # the background write runs from here (or is already done)
-            self._persist_start = end
-            if not self.async_save:
-                self._persist_end = end
-        if self.checkfreq is not None and self._saves > 1:  # the first save compiles things
-            self.checkfreq.snapshots.append(end - now)
-        self._stall += end - now
+        self._pending, self._last_saved = step, step
+        end = timing.snapshot_ended(now, self.async_save)
         if not self.async_save:
             self._pending = None
             self._check_committed(step)
-        self._last_return = end
+        timing.last_return = end
         return True
 
     def _meta(self, step, paths, leaves, fps, data_state, rng, extra, metrics) -> dict:
-        arrays = {_name(p): {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-                             "fingerprint": int(f)}
-                  for p, x, f in zip(paths, leaves, fps)}
-        rng_meta = None
-        if rng is not None:
-            typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
-            data = jax.random.key_data(rng) if typed else rng
-            rng_meta = {"typed": bool(typed), "data": np.asarray(data).tolist(),
-                        "impl": str(jax.random.key_impl(rng)) if typed else None}
+        arrays = manifest.array_records(paths, leaves, fps)
+        rng_meta = manifest.rng_record(rng)
         return {"format": FORMAT, "step": step, "model": self.trainer.model_name,
                 "plan": jsonable(self.trainer.plan.describe()), "config": jsonable(self.config),
                 "arrays": arrays, "data_state": jsonable(data_state), "rng": rng_meta,
                 "extra": jsonable(extra), "metrics": jsonable(metrics), "time": time.time()}
 
-    def _persisted(self) -> None:  # Orbax's post-finalization callback (background thread)
-        with self._lock:
-            self._persist_end = time.perf_counter()
-
-    def _account_step(self, now: float) -> None:
-        """Book the time since the last save() returned as one step (CheckFreq mode).
-
-        A step that overlapped a background write books its excess over the median step time,
-        at most the overlap, as that write's interference (signed, so noise averages out).
-        """
-        if self._t0 is None:
-            self._t0 = now
-        if self._last_return is None or self.checkfreq is None:
-            return
-        gap, cf = now - self._last_return, self.checkfreq
-        with self._lock:
-            start, end = self._persist_start, self._persist_end
-        overlap = 0.0
-        if start is not None:
-            overlap = (now if end is None else min(end, now)) - max(start, self._last_return)
-        if overlap <= 0:
-            cf.steps.append(gap)
-        elif (t := cf.step_time()) is not None:
-            self._window_extra += min(gap - t, overlap)
-        self._book_persist()
-
-    def _book_persist(self) -> None:
-        """Once a background write is over, book its duration and interference (CheckFreq)."""
-        with self._lock:
-            start, end = self._persist_start, self._persist_end
-            if start is None or end is None:
-                return
-            self._persist_start = None
-        extra = max(0.0, self._window_extra)
-        self._window_extra = 0.0
-        self._interfered += extra
-        if self.checkfreq is not None:
-            self.checkfreq.persists.append(max(0.0, end - start))
-            self.checkfreq.interference.append(extra)
-
     def stats(self) -> dict:
         """Measured checkpoint costs: overhead share of wall time, interval, last phases."""
-        elapsed = (time.perf_counter() - self._t0) if self._t0 is not None else 0.0
-        cf = self.checkfreq
-        out = {"ckpt_saves": self._saves,
-               "ckpt_overhead": (self._stall + self._interfered) / elapsed if elapsed else 0.0,
-               "ckpt_stall_s": self._stall, "ckpt_interference_s": self._interfered}
-        if cf is not None:
-            out["ckpt_every"] = cf.interval() or 0
-            if cf.snapshots:
-                out["ckpt_snapshot_s"] = cf.snapshots[-1]
-            if cf.persists:
-                out["ckpt_persist_s"] = cf.persists[-1]
-        return out
+        return self._timing.stats()
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -360,8 +220,7 @@ class CheckpointManager:
             error = None
         except Exception as e:  # noqa: BLE001 - reported below with what it means for the user
             error = e
-        if self._last_return is not None:  # time spent waiting here is not a training step
-            self._last_return = time.perf_counter()
+        self._timing.waited()  # time spent waiting here is not a training step
         self._check_committed(step, error)
 
     def _check_committed(self, step: int, error: Exception | None = None) -> None:
@@ -420,6 +279,36 @@ class CheckpointManager:
         """Restore ``step`` (default: latest) and everything saved with it."""
         self._finish_pending()
         self._mngr.reload()
+        step = self._existing_step(step)
+        where = f"checkpoint step {step} in {self.directory}"
+        meta = self._read_meta(step, where)
+        abstract_state = self._abstract_state()
+        to_canonical = self.trainer._state_converters()[0]
+        paths, shapes, treedef = named_leaves(jax.eval_shape(to_canonical, abstract_state))
+        # before reading any array
+        manifest.check_compatible(where, meta, self.trainer.model_name, paths, shapes)
+        # Read each array straight into the shardings the target's own conversion produces.
+        shardings = jax.tree.leaves(to_canonical.lower(abstract_state).compile().output_shardings)
+        target = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                  for a, s in zip(shapes, shardings)]
+        leaves = self._read_arrays(step, where, paths, target)
+        bad = manifest.first_mismatch(meta, paths, leaves)
+        if bad is not None:
+            name, got, want = bad
+            raise ValueError(
+                f"{where} is corrupted: {name} does not match the fingerprint recorded "
+                f"when it was saved ({got} != {want}); {self._fallback(step)}")
+        canonical = jax.tree_util.tree_unflatten(treedef, leaves)
+        state = self.trainer.from_canonical_state(canonical)
+        self.restored = Restored(
+            step=step, state=state, data_state=meta.get("data_state"),
+            rng=manifest.rng_from_record(meta.get("rng")), extra=meta.get("extra"),
+            metrics=meta.get("metrics"), config=meta.get("config"), plan=meta.get("plan"),
+            model=meta.get("model"))
+        return self.restored
+
+    def _existing_step(self, step: int | None) -> int:
+        """``step``, or the latest when None; FileNotFoundError naming what there is instead."""
         if step is None:
             step = self._mngr.latest_step()
             if step is None:
@@ -428,7 +317,10 @@ class CheckpointManager:
         elif step not in self._mngr.all_steps():
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}; it has "
                                     f"steps {sorted(self._mngr.all_steps())}")
-        where = f"checkpoint step {step} in {self.directory}"
+        return step
+
+    def _read_meta(self, step: int, where: str) -> dict:
+        """The step's ``meta`` item, checked to be ours and of this :data:`FORMAT`."""
         ocp = self._ocp
         try:
             meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -440,38 +332,21 @@ class CheckpointManager:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or "arrays" not in meta:
             raise ValueError(f"{where} is not a fiddlejax checkpoint of format {FORMAT} "
                              "(its meta item lacks 'format'/'arrays')")
-        abstract_state = self._abstract_state()
-        to_canonical = self.trainer._state_converters()[0]
-        paths, shapes, treedef = named_leaves(jax.eval_shape(to_canonical, abstract_state))
-        self._check_compatible(where, meta, paths, shapes)  # before reading any array
-        # Read each array straight into the shardings the target's own conversion produces.
-        shardings = jax.tree.leaves(to_canonical.lower(abstract_state).compile().output_shardings)
-        target = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                  for a, s in zip(shapes, shardings)]
-        abstract = _nest(paths, target)
+        return meta
+
+    def _read_arrays(self, step: int, where: str, paths, target: list) -> list:
+        """The step's arrays in ``paths`` order, read straight into ``target``'s shardings."""
+        ocp = self._ocp
+        abstract = manifest.nest(paths, target)
         try:
             restore = ocp.args.PyTreeRestore(
                 abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
             arrays = self._mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
-            leaves = [_lookup(arrays, p) for p in paths]
+            return [manifest.lookup(arrays, p) for p in paths]
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{where} is truncated or corrupted: reading its arrays failed "
                              f"({type(e).__name__}: {_first_line(e)}); "
                              f"{self._fallback(step)}") from e
-        fps = np.asarray(_fingerprints(leaves))
-        for p, got in zip(paths, fps):
-            want = meta["arrays"][_name(p)]["fingerprint"]
-            if int(got) != want:
-                raise ValueError(
-                    f"{where} is corrupted: {_name(p)} does not match the fingerprint recorded "
-                    f"when it was saved ({int(got)} != {want}); {self._fallback(step)}")
-        canonical = jax.tree_util.tree_unflatten(treedef, leaves)
-        state = self.trainer.from_canonical_state(canonical)
-        self.restored = Restored(
-            step=step, state=state, data_state=meta.get("data_state"), rng=_rng(meta.get("rng")),
-            extra=meta.get("extra"), metrics=meta.get("metrics"), config=meta.get("config"),
-            plan=meta.get("plan"), model=meta.get("model"))
-        return self.restored
 
     def _fallback(self, bad: int) -> str:
         """What to do instead of restoring the damaged step ``bad``."""
@@ -490,55 +365,7 @@ class CheckpointManager:
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub),
             tr.state_shardings, abstract)
 
-    def _check_compatible(self, where, meta, paths, target) -> None:
-        model = self.trainer.model_name
-        if meta.get("model") != model:
-            raise ValueError(f"{where} holds a {meta.get('model')} model but the trainer's is "
-                             f"{model}; restore it with a trainer for {meta.get('model')}")
-        saved = meta["arrays"]
-        ours = {_name(p): x for p, x in zip(paths, target)}
-        problems = []
-        for name, x in ours.items():
-            s = saved.get(name)
-            if s is None:
-                problems.append(f"the model has {name} {tuple(x.shape)} but the checkpoint "
-                                "does not")
-            elif tuple(s["shape"]) != tuple(x.shape):
-                problems.append(f"checkpoint has {name} of shape {tuple(s['shape'])} but the "
-                                f"model has {tuple(x.shape)}")
-            elif s["dtype"] != np.dtype(x.dtype).name:
-                problems.append(f"checkpoint has {name} as {s['dtype']} but the model has "
-                                f"{np.dtype(x.dtype).name}")
-        problems += [f"checkpoint has {n} {tuple(saved[n]['shape'])} but the model does not"
-                     for n in saved if n not in ours]
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            params = any(" params." in p for p in problems)
-            hint = "a different model or config" if params else "a different optimizer"
-            raise ValueError(f"{where} does not fit this trainer ({hint}?): "
-                             + "; ".join(problems[:5]) + more)
-
 
 def _first_line(e: Exception) -> str:
     line = (str(e).strip().splitlines() or [""])[0]
     return line.split(" See full TensorStore details")[0][:200]
-
-
-def _rng(meta: dict | None):
-    if meta is None:
-        return None
-    data = jnp.asarray(np.asarray(meta["data"], np.uint32))
-    return jax.random.wrap_key_data(data, impl=meta["impl"]) if meta["typed"] else data
-
-
-def jsonable(x: Any) -> Any:
-    """``x`` with numpy/JAX scalars and arrays turned into plain Python for JSON."""
-    if x is None or isinstance(x, bool | int | float | str):
-        return x
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.generic | np.ndarray | jax.Array):
-        return np.asarray(x).tolist()
-    return str(x)

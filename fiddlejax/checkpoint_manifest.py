@@ -1,0 +1,165 @@
+"""What a checkpoint records about its arrays, and the checks a restore runs against the record.
+
+Every array of the canonical state is named by its tree path (``params.blocks.w1``) and recorded
+with its shape, dtype and a layout-independent fingerprint. A restore compares names, shapes and
+dtypes with the target before reading any array, and fingerprints after, so a different model or
+a corrupted checkpoint fails with an error naming the array instead of training on garbage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = 1  # bump when the layout of a step directory changes
+
+
+# -- naming --------------------------------------------------------------------------------------
+def _segment(key) -> str | None:
+    tu = jax.tree_util
+    if isinstance(key, tu.DictKey):
+        return str(key.key)
+    if isinstance(key, tu.GetAttrKey):
+        return None if key.name == "value" else key.name  # nnx.Variable's payload: not a level
+    if isinstance(key, tu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, tu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def named_leaves(tree) -> tuple[list[tuple[str, ...]], list, Any]:
+    """(path segments, leaves, treedef) of ``tree``, paths as strings without Variable levels."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [tuple(s for s in map(_segment, p) if s is not None) for p, _ in flat]
+    return paths, [x for _, x in flat], treedef
+
+
+def nest(paths: list[tuple[str, ...]], leaves: list) -> dict:
+    """Leaves as nested dicts keyed by path segment: the tree Orbax writes and reads."""
+    out: dict = {}
+    for path, leaf in zip(paths, leaves):
+        d = out
+        for s in path[:-1]:
+            d = d.setdefault(s, {})
+        d[path[-1]] = leaf
+    return out
+
+
+def lookup(tree: dict, path: tuple[str, ...]):
+    """The leaf of :func:`nest`'s ``tree`` at ``path``."""
+    for s in path:
+        tree = tree[s]
+    return tree
+
+
+def array_name(path: tuple[str, ...]) -> str:
+    return ".".join(path)
+
+
+# -- fingerprints --------------------------------------------------------------------------------
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """A position-weighted sum of the bits of ``x`` mod 2**32.
+
+    Integer addition is associative, so every layout and reduction order gives the same value;
+    any single changed element changes it (the weights are odd).
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    index = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(x.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
+        stride = stride * x.shape[d] % 2**32
+    weights = index * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * (weights | jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def fingerprints(leaves: list) -> jax.Array:
+    """Every leaf's fingerprint, computed on device in one compiled call."""
+    return jnp.stack([_fingerprint(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
+
+
+# -- the record ----------------------------------------------------------------------------------
+def array_records(paths, leaves, fps) -> dict:
+    """``{name: {"shape", "dtype", "fingerprint"}}``: the ``arrays`` entry of a step's meta."""
+    return {array_name(p): {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+                            "fingerprint": int(f)}
+            for p, x, f in zip(paths, leaves, fps)}
+
+
+def rng_record(rng: jax.Array | None) -> dict | None:
+    """A PRNG key (typed or raw ``uint32``) as JSON; :func:`rng_from_record` inverts it."""
+    if rng is None:
+        return None
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    data = jax.random.key_data(rng) if typed else rng
+    return {"typed": bool(typed), "data": np.asarray(data).tolist(),
+            "impl": str(jax.random.key_impl(rng)) if typed else None}
+
+
+def rng_from_record(meta: dict | None):
+    if meta is None:
+        return None
+    data = jnp.asarray(np.asarray(meta["data"], np.uint32))
+    return jax.random.wrap_key_data(data, impl=meta["impl"]) if meta["typed"] else data
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with numpy/JAX scalars and arrays turned into plain Python for JSON."""
+    if x is None or isinstance(x, bool | int | float | str):
+        return x
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.generic | np.ndarray | jax.Array):
+        return np.asarray(x).tolist()
+    return str(x)
+
+
+# -- the checks ----------------------------------------------------------------------------------
+def check_compatible(where: str, meta: dict, model: str, paths, target) -> None:
+    """Raise ``ValueError`` listing how the saved arrays differ from ``target``'s (up to five)."""
+    if meta.get("model") != model:
+        raise ValueError(f"{where} holds a {meta.get('model')} model but the trainer's is "
+                         f"{model}; restore it with a trainer for {meta.get('model')}")
+    saved = meta["arrays"]
+    ours = {array_name(p): x for p, x in zip(paths, target)}
+    problems = []
+    for name, x in ours.items():
+        s = saved.get(name)
+        if s is None:
+            problems.append(f"the model has {name} {tuple(x.shape)} but the checkpoint "
+                            "does not")
+        elif tuple(s["shape"]) != tuple(x.shape):
+            problems.append(f"checkpoint has {name} of shape {tuple(s['shape'])} but the "
+                            f"model has {tuple(x.shape)}")
+        elif s["dtype"] != np.dtype(x.dtype).name:
+            problems.append(f"checkpoint has {name} as {s['dtype']} but the model has "
+                            f"{np.dtype(x.dtype).name}")
+    problems += [f"checkpoint has {n} {tuple(saved[n]['shape'])} but the model does not"
+                 for n in saved if n not in ours]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        params = any(" params." in p for p in problems)
+        hint = "a different model or config" if params else "a different optimizer"
+        raise ValueError(f"{where} does not fit this trainer ({hint}?): "
+                         + "; ".join(problems[:5]) + more)
+
+
+def first_mismatch(meta: dict, paths, leaves) -> tuple[str, int, int] | None:
+    """``(name, got, recorded)`` of the first array whose fingerprint changed, or None."""
+    fps = np.asarray(fingerprints(leaves))
+    for p, got in zip(paths, fps):
+        want = meta["arrays"][array_name(p)]["fingerprint"]
+        if int(got) != want:
+            return array_name(p), int(got), want
+    return None
