@@ -141,7 +141,7 @@ SPECS: dict[str, Spec] = {
     "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
     "run.dir": Spec(str), "run.cpu_devices": COUNT, "run.peak_tflops": Spec(float, lo=0),
     "run.progress": Spec(str, choices=("auto", "bar", "lines")),
-    "checkpoint.dir": Spec(str, null=True),
+    "checkpoint.dir": Spec(str, null=True, words=("auto",)),  # auto: <run.dir>/checkpoints
     "checkpoint.every": Spec(int, lo=1, words=("auto",)),
     "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
     "checkpoint.max_to_keep": Spec(int, lo=1, null=True),
@@ -162,6 +162,8 @@ HINTS = {
     "resume": "resume=auto continues from the latest checkpoint, resume=N from step N",
     "plan.memory_budget": "bytes per device, e.g. plan.memory_budget=2GiB",
     "mesh.data": "a device count, or -1 to use the devices the other axes leave",
+    "checkpoint.dir": "checkpoint.dir=auto saves under run.dir/checkpoints, checkpoint.dir=DIR "
+                      "in DIR, checkpoint.dir=null saves nothing",
     "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={kv: tensor, fsdp: null}",
 }
 
@@ -176,6 +178,18 @@ def specs() -> dict[str, Spec]:
     out["plan.grad_allreduce"] = Spec(str, choices=(
         *_kinds("fiddlejax.collectives", "ALGORITHMS"), "topk"))
     return out
+
+
+def checkpoint_dir(cfg: dict) -> str | None:
+    """Where the job saves checkpoints: ``checkpoint.dir``, with ``auto`` (the default) the
+    run's own ``<run.dir>/checkpoints``; None when checkpointing is off (``null``)."""
+    d = cfg["checkpoint"]["dir"]
+    if d == AUTO_CHECKPOINT_DIR:
+        return str(Path(cfg["run"]["dir"]) / "checkpoints")
+    return d or None
+
+
+AUTO_CHECKPOINT_DIR = "auto"
 
 
 def defaults() -> dict:
@@ -332,8 +346,8 @@ def _check_combinations(cfg: dict) -> None:
             f"data.batch_size={good}")
     t, c = cfg["train"], cfg["checkpoint"]
     if cfg["resume"] is not None and not c["dir"]:
-        raise ConfigError(f"resume={cfg['resume']} needs checkpoint.dir=DIR, the directory "
-                          "that holds the checkpoints")
+        raise ConfigError(f"resume={cfg['resume']} needs checkpoints: checkpoint.dir=auto (under "
+                          "run.dir) or checkpoint.dir=DIR, the directory that holds them")
     if isinstance(cfg["resume"], int) and cfg["resume"] > t["steps"]:
         raise ConfigError(f"resume={cfg['resume']} is after train.steps={t['steps']}; resume "
                           "from an earlier step or raise train.steps")

@@ -160,3 +160,33 @@ def test_bert_masks_do_not_depend_on_the_process_count():
     halves = [next(_bert_data(i, 2)[0]) for i in range(2)]
     for k in whole:
         np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
+
+
+@pytest.mark.slow
+def test_default_run_saves_checkpoints_in_its_run_dir(tmp_path, capsys):
+    """checkpoint.dir=auto (the default): a plain run can be resumed; a fresh run in the same
+    run directory moves the earlier run's checkpoints aside instead of refusing to start."""
+    from fiddlejax.app import train as run
+
+    run_dir = tmp_path / "run"
+    tiny = ["run.cpu_devices=0", "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1",
+            "plan.schedule=null", "plan.virtual_stages=1", "plan.microbatches=1",
+            "model.seq_len=16", "model.d_model=32", "model.n_layers=2", "model.d_ff=64",
+            "data.batch_size=8", "train.eval_every=0", "train.eval_batches=0",
+            "run.progress=lines", f"run.dir={run_dir}"]
+    assert run.main(None, [*tiny, "train.steps=2"]) == 0
+    ckpts = run_dir / "checkpoints"
+    assert f"checkpoints: {ckpts} (checkpoint.dir=auto" in capsys.readouterr().out
+    assert (ckpts / "2").is_dir()  # the last step is always saved
+    assert run.main(None, [*tiny, "train.steps=3", "resume=auto"]) == 0
+    assert f"resumed from {ckpts} at step 2" in capsys.readouterr().out
+    assert run.main(None, [*tiny, "train.steps=2"]) == 0  # fresh: the earlier run moves aside
+    out = capsys.readouterr().out
+    assert f"a fresh run in {run_dir} (resume=null" in out and "steps [2, 3] moved to" in out
+    (moved,) = (ckpts / "rolled_back").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["2", "3"]
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.isdigit()) == ["2"]
+    assert not (tmp_path / "off").exists()
+    assert run.main(None, [*tiny, "train.steps=1", f"run.dir={tmp_path / 'off'}",
+                           "checkpoint.dir=null"]) == 0
+    assert not (tmp_path / "off" / "checkpoints").exists()

@@ -30,7 +30,8 @@ BAD = [
     (["plan.shedule=1f1b"], ["unknown config key 'plan.shedule'", "did you mean 'plan.schedule'"]),
     (["mesh.pipe=1"], ["plan.schedule=interleaved-1f1b needs a pipeline", "plan.schedule=null"]),
     (["resume=abc"], ["resume='abc'", "resume=auto"]),
-    (["resume=4"], ["resume=4 needs checkpoint.dir"]),
+    (["resume=4", "checkpoint.dir=null"], ["resume=4 needs checkpoints", "checkpoint.dir=auto"]),
+    (["resume=200"], ["resume=200 is after train.steps=150"]),  # checkpoint.dir=auto: resumable
     (["plan.memory_budget=lots"], ["plan.memory_budget='lots'", "2GiB"]),
     (["run.progress=fancy"], ["run.progress='fancy'", "'lines'"]),
     (["train"], ["override 'train' must look like key=value"]),

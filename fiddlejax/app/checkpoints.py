@@ -4,6 +4,12 @@ The library's :class:`~fiddlejax.checkpoint.CheckpointManager` saves and restore
 adds what a job needs around it: refusing an unusable directory before anything runs, resuming
 (``resume=auto`` or a step, rolling newer steps aside), saving on the job's schedule and on
 preemption, and announcing config changes since the checkpoint.
+
+By default (``checkpoint.dir=auto``) a run saves under its own ``<run.dir>/checkpoints``, so a
+first ``fiddlejax train`` can be resumed. Like the run's logs, those belong to the run directory:
+a fresh run there (``resume=null``) moves an earlier run's checkpoints aside into
+``rolled_back/`` (never deletes them). A directory named with ``checkpoint.dir=DIR`` is the
+user's: a fresh run refuses to start in it while it holds checkpoints.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 import jax
 
 from fiddlejax.checkpoint import CheckpointManager, Preemption, jsonable
+from fiddlejax.config import AUTO_CHECKPOINT_DIR, checkpoint_dir
 
 ROLLED_BACK = "rolled_back"  # where resume=N moves the checkpoints after N (never deleted)
 
@@ -50,7 +57,7 @@ def config_changes(saved: dict | None, cfg: dict) -> list[str]:
 def check_directory(cfg: dict) -> None:
     """Refuse an unusable ``checkpoint.dir`` before anything runs: a regular file, a directory
     that cannot be written, or a disk without room for a probe write."""
-    d = cfg["checkpoint"]["dir"]
+    d = checkpoint_dir(cfg)
     if not d:
         return
     path = Path(d)
@@ -86,15 +93,19 @@ class JobCheckpoints:
         self.cfg, self.trainer, self.data_iter, self.log = cfg, trainer, data_iter, log
         self.resume, self.steps = cfg.get("resume"), cfg["train"]["steps"]
         every = c["every"]
-        self.directory = Path(c["dir"]).absolute()
+        self.directory = Path(checkpoint_dir(cfg)).absolute()
+        self.owned = c["dir"] == AUTO_CHECKPOINT_DIR  # the run directory's own checkpoints
         self._remove_empty_steps()
         self.preemption = Preemption()
         self.mgr = CheckpointManager(
-            c["dir"], trainer, every=every if every == "auto" else int(every or 0),
+            self.directory, trainer, every=every if every == "auto" else int(every or 0),
             max_to_keep=c["max_to_keep"], best_metric=c["best_metric"], best_mode=c["best_mode"],
             async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
             config=cfg, preemption=self.preemption)
         self.preemption.install()  # after the manager exists: a failure leaves no handler
+        if self.owned:
+            log(f"checkpoints: {checkpoint_dir(cfg)} (checkpoint.dir=auto; checkpoint.dir=null "
+                "saves none)")
 
     def _remove_empty_steps(self) -> None:
         if jax.process_index() != 0 or not self.directory.is_dir():
@@ -110,7 +121,10 @@ class JobCheckpoints:
         if self.resume not in (None, "auto") and not isinstance(self.resume, int):
             raise ValueError(f"resume={self.resume!r} must be null, auto or a step number")
         if self.resume is None:
-            if latest is not None:
+            if latest is not None and self.owned:
+                self._roll_back(self.mgr.all_steps(), f"a fresh run in {self.directory.parent} "
+                                "(resume=null; resume=auto continues instead):")
+            elif latest is not None:
                 raise ValueError(
                     f"checkpoint.dir={self.mgr.directory} already holds checkpoints (latest "
                     f"step {latest}); pass resume=auto to continue from them, resume=N to go "
@@ -122,7 +136,7 @@ class JobCheckpoints:
         r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
         newer = [s for s in self.mgr.all_steps() if s > r.step]
         if newer:
-            self._roll_back(newer)
+            self._roll_back(newer, "rolled back:")
         self.mgr.warm_up(r.state)
         if not hasattr(self.data_iter, "set_state"):
             self.log("warning: this data pipeline cannot be checkpointed; it restarts")
@@ -134,10 +148,14 @@ class JobCheckpoints:
             self.log(line)
         return r.state, r.step + 1
 
-    def _roll_back(self, newer: list[int]) -> None:
-        """Move the steps after the resumed one aside: they would block new saves."""
+    def _roll_back(self, newer: list[int], why: str) -> None:
+        """Move the steps after the resumed one (all of them, for a fresh run) aside: they
+        would block new saves."""
         self.mgr.wait()
-        dest = self.directory / ROLLED_BACK / time.strftime("%Y%m%d-%H%M%S")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest, n = self.directory / ROLLED_BACK / stamp, 1
+        while dest.exists():  # two roll-backs within a second
+            dest, n = self.directory / ROLLED_BACK / f"{stamp}-{n}", n + 1
         if jax.process_index() == 0:
             dest.mkdir(parents=True, exist_ok=True)
             for s in newer:
@@ -147,8 +165,8 @@ class JobCheckpoints:
 
             multihost_utils.sync_global_devices("fiddlejax_roll_back")
         self.mgr.reload()
-        self.log(f"rolled back: steps {newer} moved to {dest} (delete it, or move a step back "
-                 "to return to it)")
+        self.log(f"{why} steps {newer} moved to {dest} (delete it, or move a step back to "
+                 "return to it)")
 
     def _fresh(self):
         state = self.trainer.init()
@@ -188,9 +206,10 @@ class JobCheckpoints:
 
 def for_run(cfg: dict, trainer, data_iter, log: Callable[[str], None] = print
             ) -> JobCheckpoints | None:
-    """Checkpointing for ``fiddlejax train``, or None when ``checkpoint.dir`` is not set."""
-    if not cfg["checkpoint"]["dir"]:
+    """Checkpointing for ``fiddlejax train``, or None when ``checkpoint.dir`` is null."""
+    if not checkpoint_dir(cfg):
         if cfg.get("resume") is not None:
-            raise ValueError(f"resume={cfg['resume']!r} needs checkpoint.dir=DIR")
+            raise ValueError(f"resume={cfg['resume']!r} needs checkpoint.dir=auto (under "
+                             "run.dir) or checkpoint.dir=DIR")
         return None
     return JobCheckpoints(cfg, trainer, data_iter, log)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from fiddlejax.config import AUTO_CHECKPOINT_DIR
+
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
            checkpoint_dir: str | Path | None = None, max_shard_size: int | str = "5GB",
@@ -33,7 +35,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     ckpt = checkpoint_dir or cfg["checkpoint"]["dir"]
     if not ckpt:
         raise ValueError(f"{run_dir} saved no checkpoints (checkpoint.dir was null); train with "
-                         "checkpoint.dir=DIR, or pass --checkpoint-dir")
+                         "checkpoint.dir=auto (the default) or DIR, or pass --checkpoint-dir")
+    if ckpt == AUTO_CHECKPOINT_DIR:  # the run's own: wherever the run directory is now
+        ckpt = run_dir / "checkpoints"
     ckpt = Path(ckpt)
     if not ckpt.is_dir() and not ckpt.is_absolute() and (run_dir / ckpt).is_dir():
         ckpt = run_dir / ckpt  # a relative checkpoint.dir, seen from the run directory

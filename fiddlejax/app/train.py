@@ -208,7 +208,7 @@ def _nan_hint(cfg: dict, ckpt) -> str:
     where = ""
     if ckpt is not None:
         last = ckpt.last_good()
-        where = (f"; the last checkpoint is step {last} in {cfg['checkpoint']['dir']} "
+        where = (f"; the last checkpoint is step {last} in {config_lib.checkpoint_dir(cfg)} "
                  f"(resume=auto or resume={last} continues from it)" if last is not None else "")
     return (f"; stopped before saving it{where}. Lower optimizer.lr (now "
             f"{cfg['optimizer']['lr']}) or set plan.check_inputs=true to check the data")
