@@ -76,17 +76,21 @@ class Windows(grain.sources.RandomAccessDataSource):
         return self.tokens[s:s + self.length].astype(np.int32)
 
 
-def check_tokens(tokens: np.ndarray, vocab_size: int, source: str = "the corpus") -> None:
+def check_tokens(tokens: np.ndarray, vocab_size: int, source: str = "the corpus",
+                 fix: str = "use a vocab_size of at least {need}") -> None:
     """Raise if any id of ``tokens`` is outside ``[0, vocab_size)``: once per source, because
-    an out-of-range id does not fail in the model, it silently makes the loss NaN."""
+    an out-of-range id does not fail in the model, it silently makes the loss NaN.
+
+    ``fix`` ends the message; each ``{need}`` in it becomes the smallest vocabulary that fits. The
+    caller knows which setting decides the vocabulary (a job's ``model.vocab_size``, or a
+    pretrained checkpoint's), so it says what to change."""
     if len(tokens) == 0:
         return
     lo, hi = int(np.min(tokens)), int(np.max(tokens))
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo
         raise ValueError(f"{source} holds token id {bad} but the vocabulary is [0, {vocab_size})"
-                         f"; use a vocab_size of at least {hi + 1} (fiddlejax train: "
-                         f"model.vocab_size={hi + 1})")
+                         f"; {fix.replace('{need}', str(hi + 1))}")
 
 
 def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int = 0,

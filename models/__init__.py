@@ -96,6 +96,18 @@ def _pick(mcfg: dict, cls) -> dict:
     return {k: v for k, v in mcfg.items() if k in names}
 
 
+def vocab_fix(cfg: dict, vocab: int) -> str:
+    """How to give the model a vocabulary of ``{need}`` ids, naming the key that decides it: a
+    pretrained model's vocabulary is its checkpoint's, which ``model.vocab_size`` cannot change."""
+    source = cfg["model"].get("from_pretrained")
+    if source:
+        return (f"the vocabulary comes from model.from_pretrained={source} (vocab_size={vocab} "
+                "in its config.json; model.vocab_size is not used). The bundled corpus is "
+                "bytes: fine-tune a checkpoint whose vocabulary holds at least {need} ids, or "
+                "train from scratch without model.from_pretrained (model.vocab_size={need})")
+    return "set model.vocab_size={need} (or more)"
+
+
 def token_batches(cfg: dict, seq_len: int, vocab: int | None, process_index: int,
                   process_count: int) -> tuple[Iterator[dict], Iterator[dict]]:
     """Windows of the stdlib corpus, ``{"tokens": int32[B, seq_len + 1]}`` (inputs and
@@ -106,7 +118,7 @@ def token_batches(cfg: dict, seq_len: int, vocab: int | None, process_index: int
     shard = {"process_index": process_index, "process_count": process_count}
     corpus = data.stdlib_corpus("train")
     if vocab is not None:
-        data.check_tokens(corpus, vocab, "the stdlib corpus (model.vocab_size)")
+        data.check_tokens(corpus, vocab, "the stdlib corpus", vocab_fix(cfg, vocab))
     train = data.token_batches(corpus, seq_len, b, seed=seed, **shard)
     val = data.token_batches(data.stdlib_corpus("validation"), seq_len, b, shuffle=False,
                              **shard)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -190,3 +191,30 @@ def test_default_run_saves_checkpoints_in_its_run_dir(tmp_path, capsys):
     assert run.main(None, [*tiny, "train.steps=1", f"run.dir={tmp_path / 'off'}",
                            "checkpoint.dir=null"]) == 0
     assert not (tmp_path / "off" / "checkpoints").exists()
+
+
+def test_vocabulary_error_names_the_key_that_decides_it():
+    """The stdlib corpus needs 256 ids. From scratch model.vocab_size decides; a pretrained
+    Llama's vocabulary is its checkpoint's, so the hint must not send the user to
+    model.vocab_size (which it ignores)."""
+    from pathlib import Path
+
+    from fiddlejax.app import build
+
+    def data_error(*overrides):
+        cfg = config.load(None, ["model.seq_len=16", *overrides])
+        model = build.build_model(cfg["model"], 0)
+        with pytest.raises(ValueError) as e:
+            build.build_data(cfg, model)
+        return str(e.value)
+
+    fixture = Path(__file__).parent / "fixtures" / "llama_tiny"  # vocab_size 97
+    err = data_error("model.name=llama", f"model.from_pretrained={fixture}")
+    assert "the stdlib corpus holds token id" in err and "vocabulary is [0, 97)" in err
+    assert f"comes from model.from_pretrained={fixture} (vocab_size=97 in its config.json; " \
+           "model.vocab_size is not used)" in err
+    assert re.search(r"fine-tune a checkpoint whose vocabulary holds at least \d+ ids, or train "
+                     r"from scratch without model.from_pretrained", err)
+    err = data_error("model.vocab_size=10", "model.n_layers=1")
+    assert "vocabulary is [0, 10)" in err and "set model.vocab_size=" in err
+    assert "from_pretrained" not in err
