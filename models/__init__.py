@@ -60,6 +60,9 @@ class ModelEntry:
     - ``flops_per_step(model, batch_size)``: analytic training FLOPs of one step (forward +
       backward, no remat) of the whole global batch, for TFLOP/s and MFU.
     - ``muon_axes``: stacked block leaf name -> (reduction axes, output axes) for Muon.
+    - ``correct(model, batch)``: ``(examples classified right, examples)`` of a validation
+      batch, traced under ``jax.jit``; a classifier gives it and the job reports validation
+      accuracy (None: loss only).
     """
 
     name: str
@@ -67,6 +70,7 @@ class ModelEntry:
     batches: Callable[[dict, Any, int, int], Batches]
     flops_per_step: Callable[[Any, int], float]
     muon_axes: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    correct: Callable[[Any, dict], tuple[Any, Any]] | None = None
 
     def muon_dims(self, params):
         """Muon's dimension numbers for the block matrices; None (AdamW) for the rest:
@@ -230,11 +234,18 @@ def _cnn_flops(model, batch_size: int) -> float:
     return flops_per_step(model.config, batch_size)
 
 
+def _cnn_correct(model, batch: dict):
+    from .cnn import correct
+
+    return correct(model, batch)
+
+
 REGISTRY: dict[str, ModelEntry] = {
     "gpt": ModelEntry("gpt", _gpt_build, _gpt_batches, _gpt_flops, TRANSFORMER_MUON_AXES),
     "bert": ModelEntry("bert", _bert_build, _bert_batches, transformer_flops,
                        TRANSFORMER_MUON_AXES),
-    "cnn": ModelEntry("cnn", _cnn_build, _cnn_batches, _cnn_flops, CNN_MUON_AXES),
+    "cnn": ModelEntry("cnn", _cnn_build, _cnn_batches, _cnn_flops, CNN_MUON_AXES,
+                      correct=_cnn_correct),
     "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
 }
 

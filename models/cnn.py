@@ -90,6 +90,12 @@ def flops_per_step(config: CNNConfig, batch_size: int) -> float:
     return 3.0 * per_example * batch_size
 
 
+def correct(model: CNN, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(examples classified right, examples) of a batch: the job's validation accuracy."""
+    hits = jnp.argmax(model(batch["images"]), axis=-1) == batch["labels"]
+    return hits.sum(), jnp.asarray(hits.size)
+
+
 def digit_batches(cfg: dict, process_index: int, process_count: int):
     """The job's train and validation streams: 8x8 digits, ``{"images", "labels"}``."""
     from fiddlejax import data

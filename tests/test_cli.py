@@ -218,3 +218,28 @@ def test_vocabulary_error_names_the_key_that_decides_it():
     err = data_error("model.vocab_size=10", "model.n_layers=1")
     assert "vocabulary is [0, 10)" in err and "set model.vocab_size=" in err
     assert "from_pretrained" not in err
+
+
+def test_cnn_run_reports_examples_per_second_and_accuracy(tmp_path, capsys):
+    """An image classifier's job lines count examples, not tokens, and validation reports
+    accuracy (also in metrics.jsonl and summary.json), on a pipeline layout."""
+    from fiddlejax.app import train as run
+
+    run_dir = tmp_path / "cnn"
+    assert run.main(None, [
+        "model.name=cnn", "model.channels=8", "model.n_layers=2", "run.cpu_devices=0",
+        "mesh.data=4", "mesh.pipe=2", "mesh.tensor=1", "plan.schedule=1f1b",
+        "plan.virtual_stages=1", "plan.microbatches=2", "data.batch_size=16",
+        "train.steps=2", "train.eval_every=2", "train.eval_batches=2", "train.log_every=1",
+        "run.progress=lines", "checkpoint.dir=null", f"run.dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"step 0: validation loss \d+\.\d+ \(uniform guess: 2\.3026\), "
+                     r"accuracy \d+\.\d%", out), out
+    step2 = next(x for x in out.splitlines() if x.startswith("step     2 |"))
+    assert " ex/s | " in step2 and "tok/s" not in step2 and re.search(r"val acc \d+\.\d%", step2)
+    rec = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert "examples_per_s" in rec and "tokens_per_s" not in rec
+    assert 0 <= rec["val_accuracy"] <= 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_val_accuracy"] == rec["val_accuracy"]
+    assert 0 <= summary["initial_val_accuracy"] <= 1 and "examples_per_s" in summary

@@ -87,10 +87,15 @@ def _step_of(line: str) -> int | None:
         return None
 
 
-def throughput(dt: float, items: int, flops: float, n_dev: int, peak: float) -> dict:
-    """Items per second, TFLOP/s per device and (``peak`` TFLOP/s known) MFU of one step."""
+UNITS = {"tokens": "tok/s", "examples": "ex/s"}  # what a step consumes -> its rate's label
+
+
+def throughput(dt: float, items: int, flops: float, n_dev: int, peak: float,
+               unit: str = "tokens") -> dict:
+    """``<unit>_per_s`` (tokens or examples), TFLOP/s per device and (``peak`` TFLOP/s known)
+    MFU of one step."""
     tflops = flops / dt / n_dev / 1e12
-    out = {"tokens_per_s": items / dt, "tflops_per_device": tflops}
+    out = {f"{unit}_per_s": items / dt, "tflops_per_device": tflops}
     if peak > 0:
         out["mfu"] = tflops / peak
     return out
@@ -98,18 +103,23 @@ def throughput(dt: float, items: int, flops: float, n_dev: int, peak: float) -> 
 
 def line(step: int, r: dict) -> str:
     """One terminal line for step ``step``'s record."""
+    unit = next((u for u in UNITS if f"{u}_per_s" in r), "tokens")
     s = (f"step {step:5d} | loss {r['loss']:.4f} | {r['step_time_s'] * 1e3:7.1f} ms | "
-         f"{r['tokens_per_s']:9.0f} tok/s | {r['tflops_per_device']:.4f} TFLOP/s/dev")
+         f"{r[f'{unit}_per_s']:9.0f} {UNITS[unit]} | {r['tflops_per_device']:.4f} TFLOP/s/dev")
     if "mfu" in r:
         s += f" | MFU {100 * r['mfu']:.1f}%"
     if "val_loss" in r:
         s += f" | val {r['val_loss']:.4f}"
+    if "val_accuracy" in r:
+        s += f" | val acc {100 * r['val_accuracy']:.1f}%"
     return s
 
 
 def summary(cfg: dict, losses: list[float], times: list[float], val: float, first_val: float,
-            items: int, unit: str, flops: float, n_dev: int, peak: float, run_dir: Path) -> None:
-    """The closing table on the terminal and ``summary.json`` in the run directory."""
+            items: int, unit: str, flops: float, n_dev: int, peak: float, run_dir: Path,
+            accuracy: tuple[float, float] | None = None) -> None:
+    """The closing table on the terminal and ``summary.json`` in the run directory
+    (``accuracy``: validation accuracy at the start and the end, for classifiers)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -123,6 +133,9 @@ def summary(cfg: dict, losses: list[float], times: list[float], val: float, firs
     t.add_row("steps", str(len(losses)))
     t.add_row("train loss (first -> last)", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
     t.add_row("validation loss (start -> end)", f"{first_val:.4f} -> {val:.4f}")
+    if accuracy is not None:
+        t.add_row("validation accuracy (start -> end)",
+                  f"{100 * accuracy[0]:.1f}% -> {100 * accuracy[1]:.1f}%")
     t.add_row("median step time (excl. step 1)", f"{med * 1e3:.1f} ms")
     t.add_row(f"{unit}/s", f"{items / med:.0f}")
     t.add_row("TFLOP/s per device", f"{flops / med / n_dev / 1e12:.4f}")
@@ -130,6 +143,9 @@ def summary(cfg: dict, losses: list[float], times: list[float], val: float, firs
         t.add_row("MFU", f"{100 * flops / med / n_dev / 1e12 / peak:.1f}%")
     t.add_row("run directory", str(run_dir))
     Console().print(t)
+    record = {"final_loss": losses[-1], "final_val_loss": val, "initial_val_loss": first_val,
+              "median_step_time_s": med, "steps": len(losses), f"{unit}_per_s": items / med}
+    if accuracy is not None:
+        record.update(initial_val_accuracy=accuracy[0], final_val_accuracy=accuracy[1])
     with open(run_dir / "summary.json", "w") as f:
-        json.dump({"final_loss": losses[-1], "final_val_loss": val, "initial_val_loss": first_val,
-                   "median_step_time_s": med, "steps": len(losses)}, f, indent=1)
+        json.dump(record, f, indent=1)

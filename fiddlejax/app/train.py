@@ -71,6 +71,7 @@ class Job:
     uniform_loss: float
     log: logs.Logger
     ckpt: checkpoints.JobCheckpoints | None = None
+    correct: Any = None  # jitted (params, batch) -> (right, examples): classifiers only
 
     def evaluate(self, state) -> float:
         if not self.val_batches:  # train.eval_batches=0: no validation, nothing to compile
@@ -78,6 +79,28 @@ class Job:
         import numpy as np
 
         return float(np.mean([float(self.trainer.loss(state, b)) for b in self.val_batches]))
+
+    def accuracy(self, state) -> float | None:
+        """Validation accuracy of a classifier (None for other models, or no validation)."""
+        if self.correct is None or not self.val_batches:
+            return None
+        params = self.trainer.params(state)  # canonical; the batch is sharded over data
+        right = seen = 0.0
+        for b in self.val_batches:
+            r, n = self.correct(params, self.trainer.shard_batch(b))
+            right, seen = right + float(r), seen + float(n)
+        return right / seen
+
+
+def _correct_fn(entry, model):
+    """The model entry's ``correct`` as a jitted function of the canonical parameters."""
+    if entry.correct is None:
+        return None
+    import jax
+    from flax import nnx
+
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    return jax.jit(lambda params, batch: entry.correct(nnx.merge(graphdef, params, rest), batch))
 
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
@@ -93,10 +116,11 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     try:
         state, start = job.ckpt.start() if job.ckpt else (job.trainer.init(), 1)
         job.log.begin(start)
-        first_val = job.evaluate(state)
+        first_val, first_acc = job.evaluate(state), job.accuracy(state)
+        acc_text = f", accuracy {100 * first_acc:.1f}%" if first_acc is not None else ""
         job.log.print(f"step {start - 1}: validation loss {first_val:.4f} "
-                      f"(uniform guess: {job.uniform_loss:.4f})")
-        losses, times, val = _loop(job, state, start, first_val)
+                      f"(uniform guess: {job.uniform_loss:.4f}){acc_text}")
+        losses, times, val, acc = _loop(job, state, start, first_val, first_acc)
         if job.ckpt is not None:
             job.ckpt.close()
     finally:
@@ -109,7 +133,7 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
         rcfg = cfg["run"]
         logs.summary(cfg, losses, times, val, first_val, job.data.items_per_step, job.data.unit,
                      job.flops, jax.device_count(), float(rcfg["peak_tflops"] or 0.0),
-                     Path(rcfg["dir"]))
+                     Path(rcfg["dir"]), None if first_acc is None else (first_acc, acc))
     return 0
 
 
@@ -143,7 +167,7 @@ def _start(cfg: dict) -> Job:
     bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
     job = Job(cfg, trainer, data, val_batches,
               entry.flops_per_step(model, cfg["data"]["batch_size"]), entry.uniform_loss(model),
-              logs.Logger(run_dir, is_main, bar, tcfg["steps"]))
+              logs.Logger(run_dir, is_main, bar, tcfg["steps"]), correct=_correct_fn(entry, model))
     try:
         if is_main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -155,9 +179,10 @@ def _start(cfg: dict) -> Job:
     return job
 
 
-def _loop(job: Job, state, start: int, val: float) -> tuple[list, list, float]:
+def _loop(job: Job, state, start: int, val: float, acc: float | None
+          ) -> tuple[list, list, float, float | None]:
     """Steps ``start`` .. ``train.steps``; (losses, step times after the first call, last
-    validation loss). Stops early, saved, when preempted."""
+    validation loss, last validation accuracy). Stops early, saved, when preempted."""
     import jax
     import numpy as np
 
@@ -191,17 +216,21 @@ def _loop(job: Job, state, start: int, val: float) -> tuple[list, list, float]:
                 times.append(dt)
             losses.append(loss)
             rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"][i]), "step_time_s": dt}
-            rec.update(logs.throughput(dt, job.data.items_per_step, job.flops, n_dev, peak))
+            rec.update(logs.throughput(dt, job.data.items_per_step, job.flops, n_dev, peak,
+                                       job.data.unit))
             eval_due = tcfg["eval_every"] and any(
                 (j % tcfg["eval_every"] == 0 or j == tcfg["steps"]) for j in range(step, s + 1))
             if last and eval_due:  # the state exists at the end of a call only
                 val = rec["val_loss"] = job.evaluate(state)
+                acc = job.accuracy(state)
+                if acc is not None:
+                    rec["val_accuracy"] = acc
                 t_prev = time.perf_counter()  # evaluation is not step time
             stop = last and job.ckpt is not None and job.ckpt.after_step(s, state, rec)
             shown = s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec
             job.log.log(s, rec, logs.line(s, rec) if shown else None)
         step += k
-    return losses, times, val
+    return losses, times, val, acc
 
 
 def _nan_hint(cfg: dict, ckpt) -> str:
