@@ -282,8 +282,8 @@ class CheckpointManager:
         step = self._existing_step(step)
         where = f"checkpoint step {step} in {self.directory}"
         meta = self._read_meta(step, where)
-        abstract_state = self._abstract_state()
-        to_canonical = self.trainer._state_converters()[0]
+        abstract_state = self.trainer.abstract_state()
+        to_canonical = self.trainer.state_converters()[0]
         paths, shapes, treedef = named_leaves(jax.eval_shape(to_canonical, abstract_state))
         # before reading any array
         manifest.check_compatible(where, meta, self.trainer.model_name, paths, shapes)
@@ -355,15 +355,6 @@ class CheckpointManager:
             return f"no earlier checkpoint is left in {self.directory}; start a fresh run"
         return (f"restore an earlier step: fiddlejax train ... resume={earlier[0]} (Python: "
                 f"restore(step={earlier[0]})); earlier steps: {earlier}")
-
-    def _abstract_state(self):
-        """This trainer's TrainState as ShapeDtypeStructs carrying its shardings."""
-        tr = self.trainer
-        abstract = jax.eval_shape(lambda p: tr.init(p), tr._canonical_template)
-        return jax.tree.map(  # the shardings tree is a prefix (no Variable levels)
-            lambda s, sub: jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub),
-            tr.state_shardings, abstract)
 
 
 def _first_line(e: Exception) -> str:

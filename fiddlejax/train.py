@@ -130,10 +130,6 @@ class Trainer:
             self._converters = canonical.converters(self.layout, self.optimizer)
         return self._converters
 
-    # TODO(this session): checkpoint.py moves to the public names, then these go.
-    _state_converters = state_converters
-    _canonical_template = canonical_template
-
     # -- steps ---------------------------------------------------------------------------------
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch; returns the new state and metrics."""
