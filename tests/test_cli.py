@@ -243,3 +243,60 @@ def test_cnn_run_reports_examples_per_second_and_accuracy(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_val_accuracy"] == rec["val_accuracy"]
     assert 0 <= summary["initial_val_accuracy"] <= 1 and "examples_per_s" in summary
+
+
+def _layout_fixes(message: str) -> list[list[str]]:
+    """The override sets an error's "set A (why), or B C (why), or D or more" offers."""
+    offers = message.split("; set ", 1)[1].split(", or ")
+    return [[w for w in re.sub(r"\([^)]*\)", "", offer).split() if "=" in w] for offer in offers]
+
+
+@pytest.mark.parametrize("overrides,fixes", [
+    (["model.n_layers=2"], 3), (["model.n_layers=1"], 2),
+    (["model.n_layers=3", "plan.schedule=zb-v"], 3),
+    (["model.n_layers=2", "mesh.data=1", "mesh.pipe=4", "plan.schedule=1f1b"], 2)])
+def test_a_layout_that_does_not_fit_the_model_names_the_keys(overrides, fixes):
+    """More pipeline chunks than layers fails before the trainer is built, in the job's own
+    keys, and every fix it offers builds."""
+    from fiddlejax.app import build
+
+    cfg = config.load(None, ["model.seq_len=16", *overrides])
+    model = build.build_model(cfg["model"], 0)
+    with pytest.raises(config.ConfigError) as e:
+        build.check_layout(cfg, model, build.make_plan(cfg))
+    msg = str(e.value)
+    layers = cfg["model"]["n_layers"]
+    assert msg.startswith(f"model.n_layers={layers} cannot be split over mesh.pipe=")
+    offers = _layout_fixes(msg)
+    assert len(offers) == fixes, msg
+    for fix in offers:
+        fixed = config.load(None, ["model.seq_len=16", *overrides, *fix])
+        build.check_layout(fixed, build.build_model(fixed["model"], 0), build.make_plan(fixed))
+
+
+def test_a_pretrained_model_too_shallow_for_the_layout_names_its_checkpoint(tmp_path, capsys):
+    """A 2-layer Hugging Face Llama on the default layout (pipe=2, interleaved: 4 chunks): the
+    error names the checkpoint's layer count and only layout keys (model.n_layers does not
+    apply), as one line with exit status 2, before anything compiles."""
+    from flax import nnx
+
+    from fiddlejax.app import build
+    from fiddlejax.app import train as run
+    from fiddlejax.models.llama import Llama, LlamaConfig
+
+    hf = tmp_path / "hf"
+    Llama(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2),
+          rngs=nnx.Rngs(0)).save_pretrained(hf)
+    job = ["model.name=llama", f"model.from_pretrained={hf}", "model.seq_len=16"]
+    assert run.main(None, [*job, "run.cpu_devices=0", f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (f"the model of model.from_pretrained={hf} has 2 layers (num_hidden_layers in its "
+            "config.json), which cannot be split over mesh.pipe=2 x plan.virtual_stages=2 "
+            "(automatic for interleaved-1f1b) = 4 pipeline chunks") in err
+    assert "set plan.virtual_stages=1 (2 chunks), or mesh.pipe=1 mesh.data=4" in err
+    assert "model.n_layers" not in err
+    for fix in _layout_fixes(err.strip()):
+        fixed = config.load(None, [*job, *fix])
+        build.check_layout(fixed, build.build_model(fixed["model"], 0), build.make_plan(fixed))

@@ -75,6 +75,49 @@ def make_plan(cfg: dict):
                    compute_dtype=compute_dtype(p.get("compute_dtype", "float32")), rules=rules)
 
 
+def model_layers(model) -> int | None:
+    """How many layers the model stacks (GPT, BERT, CNN: ``n_layers``; Llama:
+    ``num_hidden_layers``, which a Hugging Face checkpoint sets)."""
+    c = getattr(model, "config", None)
+    for name in ("n_layers", "num_hidden_layers"):
+        value = getattr(c, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def check_layout(cfg: dict, model, plan) -> None:
+    """Refuse a pipeline with more chunks than the model has layers, before anything compiles,
+    naming the job's keys and values that fix it (each chunk runs at least one layer)."""
+    layers = model_layers(model)
+    if plan.schedule is None or layers is None:
+        return
+    pipe, virtual = int(plan.mesh.shape["pipe"]), int(plan.virtual_stages)
+    chunks = pipe * virtual
+    if layers >= chunks:
+        return
+    p, source = cfg["plan"], cfg["model"].get("from_pretrained")
+    what = (f"the model of model.from_pretrained={source} has {layers} layers "
+            "(num_hidden_layers in its config.json), which" if source
+            else f"model.n_layers={layers}")
+    auto = f" (automatic for {p['schedule']})" if p["virtual_stages"] is None else ""
+    fixes = []
+    if virtual > 1 and layers >= pipe:
+        single = "plan.virtual_stages=1" + (" plan.schedule=1f1b" if p["schedule"] == "zb-v"
+                                            else "")
+        fixes.append(f"{single} ({pipe} chunks)")
+    data = cfg["mesh"]["data"]
+    no_pipe = ["mesh.pipe=1"] + ([f"mesh.data={data * pipe}"] if data > 0 else [])
+    no_pipe += ["plan.schedule=null"] + (["plan.virtual_stages=1"] if p["virtual_stages"] not in
+                                         (None, 1) else [])
+    fixes.append(" ".join(no_pipe) + " (no pipeline)")
+    if not source:
+        fixes.append(f"model.n_layers={chunks} or more")
+    raise config_lib.ConfigError(
+        f"{what} cannot be split over mesh.pipe={pipe} x plan.virtual_stages={virtual}{auto} = "
+        f"{chunks} pipeline chunks (each chunk needs a layer); set " + ", or ".join(fixes))
+
+
 def default_memory_budget(share: float = 0.9) -> int:
     """``plan.memory_budget=null`` with ``remat=auto``: 90% of what the device reports."""
     import jax

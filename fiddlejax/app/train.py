@@ -157,6 +157,7 @@ def _start(cfg: dict) -> Job:
     entry = build.entry(cfg)
     model = build.build_model(cfg["model"], tcfg["seed"])
     plan = build.make_plan(cfg)
+    build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
     trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
     if is_main and jax.process_count() > 1:
         print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)
