@@ -217,7 +217,7 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     return out
 
 
-def tensor_unused(spec_tree: Any, tensor: int, model_name: str) -> None:
+def tensor_unused(spec_tree: Any, tensor: int, model_name: str, stacklevel: int = 3) -> None:
     """Warn when ``tensor > 1`` but no parameter is split over ``tensor``: every weight would be
     replicated and the tensor axis would only repeat work."""
     if tensor <= 1:
@@ -229,4 +229,4 @@ def tensor_unused(spec_tree: Any, tensor: int, model_name: str) -> None:
     warnings.warn(f"tensor={tensor}, but no parameter of {model_name} is mapped to the tensor "
                   "axis (no sharding names, or rules that map none to 'tensor'): every weight is "
                   "replicated. Annotate with fj.sharding.annotate(model, {regex: names}) or map "
-                  "the model's names with Plan(rules={name: 'tensor'})", stacklevel=3)
+                  "the model's names with Plan(rules={name: 'tensor'})", stacklevel=stacklevel)
