@@ -110,7 +110,8 @@ FRACTION = Spec(float, lo=0, hi=1, open_hi=True)
 # :func:`specs` (schedule kinds, remat policies, all-reduce algorithms).
 SPECS: dict[str, Spec] = {
     "model.name": Spec(str, choices=("gpt", "bert", "cnn", "llama")),
-    "model.vocab_size": Spec(int, lo=2), "model.seq_len": POSITIVE, "model.d_model": POSITIVE,
+    "model.vocab_size": Spec(int, lo=2, words=("auto",)),  # auto: the tokenizer's
+    "model.seq_len": POSITIVE, "model.d_model": POSITIVE,
     "model.n_heads": POSITIVE, "model.n_layers": POSITIVE, "model.d_ff": POSITIVE,
     "model.tie_embeddings": Spec(bool), "model.channels": POSITIVE,
     "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
@@ -143,6 +144,11 @@ SPECS: dict[str, Spec] = {
     "run.progress": Spec(str, choices=("auto", "bar", "lines")),
     "checkpoint.dir": Spec(str, null=True, words=("auto",)),  # auto: <run.dir>/checkpoints
     "checkpoint.every": Spec(int, lo=1, words=("auto",)),
+    "data.field": Spec(str), "data.tokenizer": Spec(str), "data.pack": Spec(bool),
+    "data.val_fraction": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True, null=True),
+    "data.eos_id": Spec(int, lo=0, null=True), "data.workers": COUNT,
+    "data.token_dtype": Spec(str, choices=("uint16", "uint32")),
+    "data.allow_change": Spec(bool), "init_from": Spec(str, null=True),
     "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
     "checkpoint.max_to_keep": Spec(int, lo=1, null=True),
     "checkpoint.best_metric": Spec(str, null=True),

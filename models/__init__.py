@@ -100,6 +100,16 @@ def _pick(mcfg: dict, cls) -> dict:
     return {k: v for k, v in mcfg.items() if k in names}
 
 
+def vocab(mcfg: dict) -> int:
+    """``model.vocab_size``; ``auto`` unresolved (the job resolves it from ``data.tokenizer``
+    first) is the default tokenizer's size: bytes, or ``from_pretrained``'s own."""
+    if mcfg.get("vocab_size", "auto") != "auto":
+        return mcfg["vocab_size"]
+    from fiddlejax.data import tokenizer
+
+    return tokenizer.load("auto", mcfg.get("from_pretrained")).vocab_size
+
+
 def vocab_fix(cfg: dict, vocab: int) -> str:
     """How to give the model a vocabulary of ``{need}`` ids, naming the key that decides it: a
     pretrained model's vocabulary is its checkpoint's, which ``model.vocab_size`` cannot change."""
@@ -152,14 +162,38 @@ def _gpt_build(mcfg: dict, seed: int):
 
     from .gpt import GPT, GPTConfig
 
-    return GPT(GPTConfig(**_pick(mcfg, GPTConfig)), rngs=nnx.Rngs(seed))
+    return GPT(GPTConfig(**{**_pick(mcfg, GPTConfig), "vocab_size": vocab(mcfg)}),
+               rngs=nnx.Rngs(seed))
 
 
 def _gpt_batches(cfg, model, process_index, process_count) -> Batches:
-    seq = cfg["model"]["seq_len"]
-    train, val = token_batches(cfg, seq, model.config.vocab_size, process_index,
-                               process_count)
+    seq, vocab = cfg["model"]["seq_len"], model.config.vocab_size
+    if own_data(cfg):
+        train, val = own_batches(cfg, seq, vocab, process_index, process_count)
+    else:
+        train, val = token_batches(cfg, seq, vocab, process_index, process_count)
     return Batches(train, val, cfg["data"]["batch_size"] * seq)
+
+
+def own_data(cfg: dict) -> bool:
+    """Whether the job trains on the user's data (``data.path``, ``data.mixture`` or a
+    tokenizer other than bytes) rather than the stdlib corpus in byte windows."""
+    from fiddlejax.data import pipeline
+
+    return pipeline.wanted(cfg["data"], cfg["model"].get("from_pretrained"))
+
+
+def own_batches(cfg: dict, seq_len: int, vocab: int, process_index: int = 0,
+                process_count: int = 1):
+    """(train stream, validation batches) of the user's data, packed (``segment_ids``,
+    ``positions``); the train stream's state records the sources and the tokenizer."""
+    from fiddlejax.data import pipeline, tokenizer
+
+    tok = tokenizer.load(cfg["data"]["tokenizer"], cfg["model"].get("from_pretrained"))
+    fix = vocab_fix(cfg, vocab).replace("The bundled corpus is bytes", "The tokenizer is "
+                                        f"{tok.describe()}")
+    return pipeline.job_batches(cfg["data"], tok, seq_len, vocab, fix, process_index,
+                                process_count)
 
 
 def _gpt_flops(model, batch_size: int) -> float:
@@ -175,7 +209,7 @@ def _llama_build(mcfg: dict, seed: int):
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
         return Llama.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
     return Llama(LlamaConfig(
-        vocab_size=mcfg["vocab_size"], hidden_size=mcfg["d_model"],
+        vocab_size=vocab(mcfg), hidden_size=mcfg["d_model"],
         intermediate_size=mcfg["d_ff"], num_hidden_layers=mcfg["n_layers"],
         num_attention_heads=mcfg["n_heads"], num_key_value_heads=mcfg["n_kv_heads"],
         rope_theta=float(mcfg["rope_theta"]), tie_word_embeddings=mcfg["tie_embeddings"],
@@ -203,7 +237,7 @@ def _bert_build(mcfg: dict, seed: int):
     from .bert import BERT, BERTConfig
 
     fields = _pick(mcfg, BERTConfig)
-    fields["vocab_size"] = mcfg["vocab_size"] + 1  # + [MASK]
+    fields["vocab_size"] = vocab(mcfg) + 1  # + [MASK]
     return BERT(BERTConfig(**fields), rngs=nnx.Rngs(seed))
 
 

@@ -147,7 +147,7 @@ def masked_batches(cfg: dict, model: BERT, process_index: int, process_count: in
     from . import Batches, token_batches
 
     b, seed, seq = cfg["data"]["batch_size"], cfg["data"]["seed"], cfg["model"]["seq_len"]
-    train, val = token_batches(cfg, seq - 1, cfg["model"]["vocab_size"], process_index,
+    train, val = token_batches(cfg, seq - 1, model.config.vocab_size - 1, process_index,
                                process_count)  # windows of seq tokens: no shifted targets
     rows = {"first_row": process_index * (b // process_count), "global_rows": b}
     return Batches(MaskedBatches(train, model.config, seed, **rows),

@@ -91,11 +91,11 @@ class Block(nnx.Module):
     def _drop(self, x: jax.Array) -> jax.Array:
         return self.dropout(x) if self.dropout is not None else x
 
-    def attention(self, x: jax.Array) -> jax.Array:
+    def attention(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
         k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
         v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
-        ctx = attention(q, k, v, causal=self.causal)
+        ctx = attention(q, k, v, causal=self.causal, segment_ids=segment_ids)
         out = jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]) + self.bo[...]
         return checkpoint_name(out, names.ATTN_OUT)
 
@@ -105,29 +105,122 @@ class Block(nnx.Module):
         return checkpoint_name(h @ self.w2[...] + self.b2[...], names.MLP_OUT)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self._drop(self.attention(self.ln1(x)))
-        return x + self._drop(self.mlp(self.ln2(x)))
+        x, side = split_side(x, self.ln1.scale.shape[-1])
+        segments = None if side is None else side_values(side)[0]
+        x = x + self._drop(self.attention(self.ln1(x), segments))
+        return join_side(x + self._drop(self.mlp(self.ln2(x))), side)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
+# -- packed documents: segment ids and positions travel with the activation --------------------
+# A pipeline moves one array between layers and stages, so a packed batch's segment ids and
+# positions ride in the activation as extra channels after the model's width, each value as
+# SIDE_DIGITS base-256 digits: integers below 256 are exact in bfloat16 and float16, so the
+# channels survive any compute dtype. A batch without segment ids adds no channel.
+SIDE_DIGITS = 3  # ids and positions below 256**3 = 16.7M
+SEGMENT_BIAS: bool | None = None  # None: bias on cuDNN, mask on XLA; tests force either
+
+
+def join_side(x: jax.Array, side: jax.Array | None) -> jax.Array:
+    """``x[..., d]`` with the side channels (from :func:`encode_side`) appended."""
+    return x if side is None else jnp.concatenate([x, side.astype(x.dtype)], axis=-1)
+
+
+def split_side(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array | None]:
+    """The model's ``width`` channels and the side channels (None when there are none)."""
+    if x.shape[-1] == width:
+        return x, None
+    return x[..., :width], jax.lax.stop_gradient(x[..., width:])
+
+
+def encode_side(segment_ids: jax.Array, positions: jax.Array, dtype) -> jax.Array:
+    """``[B, T, 2 * SIDE_DIGITS]`` digit channels of ``segment_ids`` and ``positions``."""
+    vals = jnp.stack([segment_ids, positions], axis=-1).astype(jnp.int32)
+    digits = [(vals // 256 ** i) % 256 for i in range(SIDE_DIGITS)]
+    return jnp.concatenate(digits, axis=-1).astype(dtype)
+
+
+def side_values(side: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(segment_ids, positions)``, int32 ``[B, T]``, decoded from the side channels."""
+    d = jnp.round(side.astype(jnp.float32)).astype(jnp.int32)
+    vals = sum(d[..., 2 * i:2 * i + 2] * 256 ** i for i in range(SIDE_DIGITS))
+    return vals[..., 0], vals[..., 1]
+
+
+def positions_of(segment_ids: jax.Array) -> jax.Array:
+    """Positions counting from 0 at each segment's start and each row's start."""
+    t = segment_ids.shape[-1]
+    cols = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return cols - jax.lax.cummax(jnp.where(starts, cols, 0), axis=1)
+
+
+def side_inputs(tokens: jax.Array, segment_ids, positions) -> tuple:
+    """``(segment_ids, positions)`` of a model call, either missing one filled in."""
+    if segment_ids is None and positions is None:
+        return None, None
+    if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    if positions is None:
+        positions = positions_of(segment_ids)
+    return segment_ids, positions
+
+
+def batch_sides(batch: dict) -> tuple:
+    """``(segment_ids, positions)`` of a batch's inputs (``[:, :-1]``), or Nones."""
+    seg, pos = batch.get("segment_ids"), batch.get("positions")
+    return (None if seg is None else seg[:, :-1]), (None if pos is None else pos[:, :-1])
+
+
+def next_token_loss(logits: jax.Array, batch: dict, vocab_size: int):
+    """Next-token cross-entropy against ``tokens[:, 1:]``: the mean for plain windows; for a
+    packed or padded batch (``segment_ids``) the pair ``(sum, count)`` over the targets that
+    continue their input's document (not the token after an EOS, not padding), which
+    fiddlejax reduces exactly over microbatches and replicas."""
+    ce = cross_entropy(logits, batch["tokens"][:, 1:], vocab_size)
+    seg = batch.get("segment_ids")
+    if seg is None:
+        return ce.mean()
+    mask = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    return jnp.sum(jnp.where(mask, ce, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """``[B, 1, T, T]``: query and key in the same segment (causality is added separately)."""
+    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+              segment_ids: jax.Array | None = None, as_bias: bool | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v for ``q[B, T, H, Dh]``, ``k, v[B, S, KV, Dh]``; tagged CONTEXT.
 
     One ``jax.nn.dot_product_attention`` call, so the backend picks the kernel: cuDNN's fused
     flash attention on a GPU for bf16/fp16 inputs, XLA's implementation otherwise (CPU, float32).
     ``KV < H`` is grouped-query attention: query head ``h`` reads KV head ``h // (H // KV)``, as
     Hugging Face's ``repeat_kv`` does; the call broadcasts K/V heads instead of copying them.
+    With ``segment_ids[B, T]`` a query attends only to keys of its own segment: a boolean mask
+    on XLA's path, an additive bias on cuDNN's fused one (``as_bias`` forces either).
     """
     impl = None
     if q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
         impl = "cudnn"
+    kw = {}
+    if segment_ids is not None:  # documents never see each other (fused path: as a bias)
+        mask = segment_mask(segment_ids)
+        if (as_bias if as_bias is not None else SEGMENT_BIAS if SEGMENT_BIAS is not None
+                else impl == "cudnn"):
+            kw["bias"] = jnp.where(mask, 0.0, -1e9 if q.dtype == jnp.float32 else -3e4
+                                   ).astype(q.dtype)
+        else:
+            kw["mask"] = mask
     try:
-        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl, **kw)
     except (ValueError, NotImplementedError, RuntimeError):
         if impl is None:
             raise
         # cuDNN refuses some shapes and GPUs (head_dim, compute capability) while tracing:
         # XLA's implementation computes the same function.
-        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal, **kw)
     return checkpoint_name(ctx, names.CONTEXT)
 
 

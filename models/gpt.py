@@ -5,6 +5,11 @@ Stage declaration (what fiddlejax's layouts build on):
 - ``blocks``: ``n_layers`` identical :class:`~models.common.Block`s stacked on a leading axis;
 - ``head(x)``: final LayerNorm and the vocabulary projection (tied to the embedding if asked);
 - ``loss(logits, batch)``: mean next-token cross-entropy against ``tokens[:, 1:]``.
+
+Packed documents: ``model(tokens, segment_ids=..., positions=...)`` (and batches carrying
+``segment_ids`` / ``positions``, int32 like ``tokens``) embed each token at its position within
+its document, attend only within the document, and the loss is ``(sum, count)`` over the targets
+that continue their document (:func:`~models.common.next_token_loss`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .common import Block, LayerNorm, cross_entropy, param, scan_layers, stacked
+from .common import (
+    Block,
+    LayerNorm,
+    batch_sides,
+    encode_side,
+    join_side,
+    next_token_loss,
+    param,
+    scan_layers,
+    side_inputs,
+    split_side,
+    stacked,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,27 +79,37 @@ class GPT(nnx.Module):
         if not c.tie_embeddings:
             self.lm_head = param(rngs, normal(0.02), (c.d_model, c.vocab_size), ("embed", "vocab"))
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
+    def embed(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+              positions: jax.Array | None = None) -> jax.Array:
+        """Token + position embeddings; with segment ids or positions, the activation also
+        carries them as side channels for the blocks (:func:`~models.common.encode_side`)."""
         t = tokens.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}")
-        return jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:t]
+        x = jnp.take(self.wte[...], tokens, axis=0)
+        segment_ids, positions = side_inputs(tokens, segment_ids, positions)
+        if segment_ids is None:
+            return x + self.wpe[...][:t]
+        x = x + jnp.take(self.wpe[...], positions, axis=0)
+        return join_side(x, encode_side(segment_ids, positions, x.dtype))
 
     def prologue(self, batch: dict) -> jax.Array:
-        return self.embed(batch["tokens"][:, :-1])
+        return self.embed(batch["tokens"][:, :-1], *batch_sides(batch))
 
     def head(self, x: jax.Array) -> jax.Array:
-        x = self.ln_f(x)
+        x = self.ln_f(split_side(x, self.config.d_model)[0])
         if self.config.tie_embeddings:
             return jnp.einsum("btd,vd->btv", x, self.wte[...])
         return x @ self.lm_head[...]
 
-    def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
-        return cross_entropy(logits, batch["tokens"][:, 1:], self.config.vocab_size).mean()
+    def loss(self, logits: jax.Array, batch: dict):
+        return next_token_loss(logits, batch, self.config.vocab_size)
 
     def batch_spec(self, batch_size: int) -> dict:
         return {"tokens": jax.ShapeDtypeStruct((batch_size, self.config.seq_len + 1), jnp.int32)}
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Logits ``[B, T, vocab]`` for ``tokens[B, T]``."""
-        return self.head(scan_layers(self.blocks, self.embed(tokens)))
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Logits ``[B, T, vocab]`` for ``tokens[B, T]``; ``segment_ids`` / ``positions``
+        ``[B, T]`` for packed documents (attention stays within a segment)."""
+        return self.head(scan_layers(self.blocks, self.embed(tokens, segment_ids, positions)))

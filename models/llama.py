@@ -32,7 +32,20 @@ from jax.ad_checkpoint import checkpoint_name
 from fiddlejax.memory import names
 
 from . import hf
-from .common import annotated, attention, cross_entropy, param, scan_layers, stacked
+from .common import (
+    annotated,
+    attention,
+    batch_sides,
+    encode_side,
+    join_side,
+    next_token_loss,
+    param,
+    scan_layers,
+    side_inputs,
+    side_values,
+    split_side,
+    stacked,
+)
 from .hf import (  # the checkpoint helpers' former home: importable from here as before
     INDEX,
     SINGLE,
@@ -178,11 +191,17 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding of ``x[B, T, H, Dh]`` at positions ``0 .. T-1`` (rotate_half pairing)."""
-    pos = jnp.arange(x.shape[1], dtype=jnp.float32)
-    freqs = pos[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+def apply_rope(x: jax.Array, inv_freq: np.ndarray, positions: jax.Array | None = None
+               ) -> jax.Array:
+    """Rotary embedding of ``x[B, T, H, Dh]`` at positions ``0 .. T-1`` (rotate_half pairing),
+    or at ``positions[B, T]`` (packed documents, a KV cache's offset)."""
+    if positions is None:
+        pos = jnp.arange(x.shape[1], dtype=jnp.float32)
+        freqs = pos[:, None] * jnp.asarray(inv_freq)[None, :]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    else:
+        freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -223,12 +242,14 @@ class LlamaBlock(nnx.Module):
         self.w3 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
         self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
 
-    def attention(self, x: jax.Array) -> jax.Array:
+    def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                  positions: jax.Array | None = None) -> jax.Array:
         inv_freq = rope_frequencies(self.config)  # a trace-time constant
         q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
         k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
         v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
-        ctx = attention(apply_rope(q, inv_freq), apply_rope(k, inv_freq), v, causal=True)
+        ctx = attention(apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions),
+                        v, causal=True, segment_ids=segment_ids)
         return checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]), names.ATTN_OUT)
 
     def mlp(self, x: jax.Array) -> jax.Array:
@@ -237,8 +258,10 @@ class LlamaBlock(nnx.Module):
         return checkpoint_name((jax.nn.silu(gate) * up) @ self.w2[...], names.MLP_OUT)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attention(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x, side = split_side(x, self.config.hidden_size)
+        sides = (None, None) if side is None else side_values(side)
+        x = x + self.attention(self.attn_norm(x), *sides)
+        return join_side(x + self.mlp(self.mlp_norm(x)), side)
 
 
 class Llama(nnx.Module):
@@ -254,24 +277,35 @@ class Llama(nnx.Module):
             self.lm_head = param(rngs, normal(0.02), (c.hidden_size, c.vocab_size),
                                  ("embed", "vocab"))
 
+    def embed_tokens(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> jax.Array:
+        """Token embeddings; with segment ids or positions they ride along as side channels
+        (:func:`~models.common.encode_side`) for the blocks' masks and rotary angles."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        segment_ids, positions = side_inputs(tokens, segment_ids, positions)
+        return x if segment_ids is None else join_side(
+            x, encode_side(segment_ids, positions, x.dtype))
+
     def prologue(self, batch: dict) -> jax.Array:
-        return jnp.take(self.embed[...], batch["tokens"][:, :-1], axis=0)
+        return self.embed_tokens(batch["tokens"][:, :-1], *batch_sides(batch))
 
     def head(self, x: jax.Array) -> jax.Array:
-        x = self.norm(x)
+        x = self.norm(split_side(x, self.config.hidden_size)[0])
         if self.config.tie_word_embeddings:
             return jnp.einsum("btd,vd->btv", x, self.embed[...])
         return x @ self.lm_head[...]
 
-    def loss(self, logits: jax.Array, batch: dict) -> jax.Array:
-        return cross_entropy(logits, batch["tokens"][:, 1:], self.config.vocab_size).mean()
+    def loss(self, logits: jax.Array, batch: dict):
+        return next_token_loss(logits, batch, self.config.vocab_size)
 
     def batch_spec(self, batch_size: int) -> dict:
         return {"tokens": jax.ShapeDtypeStruct((batch_size, self.config.seq_len + 1), jnp.int32)}
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Logits ``[B, T, vocab]`` for ``tokens[B, T]``."""
-        x = jnp.take(self.embed[...], tokens, axis=0)
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Logits ``[B, T, vocab]`` for ``tokens[B, T]``; ``segment_ids`` / ``positions``
+        ``[B, T]`` for packed documents (attention stays within a segment)."""
+        x = self.embed_tokens(tokens, segment_ids, positions)
         return self.head(scan_layers(self.blocks, x))
 
     # -- Hugging Face checkpoints (models/hf.py) -----------------------------------------------

@@ -24,8 +24,25 @@ def entry(cfg: dict) -> models.ModelEntry:
     return models.get(cfg["model"]["name"])
 
 
+def resolve_data(cfg: dict) -> None:
+    """Check that ``data:`` fits the model and resolve ``model.vocab_size=auto`` to the
+    tokenizer's size (rounded up to a multiple of ``mesh.tensor``), in ``cfg`` itself, before
+    anything is built; reading the tokenizer may raise a ``DataError`` naming the file."""
+    from fiddlejax.data import pipeline, tokenizer
+
+    m, d = cfg["model"], cfg["data"]
+    if m["name"] not in ("gpt", "llama") and pipeline.wanted(d, m.get("from_pretrained")):
+        raise config_lib.ConfigError(
+            f"data.path, data.mixture and data.tokenizer feed the decoders; model.name="
+            f"{m['name']} trains on its bundled data: use model.name=gpt or llama, or unset them")
+    if m["vocab_size"] == "auto":
+        tok = tokenizer.load(d.get("tokenizer", "auto"), m.get("from_pretrained"))
+        m["vocab_size"] = tokenizer.vocab_size(tok, max(int(cfg["mesh"]["tensor"]), 1))
+
+
 def build_model(mcfg: dict, seed: int):
-    """The model of the config's ``model:`` section, initialized from ``seed``."""
+    """The model of the config's ``model:`` section, initialized from ``seed``
+    (``vocab_size=auto`` without :func:`resolve_data`: the default tokenizer's size)."""
     name = mcfg["name"]
     if mcfg.get("from_pretrained") and name != "llama":
         raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "

@@ -152,6 +152,7 @@ def _start(cfg: dict) -> Job:
             f"train.steps_per_call={per_call} must be 1 when several processes train together; "
             "set train.steps_per_call=1")
     checkpoints.check_directory(cfg)  # a file, read-only or full: refused before anything runs
+    build.resolve_data(cfg)  # data: fits the model; model.vocab_size=auto from the tokenizer
     if is_main:
         print("# resolved config\n" + yaml.safe_dump(cfg, sort_keys=False), flush=True)
     entry = build.entry(cfg)

@@ -1,4 +1,4 @@
-"""Data that ships with every machine, served through grain.
+"""Data that ships with every machine, served through grain (``fiddlejax.data`` re-exports it).
 
 - ``stdlib_corpus``: a byte-level text corpus made of the Python standard library's own source
   files (tests excluded), split into train/validation by file with a stable hash, so the split

@@ -1,0 +1,114 @@
+"""Packed documents are exact: each document's logits in a packed row equal the document run
+alone (GPT and Llama, XLA's mask and the fused path's bias), the packed rows and loss mask are
+what docs/data.md says, and a packed batch trains through every pipeline schedule as on one
+device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fiddlejax as fj
+from fiddlejax.data import packing
+from fiddlejax.models import common
+from fiddlejax.models.gpt import GPT, GPTConfig
+from fiddlejax.models.llama import Llama, LlamaConfig
+from tests.helpers import reference_loss_and_grads, rel_err
+
+V, T = 61, 16
+
+
+def gpt():
+    return GPT(GPTConfig(vocab_size=V, seq_len=T, d_model=32, n_heads=4, n_layers=4, d_ff=64),
+               rngs=nnx.Rngs(0))
+
+
+def llama():
+    return Llama(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             seq_len=T), rngs=nnx.Rngs(0))
+
+
+def two_documents(seed=0, a=7, b=9):
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, V, a).astype(np.int32), rng.integers(1, V, b).astype(np.int32)
+
+
+@pytest.mark.parametrize("make", [gpt, llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("fused", [False, True], ids=["mask", "bias"])
+def test_packed_row_gives_each_document_its_own_logits(make, fused, monkeypatch):
+    monkeypatch.setattr(common, "SEGMENT_BIAS", fused)
+    model = make()
+    d1, d2 = two_documents()
+    row = np.concatenate([d1, d2])[None]
+    seg = np.array([[1] * len(d1) + [2] * len(d2)], np.int32)
+    pos = np.array([list(range(len(d1))) + list(range(len(d2)))], np.int32)
+    packed = np.asarray(model(row, segment_ids=seg, positions=pos))
+    alone1, alone2 = np.asarray(model(d1[None])), np.asarray(model(d2[None]))
+    assert rel_err(packed[0, :len(d1)], alone1[0]) < 1e-5
+    assert rel_err(packed[0, len(d1):], alone2[0]) < 1e-5
+    # positions are derived from the segments when not given
+    derived = np.asarray(model(row, segment_ids=seg))
+    assert rel_err(derived, packed) < 1e-6
+    # without segments the second document would see the first: the test has teeth
+    assert rel_err(np.asarray(model(row))[0, len(d1):], alone2[0]) > 1e-3
+
+
+def test_side_channels_round_trip_in_bfloat16():
+    import jax.numpy as jnp
+
+    seg = jnp.array([[1, 1, 2, 300, 70000]], jnp.int32)
+    pos = jnp.array([[0, 1, 0, 255, 65537]], jnp.int32)
+    got = common.side_values(common.encode_side(seg, pos, jnp.bfloat16))
+    assert np.array_equal(got[0], seg) and np.array_equal(got[1], pos)
+
+
+def test_pack_rows_segments_positions_and_loss_mask():
+    docs = [np.array([5, 6, 0]), np.array([7, 8, 9, 0]), np.array([3, 0])]
+    rows = packing.pack_rows(docs, 4)
+    assert rows["tokens"].tolist() == [[5, 6, 0, 7], [8, 9, 0, 3]]
+    assert rows["segment_ids"].tolist() == [[1, 1, 1, 2], [1, 1, 1, 2]]
+    assert rows["positions"].tolist() == [[0, 1, 2, 0], [0, 1, 2, 0]]
+    # the token after an EOS (a new document) is never a target
+    assert packing.loss_mask(rows["segment_ids"]).tolist() == [[True, True, False]] * 2
+    pad = packing.pack_rows(docs, 4, pack=False)
+    assert pad["tokens"].tolist() == [[5, 6, 0, 0], [7, 8, 9, 0], [3, 0, 0, 0]]
+    assert packing.loss_mask(pad["segment_ids"]).tolist() == [
+        [True, True, False], [True, True, True], [True, False, False]]
+
+
+def packed_batch(rows=8, seed=0):
+    rng = np.random.default_rng(seed)
+    docs = [packing.with_specials(rng.integers(1, V, rng.integers(2, 12)), 0)
+            for _ in range(rows * 4)]
+    out = packing.pack_rows(docs, T + 1)
+    assert len(out["tokens"]) >= rows
+    return {k: v[:rows] for k, v in out.items()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_packed_batch_through_the_pipeline_equals_one_device(schedule):
+    model, batch = llama() if schedule in ("1f1b", "zb-v") else gpt(), packed_batch()
+    virtual = 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
+    plan = fj.Plan(mesh=fj.make_mesh(data=2, pipe=2, tensor=2), schedule=schedule,
+                   microbatches=2, virtual_stages=virtual)
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+    loss, grads = trainer.loss_and_grads(trainer.init(), batch)
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    assert abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+def test_padded_batch_masks_padding_out_of_the_loss():
+    model = gpt()
+    docs = [packing.with_specials(np.arange(1, n), 0) for n in (3, 9, 5, 12)]
+    batch = packing.pack_rows(docs, T + 1, pack=False)
+    total, count = model.loss(model(batch["tokens"][:, :-1]), batch)
+    assert float(count) == sum(n - 1 for n in (3, 9, 5, 12))  # ids and EOS after the first
+    rng = np.random.default_rng(1)
+    noisy = dict(batch, tokens=np.where(batch["segment_ids"] > 0, batch["tokens"],
+                                        rng.integers(1, V, batch["tokens"].shape)))
+    assert jax.numpy.allclose(model.loss(model(noisy["tokens"][:, :-1]), noisy)[0], total)
