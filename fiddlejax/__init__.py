@@ -15,6 +15,7 @@ _EXPORTS = {
     "TrainState": "fiddlejax.state",
     "parallelize": "fiddlejax.train",
     "mean_loss": "fiddlejax.staged",
+    "next_token": "fiddlejax.staged",
     "split_model": "fiddlejax.split",
     "CheckpointManager": "fiddlejax.checkpoint",
     "stale_correction": "fiddlejax.pipeline.staleness",

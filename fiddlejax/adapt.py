@@ -19,8 +19,9 @@ repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attri
   shortest repeating unit (5 local + 1 global: units of 6 blocks), or refused with an error that
   names the differing attribute.
 
-The model is called with the batch entries named like parameters of its ``__call__`` (plus
-``tokens[:, :-1]`` first for a next-token batch of ``tokens``), and with None for a required
+The model is called with the batch entries named like parameters of its ``__call__`` (those a
+next-token model or loss declares shifted, :func:`~fiddlejax.staged.next_token`, as
+``x[:, :-1]``; never implied by a key's name), and with None for a required
 parameter typed optional that the batch lacks (``cache: Cache | None``: a training forward has no
 KV cache); the loss gets its outputs and the whole batch. One shapes-only trace per batch shape
 checks that the split is faithful: each block called once, in order, back to back, every block
@@ -40,7 +41,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fiddlejax import sharding
+from fiddlejax import dropout, sharding
 from fiddlejax.blocks import (
     block_keys,
     check_params_only,
@@ -49,8 +50,8 @@ from fiddlejax.blocks import (
     stack_params,
     unstack_params,
 )
-from fiddlejax.side_inputs import activation, pack, unpack
-from fiddlejax.staged import Loss, StagedModel, as_weighted, check_dropout, unpad_outputs
+from fiddlejax.side_inputs import activation, constant_leaves, counted, keys_of, pack, unpack
+from fiddlejax.staged import Loss, StagedModel, as_weighted, unpad_outputs
 from fiddlejax.standins import Stop, acting, check_log, depends, without_blocks
 
 
@@ -67,7 +68,11 @@ class AdaptedModel(StagedModel):
     callsite: str = ""
     call_names: tuple = ()             # parameter names of the model's __call__, in order
     call_nones: frozenset = frozenset()  # required ones typed optional: None if not given
-    checked: dict = dataclasses.field(default_factory=dict)  # batch shapes -> block output def
+    shift: tuple = ()                  # batch keys the model gets as x[:, :-1] (next token)
+    dropout: bool = False              # a dropout rate above 0: keys per (step, example, layer)
+    dropout_base: Any = None           # key data every dropout key is folded from
+    # batch shapes -> (a block output's treedef, the constant side inputs {index: value})
+    checked: dict = dataclasses.field(default_factory=dict)
 
     # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) -----------
     def to_staged(self, params: nnx.State) -> nnx.State:
@@ -87,33 +92,37 @@ class AdaptedModel(StagedModel):
         return nnx.merge(self.graphdef, outer, self.rest, copy=True)
 
     def _call(self, model: nnx.Module, batch: dict) -> Any:
-        """The model on a batch: ``tokens[:, :-1]`` for next-token batches, and every batch
-        entry named like a parameter of ``__call__`` as that keyword (None for the required
-        optional ones the batch lacks, as a training script passes ``cache=None``)."""
-        kwargs = {k: v for k, v in batch.items() if k in self.call_names and k != "tokens"}
-        skip = set(batch) | (set(self.call_names[:1]) if "tokens" in batch else set())
+        """The model on a batch: every batch entry named like a parameter of ``__call__`` as
+        that keyword (None for the required optional ones the batch lacks, as a training script
+        passes ``cache=None``); the declared ``shift`` keys as ``x[:, :-1]``, the first
+        positional argument when no parameter has their name."""
+        batch = {k: v[:, :-1] if k in self.shift else v for k, v in batch.items()}
+        kwargs = {k: v for k, v in batch.items() if k in self.call_names}
+        first = [batch[k] for k in self.shift if k not in self.call_names][:1]
+        skip = set(kwargs) | (set(self.call_names[:1]) if first else set())
         defaults = {k: None for k in self.call_nones - skip}
-        if "tokens" in batch:
-            return model(batch["tokens"][:, :-1], **defaults, **kwargs)
-        if kwargs:
-            return model(**defaults, **kwargs)
+        if kwargs or first:
+            return model(*first, **defaults, **kwargs)
         raise KeyError(
             f"the batch has keys {sorted(batch)}, none of them a parameter of "
             f"{self.callsite.split('.')[0]}.__call__ {sorted(self.call_names)}: fiddlejax calls "
-            "an adapted model with the batch entries named like its parameters (or with "
-            "tokens[:, :-1] for a batch of 'tokens'); rename the batch keys")
+            "an adapted model with the batch entries named like its parameters; rename the "
+            "batch keys (or declare next-token inputs: loss=fj.next_token(loss_fn, key))")
 
     def prologue(self, params: nnx.State, batch: dict) -> jax.Array:
         """Runs the model's ``__call__`` up to its first block: the packed message."""
         if _shape_key(batch) not in self.checked:
             self._check_split(params, batch)
-        args, kwargs = self._first_call(self._outer(params), batch)
-        return pack(args[0], args[1:], kwargs, self.sides, self.callsite)
+        keys = dropout.example_keys(self.dropout_base, batch) if self.dropout else None
+        with dropout.keys(keys, -1):  # the prologue's dropouts are "layer" -1
+            args, kwargs = self._first_call(self._outer(params), batch)
+        return pack(args[0], args[1:], kwargs, self.sides, self.callsite,
+                    self.checked[_shape_key(batch)][1], keys)
 
     def _first_call(self, model: nnx.Module, batch: dict) -> tuple[tuple, dict]:
         with acting("prologue"):
             try:
-                self._call(model, batch)
+                self._call(model, dropout.without_indices(batch))
             except Stop as stop:
                 return stop.args_, stop.kwargs_
         raise ValueError(f"{self.callsite}: the model's __call__ never called these blocks; "
@@ -123,20 +132,24 @@ class AdaptedModel(StagedModel):
         """One stacked unit of blocks on the packed message."""
         side = self.sides[x.shape[1:]]
         h, args, kwargs = unpack(x, side)
+        keys, count = keys_of(x, side)
         for j, gd in enumerate(self.unit_graphdefs):
             p = layer_params[j] if self.unit > 1 else layer_params
             block = nnx.merge(gd, p, self.unit_rest[j], copy=True)
-            h = activation(block(h, *args, **kwargs))
+            with dropout.keys(keys, None if count is None else count * self.unit + j):
+                h = activation(block(h, *args, **kwargs))
         n = math.prod(side.x_shape)
-        return x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype))
+        return counted(x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype)), side, 1)
 
     def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
         """Runs the model's ``__call__`` after its blocks on the stack's output, then the loss."""
         side = self.sides[x.shape[1:]]
         h, _, _ = unpack(x, side)
-        with acting("epilogue", h, self.checked[_shape_key(batch)]):
-            outputs = self._call(self._outer(params), batch)
+        keys = keys_of(x, side)[0]
+        with acting("epilogue", h, self.checked[_shape_key(batch)][0]), dropout.keys(keys, -2):
+            outputs = self._call(self._outer(params), dropout.without_indices(batch))
         outputs = unpad_outputs(outputs, self.vocab_pads)
+        batch = dropout.without_indices(batch)
         return as_weighted(self.loss_fn(outputs, batch), self.loss_fn)
 
     # -- checks, once per batch shape: the forward splits as assumed --------------------------
@@ -148,7 +161,7 @@ class AdaptedModel(StagedModel):
         flat = dict(nnx.to_flat_state(self.template))
         blocks = [nnx.from_flat_state([(p[len(key):], _abstract(v)) for p, v in flat.items()
                                        if p[: len(key)] == key]) for key in self.block_keys]
-        b = _abstract(batch)
+        b = _abstract(dropout.without_indices(batch))
         info = {}
 
         def record(o, bps, bt):
@@ -157,8 +170,8 @@ class AdaptedModel(StagedModel):
                               self.unit_rest[i % self.unit], copy=True)
                     for i, bp in enumerate(bps)]
             log = []
-            with acting("record", real, log):
-                self._call(model, bt)
+            with acting("record", real, log), dropout.keys(None, 0):  # eval: shapes only
+                self._call_checked(model, bt)
             info["out"] = check_log(log, len(self.block_keys), self.callsite)
 
         jax.eval_shape(record, outer, blocks, b)
@@ -167,14 +180,34 @@ class AdaptedModel(StagedModel):
             args, kwargs = self._first_call(nnx.merge(self.graphdef, o, self.rest, copy=True), bt)
             return [a for a in jax.tree.leaves((args[1:], kwargs)) if isinstance(a, jax.Array)]
 
-        closed = jax.make_jaxpr(side_inputs)(outer, b)
+        with dropout.keys(None, 0):
+            closed = jax.make_jaxpr(side_inputs)(outer, b)
+        consts = constant_leaves(closed)  # rotary tables, causal masks: handed over whole
         if any(depends(closed.jaxpr, len(jax.tree.leaves(outer)))):
             raise ValueError(
                 f"{self.callsite}: a side input the blocks receive is computed from the "
                 "parameters (an encoder output for cross-attention?); fiddlejax carries side "
                 "inputs without gradients, so it must depend on the batch only. Name the "
                 "blocks whose extra inputs come from the batch")
-        self.checked[_shape_key(batch)] = info["out"]
+        self.checked[_shape_key(batch)] = (info["out"], consts)
+
+    def _call_checked(self, model: nnx.Module, batch: dict) -> Any:
+        """:meth:`_call`, a shape error from inside the model turned into one that names the
+        batch, what the model was given and how to declare next-token inputs."""
+        try:
+            return self._call(model, batch)
+        except (TypeError, ValueError) as e:
+            if "fiddlejax" in str(e):
+                raise
+            shapes = {k: tuple(np.shape(v)) for k, v in batch.items()}
+            given = (f"the keys {sorted(self.shift)} shifted to x[:, :-1] (next token)"
+                     if self.shift else "every entry whole (no key is shifted unless declared: "
+                     "loss=fj.next_token(loss_fn, key) or a model attribute "
+                     "shift_inputs = (key,))")
+            raise ValueError(
+                f"{self.callsite}: the model's __call__ fails on a batch shaped {shapes}, "
+                f"given {given}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. Give "
+                "batch entries of the shapes the model takes") from e
 
 
 def _abstract(tree: Any) -> Any:
@@ -202,12 +235,12 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     """Split an unmodified ``model`` around the blocks at ``layers``; returns the staged model
     and the model's own (canonical) parameter tree."""
     name = type(model).__name__
+    shift = tuple(getattr(loss_fn, "shift_inputs", ()) or getattr(model, "shift_inputs", ()))
     if loss_fn is None:
         if not callable(getattr(model, "loss", None)):
             raise TypeError(f"{name} has no loss(outputs, batch); pass parallelize(..., loss=fn) "
                             "with fn(outputs, batch) -> scalar mean or (sum, weight)")
         loss_fn = type(model).loss.__get__(model)
-    check_dropout(model)
     params = [p for p in inspect.signature(type(model).__call__).parameters.values()
               if p.name != "self"]
     _, attr, keys, blocks = find_blocks(model, layers)
@@ -230,8 +263,10 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
         block_keys=block_keys(layers, attr, keys), template=_abstract(canonical),
         callsite=f"{name}.{layers}",
-        call_names=tuple(p.name for p in params), call_nones=_required_optional(params))
+        call_names=tuple(p.name for p in params), call_nones=_required_optional(params),
+        shift=shift, dropout=bool(dropout.rates(model)),
+        dropout_base=np.asarray(dropout.base_key(model)))
     return staged, canonical
 
 
-__all__ = ["AdaptedModel", "adapt", "check_dropout"]
+__all__ = ["AdaptedModel", "adapt"]

@@ -153,51 +153,78 @@ def name_stack(model: nnx.Module, stack: str) -> None:
 
 
 # Fused projections (q, k and v side by side) are left replicated: splitting their output over
-# `tensor` would cut across the q/k/v boundaries, and re-splitting needs collective-permutes.
-_FUSED = ("qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "attn_qkv")
+# `tensor` would cut across the q/k/v boundaries (d, 2d are not shard boundaries), which GSPMD
+# reshards with collective-permutes; so is their attention's output projection, whose split
+# would propagate back into the fused split.
+_FUSED = ("qkv", "c_attn", "wqkv", "qkv_proj", "in_proj", "attn_qkv", "query_key_value")
 _COLUMN = ("q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "up", "gate",
-           "wi", "wi_0", "wi_1", "fc1", "c_fc", "c_attn", "linear1", "q_proj", "k_proj",
-           "v_proj", "up_proj", "gate_proj", "w1", "w3")
-_ROW = ("o", "out", "wo", "proj", "down", "fc2", "c_proj", "linear2", "o_proj", "down_proj",
-        "out_proj", "dense", "w2")
+           "wi", "wi_0", "wi_1", "fc1", "c_fc", "linear1", "q_proj", "k_proj",
+           "v_proj", "up_proj", "gate_proj", "w1", "w3", "intermediate", "fc_in")
+_ROW = ("o", "out", "output", "wo", "proj", "down", "fc2", "c_proj", "linear2", "o_proj",
+        "down_proj", "out_proj", "dense", "w2", "fc_out")
+
+
+def _width(flat: list) -> tuple[int | None, int | None]:
+    """(vocabulary, model width): from a 2-D ``embedding`` when there is one, else the width is
+    the dimension the blocks' projections share most (every q/k/v/o, up/down kernel has it)."""
+    embeds = [v.shape for p, v in flat if p[-1] == "embedding" and v.ndim == 2]
+    if embeds:
+        return max(embeds)
+    counts: dict[int, int] = {}
+    for p, v in flat:
+        if p[-1] == "kernel" and v.ndim in (2, 3):
+            for dim in {v.shape[0], v.shape[-1]}:
+                counts[dim] = counts.get(dim, 0) + 1
+    if not counts:
+        return None, None
+    return None, max(counts, key=lambda dim: (counts[dim], dim))
+
+
+def _kernel_names(p: tuple, s: tuple, vocab: int | None, d: int, fused: set) -> tuple | None:
+    """Megatron names for one kernel of shape ``s`` at path ``p`` (None: replicated)."""
+    leaf, owner = p[-1], p[-2] if len(p) > 1 else ""
+    if leaf != "kernel" or owner in _FUSED or (owner in _ROW and p[:-2] in fused):
+        return None
+    if len(s) == 2 and d in s:
+        other = s[1] if s[0] == d else s[0]
+        if vocab is None and owner not in _COLUMN + _ROW and other % d:
+            return None  # no vocabulary: a classifier's (d, classes) stays whole
+        if s[0] == d and vocab is not None and s[1] == vocab:
+            return ("embed", "vocab")
+        if s[0] == d and (s[1] != d or owner in _COLUMN):
+            return ("embed", "mlp")
+        if s[1] == d and (s[0] != d or owner in _ROW):
+            return ("mlp", "embed")
+    elif len(s) == 3 and s[0] == d:
+        return ("embed", "heads", "head_dim")
+    elif len(s) == 3 and s[2] == d:
+        return ("heads", "head_dim", "embed")
+    return None
 
 
 def infer_names(model: nnx.Module) -> dict[str, tuple]:
     """Logical names for a model that has none, from its parameters' shapes and names
-    (Megatron's layout): the vocabulary embedding ``(vocab, embed)``; kernels into a wider or a
-    ``q/k/v/up`` dimension column-parallel ``(embed, mlp)``; kernels back to the model width
-    row-parallel ``(mlp, embed)``; attention kernels ``[embed, heads, head_dim]`` split on heads;
-    the output projection to the vocabulary on ``vocab``; biases like their kernel's output;
-    norms and anything else replicated. Writes the names into the model's variables (as
-    :func:`annotate` does), warns with what it inferred and returns ``{path: names}``."""
+    (Megatron's layout). The model width is the vocabulary embedding's, or else the dimension
+    the blocks' projections share; kernels into a wider or a ``q/k/v/up/gate`` dimension are
+    column-parallel ``(embed, mlp)``; kernels back to the width (``o/out/down/proj``)
+    row-parallel ``(mlp, embed)``; attention kernels ``[embed, heads, head_dim]`` split on
+    heads; the vocabulary embedding and projection on ``vocab``; biases like their kernel's
+    output; fused q/k/v kernels (and their output projection), norms and everything else
+    replicated. Writes the names into the model's variables (as :func:`annotate` does), warns
+    with what it split and how, and returns ``{path: names}``."""
     flat = [(tuple(str(k) for k in p), v)
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     if any(any(n is not None for n in _names(v)) for _, v in flat):
         return {}  # annotated: the model's names stand
-    embeds = [v.shape for p, v in flat if p[-1] == "embedding" and v.ndim == 2]
-    if not embeds:
+    vocab, d = _width(flat)
+    if d is None:
         return {}
-    vocab, d = max(embeds)
+    fused = {p[:-2] for p, _ in flat if len(p) > 1 and p[-2] in _FUSED}
     named: dict[tuple, tuple] = {}
     for p, v in flat:
-        s, leaf, owner = tuple(v.shape), p[-1], p[-2] if len(p) > 1 else ""
-        names = None
-        if owner in _FUSED:
-            continue
-        if leaf == "embedding" and s == (vocab, d):
-            names = ("vocab", "embed")
-        elif leaf == "kernel" and v.ndim == 2 and d in s:
-            if s[0] == d and s[1] == vocab:
-                names = ("embed", "vocab")
-            elif s[0] == d and (s[1] != d or owner in _COLUMN):
-                names = ("embed", "mlp")
-            elif s[1] == d and (s[0] != d or owner in _ROW):
-                names = ("mlp", "embed")
-        elif leaf == "kernel" and v.ndim == 3 and s[0] == d:
-            names = ("embed", "heads", "head_dim")
-        elif leaf == "kernel" and v.ndim == 3 and s[2] == d:
-            names = ("heads", "head_dim", "embed")
-        if names:
+        if p[-1] == "embedding" and vocab is not None and tuple(v.shape) == (vocab, d):
+            named[p] = ("vocab", "embed")
+        elif (names := _kernel_names(p, tuple(v.shape), vocab, d, fused)) is not None:
             named[p] = names
     for p, v in flat:  # biases follow their kernel's output dimensions
         kernel = named.get((*p[:-1], "kernel"))
@@ -207,14 +234,35 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
         if p in named:
             v.set_metadata(out_sharding=named[p])
     out = {"/".join(p): n for p, n in named.items()}
-    if out:
-        shown = ", ".join(f"{p}: {n}" for p, n in list(out.items())[:6])
-        warnings.warn(
-            f"{type(model).__name__} has no sharding names; fiddlejax inferred tensor-parallel "
-            f"names for {len(out)} of {len(flat)} parameters ({shown}"
-            f"{', ...' if len(out) > 6 else ''}); the rest are replicated. Override with "
-            "fj.sharding.annotate(model, {regex: names})", stacklevel=4)
+    warnings.warn(f"{type(model).__name__} has no sharding names; fiddlejax inferred them "
+                  f"(model width {d}): {describe_split(out, len(flat))}. Override with "
+                  "fj.sharding.annotate(model, {regex: names})", stacklevel=4)
     return out
+
+
+_HOW = {"mlp": "column-parallel", "heads": "split over heads", "vocab": "vocabulary-parallel"}
+
+
+def describe_split(named: Mapping[str, tuple], total: int) -> str:
+    """One line: which parameters are split and how, paths with their list indices as ``*``
+    (``blocks/*/attn/query/kernel``), and how many stay replicated."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for path, names in named.items():
+        first = next((n for n in names if n in _HOW), None)
+        if first is None or path.endswith("bias"):
+            continue
+        how = ("row-parallel" if first == "mlp" and names.index("mlp") == 0 and len(names) == 2
+               else _HOW[first])
+        short = re.sub(r"(^|/)\d+(?=/|$)", r"\1*", path)
+        if short not in groups.setdefault(f"{how} {names}", []):
+            groups[f"{how} {names}"].append(short)
+    split = sum(1 for names in named.values() if any(n in _HOW for n in names))
+    if not groups:
+        return f"none of its {total} parameters is split over `tensor`"
+    parts = "; ".join(f"{how}: {', '.join(paths)}" for how, paths in groups.items())
+    return f"{split} of {total} parameters split over `tensor` ({parts}); the rest replicated"
 
 
 def tensor_unused(spec_tree: Any, tensor: int, model_name: str, stacklevel: int = 3) -> None:

@@ -144,6 +144,21 @@ def unpad_outputs(outputs: Any, vocab_pads: tuple[tuple[int, int], ...]) -> Any:
     return jax.tree.map(cut, outputs)
 
 
+def next_token(loss_fn: Loss, *keys: str) -> Loss:
+    """``loss_fn`` declaring next-token inputs: an adapted model gets ``batch[key][:, :-1]``
+    for each of ``keys`` (default ``"tokens"``) while the loss sees the whole batch (its
+    targets ``batch[key][:, 1:]``). Nothing is shifted unless a loss (or the model, with a
+    ``shift_inputs = (key, ...)`` attribute) declares it."""
+    import functools
+
+    @functools.wraps(loss_fn)
+    def loss(outputs, batch):
+        return loss_fn(outputs, batch)
+
+    loss.shift_inputs = keys or ("tokens",)
+    return loss
+
+
 def check_dropout(model: nnx.Module) -> None:
     """Refuse dropout > 0 (fiddlejax runs deterministic models); rate-0 RNG streams are fine."""
     for path, m in nnx.iter_graph(model):

@@ -9,8 +9,11 @@ every output before a loss sees it (``staged.unpad_outputs``), so it never chang
 from __future__ import annotations
 
 import dataclasses
+import logging
 
+import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from fiddlejax import layout, sharding
 from fiddlejax.plan import Plan
@@ -38,4 +41,24 @@ def param_specs(internal: nnx.State, plan: Plan, pipeline, model_name: str) -> n
     # the warning points at the user's parallelize() call: tensor_unused, param_specs, lay_out,
     # Trainer.__init__, parallelize, the caller
     sharding.tensor_unused(specs, plan.tensor, model_name, stacklevel=6)
+    if plan.tensor > 1:
+        logging.getLogger("fiddlejax").info("%s on tensor=%d: %s", model_name, plan.tensor,
+                                            split_summary(specs))
     return specs
+
+
+def split_summary(specs: nnx.State) -> str:
+    """Which parameters ``specs`` split over ``tensor``, and on which dimension: one line."""
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    named = {}
+    for path, spec in flat:
+        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        dims = [i for i, a in enumerate(spec)
+                if a == "tensor" or (isinstance(a, tuple) and "tensor" in a)]
+        if dims:
+            named["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = dims
+    if not named:
+        return f"none of its {len(flat)} parameters is split over `tensor`"
+    shown = ", ".join(f"{p} (dim {d[0]})" for p, d in list(named.items())[:8])
+    return (f"{len(named)} of {len(flat)} parameters split over `tensor`: {shown}"
+            f"{', ...' if len(named) > 8 else ''}")

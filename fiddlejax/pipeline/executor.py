@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax.compute import grad_dtype
+from fiddlejax.pipeline import lockstep as lockstep_lib
 from fiddlejax.pipeline import stage as stage_lib
 from fiddlejax.pipeline import tables as tb
 
@@ -203,12 +204,14 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     ends = Ends(s, shard, microbatches(batch, steps * m), vary_data)
     act = ends.prologue(ends.outer(0), 0)  # its shape (the trace is dead code)
     layer = remat(s.layer)
+    # collectives inside a layer that every device must reach: run the loops in lockstep
+    lockstep = lockstep_lib.needs_lockstep(pipeline, layer, versions[0], act)
 
-    def stage_program(f, n_in: int):
-        """``f`` on each stage's slice ``[1, ...]`` of its first ``n_in`` arguments (the rest
-        replicated)."""
+    def stage_program(f, n_in: int, n_rest: int = 2):
+        """``f`` on each stage's slice ``[1, ...]`` of its first ``n_in`` arguments (the
+        ``n_rest`` others replicated)."""
         return jax.shard_map(f, mesh=mesh, in_specs=(P("pipe"),) * n_in
-                             + (P(),) * 2, out_specs=P("pipe"), axis_names={"pipe"})
+                             + (P(),) * n_rest, out_specs=P("pipe"), axis_names={"pipe"})
 
     def stage_layers(local: list) -> stage_lib.Layers:
         example = jax.tree.unflatten(shard.stack_def, [vary(stage_lib.read_at(
@@ -222,16 +225,18 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
 
     def make_tick():
         """A fresh scan body over the current weights (2BW replaces them between steps)."""
-        def stage_tick(buf: Local, row, local: list, x0, dy):
-            return local_tick(buf, row, local, shard, stage_layers(local),
-                              vary(x0), vary(dy), pipeline.p, split, tables.trash, vary)
+        def stage_tick(buf: Local, row, local: list, x0, dy, trips):
+            return local_tick(buf, row, local, shard, stage_layers(local), vary(x0), vary(dy),
+                              pipeline.p, split, tables.trash, vary,
+                              trips if lockstep else None)
 
-        stages = stage_program(stage_tick, 3)
+        stages = stage_program(stage_tick, 3, 3)
 
         def tick(c: Carry, xs):
             rows, e = xs
             e = tb.Edge(*e)
-            local, msg = stages(c.local, rows, shard.local, ends.embed(e, act), c.dy)
+            trips = stage_lib.lockstep_trips(rows) if lockstep else jnp.zeros((4,), jnp.int32)
+            local, msg = stages(c.local, rows, shard.local, ends.embed(e, act), c.dy, trips)
             return ends.after(c._replace(local=local), e, msg, first, last), None
 
         return tick
@@ -247,9 +252,10 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
 
 
 def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage_lib.Layers,
-               x0, dy, p: int, split: bool, trash: int, vary: Callable):
+               x0, dy, p: int, split: bool, trash: int, vary: Callable, lockstep=None):
     """One stage's tick: deliver the head's cotangent, run the row's action on its input, pass
-    the message to the neighbours. Returns (buffers, message)."""
+    the message to the neighbours (``lockstep``: see ``stage.tick``). Returns (buffers,
+    message)."""
     read_at, write_at = stage_lib.read_at, stage_lib.write_at
     row = tb.Row(*row[0])
     inbox = write_at(buf.inbox, (0, buf.seed[0]), dy)  # the head's cotangent from last tick
@@ -262,7 +268,8 @@ def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage
         return jax.tree.unflatten(shard.stack_def, [vary(read_at(a, (*at, i))) for a in local])
 
     bufs, msg = stage_lib.tick(layers, params, stage_lib.Buffers(buf.stash, buf.g_local,
-                                                                 buf.wdy), row, at, x, split, vary)
+                                                                 buf.wdy), row, at, x, split, vary,
+                                 lockstep)
     msg = msg.astype(inbox.dtype)
     if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
         inbox = write_at(inbox, (0, row.from_prev),

@@ -99,19 +99,30 @@ def add_at(buf, idx: tuple, x):
 
 
 def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: tuple, x,
-         split: bool, vary: Callable) -> tuple[Buffers, jax.Array]:
+         split: bool, vary: Callable, lockstep: Any = None) -> tuple[Buffers, jax.Array]:
     """One stage's action for ``row`` on input ``x`` (an activation for F, a cotangent for
     B and I). ``params(i)`` is layer ``i`` of the row's chunk and version, ``grad_at`` that
     chunk's index in the accumulators. Returns the updated buffers and the tick's message (F's
-    output or the input cotangent of B and I)."""
+    output or the input cotangent of B and I).
+
+    ``lockstep``: None, or the tick's trip counts per loop ``[forward, whole, input, weight]``,
+    the same on every stage (:mod:`fiddlejax.pipeline.lockstep`): every stage then runs every
+    loop that any stage runs this tick, and keeps only its own action's results, so that each
+    collective inside a layer is reached by every device."""
     n, b = row.layers, row.branch
     forward = (b == tb.F_MID) | (b == tb.F_FIRST) | (b == tb.F_LAST) | (b == tb.F_ONLY)
     whole = (b == tb.B_MID) | (b == tb.B_FIRST)
     inputs = (b == tb.I_MID) | (b == tb.I_FIRST)
     slot = (0, row.stash)
 
-    def trips(on):
-        return jnp.where(on, n, 0)
+    def trips(on, kind):
+        return jnp.where(on, n, 0) if lockstep is None else lockstep[kind]
+
+    def keep(on, k, new, old):  # a lockstep loop keeps its results only where the row acts
+        if lockstep is None:
+            return new
+        live = on & (k < n)
+        return jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)
 
     def res_of(stash, i):  # a layer's residuals, unpacked to their dtypes
         return [_unpack(read_at(s, (*slot, i)), r.dtype)
@@ -119,38 +130,58 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
 
     def fwd(i, c):
         h, stash = c
-        h, res = layers.forward(params(i), h)
-        return vary(h), [write_at(s, (*slot, i), _pack(r)) for s, r in zip(stash, res)]
+        out, res = layers.forward(params(i), h)
+        res = keep(forward, i, [_pack(r) for r in res],
+                   [read_at(s, (*slot, i)) for s in stash] if lockstep is not None else None)
+        return (vary(keep(forward, i, out, h)),
+                [write_at(s, (*slot, i), r) for s, r in zip(stash, res)])
 
-    h, stash = jax.lax.fori_loop(0, trips(forward), fwd, (x, buf.stash))
+    h, stash = jax.lax.fori_loop(0, trips(forward, 0), fwd, (x, buf.stash))
 
-    def add_grads(grad, i, dlp):  # into the accumulator the optimizer reads, in place
-        return [add_at(g, (*grad_at, i), d) for g, d in zip(grad, jax.tree.leaves(dlp))]
+    def add_grads(on, k, grad, i, dlp):  # into the accumulator the optimizer reads, in place
+        dlp = jax.tree.leaves(dlp)
+        if lockstep is not None:
+            dlp = keep(on, k, dlp, [jnp.zeros_like(d) for d in dlp])
+        return [add_at(g, (*grad_at, i), d) for g, d in zip(grad, dlp)]
 
     dx, grad, wdy = x, buf.grad, buf.wdy
     if not split:
         def bwd(k, c):  # B: layers in reverse, each layer's weight gradient added in place
             dh, grad = c
-            i = n - 1 - k
-            dlp, dh = layers.vjp(params(i), res_of(stash, i))(dh)
-            return vary(dh), add_grads(grad, i, dlp)
+            i = jnp.maximum(n - 1 - k, 0)
+            dlp, dh_new = layers.vjp(params(i), res_of(stash, i))(dh)
+            return vary(keep(whole, k, dh_new, dh)), add_grads(whole, k, grad, i, dlp)
 
-        dx, grad = jax.lax.fori_loop(0, trips(whole), bwd, (x, grad))
+        dx, grad = jax.lax.fori_loop(0, trips(whole, 1), bwd, (x, grad))
     else:
         def inp(k, c):  # I: the input-gradient chain, keeping each layer's output cotangent
             dh, wdy = c
-            i = n - 1 - k
-            wdy = write_at(wdy, (0, row.wdy, i), dh)
-            return vary(layers.vjp(params(i), res_of(stash, i))(dh)[1]), wdy
+            i = jnp.maximum(n - 1 - k, 0)
+            wdy = write_at(wdy, (0, row.wdy, i),
+                           keep(inputs, k, dh, read_at(wdy, (0, row.wdy, i))))
+            dh_new = layers.vjp(params(i), res_of(stash, i))(dh)[1]
+            return vary(keep(inputs, k, dh_new, dh)), wdy
 
-        dx, wdy = jax.lax.fori_loop(0, trips(inputs), inp, (dx, wdy))
+        dx, wdy = jax.lax.fori_loop(0, trips(inputs, 2), inp, (dx, wdy))
 
         def wgt(i, grad):  # W: each layer's weight gradient from the cotangent I kept
-            return add_grads(grad, i, layers.vjp(params(i), res_of(stash, i))(
+            return add_grads(b == tb.W, i, grad, i, layers.vjp(params(i), res_of(stash, i))(
                 read_at(wdy, (0, row.wdy, i)))[0])
 
-        grad = jax.lax.fori_loop(0, trips(b == tb.W), wgt, grad)
+        grad = jax.lax.fori_loop(0, trips(b == tb.W, 3), wgt, grad)
     return Buffers(stash, grad, wdy), jnp.where(forward, h, dx)
 
 
-__all__ = ["Buffers", "Layers", "add_at", "read_at", "storage_dtype", "tick", "write_at"]
+def lockstep_trips(rows) -> jax.Array:
+    """Per tick, ``[forward, whole, input, weight]`` loop trips that every stage runs in
+    lockstep: the most layers any stage's row asks of that loop (``rows``: ``[p, fields]``)."""
+    r = tb.Row(*(rows[:, k] for k in range(rows.shape[1])))
+    b = r.branch
+    kinds = [(b == tb.F_MID) | (b == tb.F_FIRST) | (b == tb.F_LAST) | (b == tb.F_ONLY),
+             (b == tb.B_MID) | (b == tb.B_FIRST), (b == tb.I_MID) | (b == tb.I_FIRST),
+             b == tb.W]
+    return jnp.stack([jnp.max(jnp.where(on, r.layers, 0)) for on in kinds])
+
+
+__all__ = ["Buffers", "Layers", "add_at", "lockstep_trips", "read_at", "storage_dtype", "tick",
+           "write_at"]
