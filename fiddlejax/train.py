@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from fiddlejax import batches, canonical, checks, measure, remat, staged
+from fiddlejax import batches, canonical, checks, dropout, measure, remat, staged
 from fiddlejax.parallel import compose, data
 from fiddlejax.parallel.exchange import Program
 from fiddlejax.plan import Plan
@@ -53,10 +53,11 @@ class Trainer:
         shardings = (self.state_shardings, None)
         self._step = jax.jit(self._step_impl, in_shardings=shardings, out_shardings=shardings,
                              donate_argnums=0)
-        self._steps = jax.jit(lambda s, b: lay.stepper.steps(self._program(), s, b),
+        self._steps = jax.jit(lambda s, b: lay.stepper.steps(self._program(), s,
+                                                             self._indexed(b, s.step, steps=True)),
                               in_shardings=shardings, out_shardings=shardings, donate_argnums=0)
-        self._loss_and_grads = jax.jit(
-            lambda s, b: _canonical_grads(lay, self._program().loss_and_grads(s.params, b)))
+        self._loss_and_grads = jax.jit(lambda s, b: _canonical_grads(
+            lay, self._program().loss_and_grads(s.params, self._indexed(b, s.step))))
         self._loss = jax.jit(lambda s, b: data.loss(lay, self._remat, s.params, b))
         self._to_canonical = jax.jit(lay.to_canonical)
 
@@ -80,7 +81,17 @@ class Trainer:
         return Program(self.layout, self._remat, self.optimizer)
 
     def _step_impl(self, state: TrainState, batch: dict):
-        return self.layout.stepper.step(self._program(), state, batch)
+        return self.layout.stepper.step(self._program(), state, self._indexed(batch, state.step))
+
+    def _indexed(self, batch: dict, step, steps: bool = False) -> dict:
+        """A model with dropout gets each row's step and global example index in its batch
+        (:mod:`fiddlejax.dropout`: masks from (step, example, layer), equal on every layout)."""
+        if not getattr(self.layout.source, "dropout", False):
+            return batch
+        if steps:  # [K, batch, ...]: step + k for the k-th
+            return jax.vmap(dropout.with_indices)(batch, step + jax.numpy.arange(
+                jax.tree.leaves(batch)[0].shape[0], dtype=jax.numpy.int32))
+        return dropout.with_indices(batch, step)
 
     # -- states --------------------------------------------------------------------------------
     def init(self, params: nnx.State | None = None) -> TrainState:
