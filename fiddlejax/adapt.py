@@ -196,7 +196,7 @@ class AdaptedModel(StagedModel):
         batch, what the model was given and how to declare next-token inputs."""
         try:
             return self._call(model, batch)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AssertionError) as e:
             if "fiddlejax" in str(e):
                 raise
             shapes = {k: tuple(np.shape(v)) for k, v in batch.items()}

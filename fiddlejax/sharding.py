@@ -189,7 +189,7 @@ def _kernel_names(p: tuple, s: tuple, vocab: int | None, d: int, fused: set) -> 
         other = s[1] if s[0] == d else s[0]
         if vocab is None and owner not in _COLUMN + _ROW and other % d:
             return None  # no vocabulary: a classifier's (d, classes) stays whole
-        if s[0] == d and vocab is not None and s[1] == vocab:
+        if s[0] == d and vocab is not None and s[1] == vocab and owner not in _COLUMN:
             return ("embed", "vocab")
         if s[0] == d and (s[1] != d or owner in _COLUMN):
             return ("embed", "mlp")

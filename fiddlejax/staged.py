@@ -167,5 +167,6 @@ def check_dropout(model: nnx.Module) -> None:
         if isinstance(rate, int | float) and rate > 0:
             where = ".".join(str(p) for p in path) or "the model"
             raise ValueError(
-                f"{type(model).__name__}.{where} has dropout rate {rate}: parallelized training "
-                "runs deterministic models only for now; build the model with dropout 0.0")
+                f"{type(model).__name__}.{where} has dropout rate {rate}: a model with the "
+                "explicit staged protocol trains without dropout; pass layers= (the adapted "
+                "form draws per-example dropout masks) or build the model with dropout 0.0")
