@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from fiddlejax.checkpoint import CheckpointManager, Preemption, jsonable
 from fiddlejax.config import AUTO_CHECKPOINT_DIR, checkpoint_dir
@@ -103,6 +104,8 @@ class JobCheckpoints:
             async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
             config=cfg, preemption=self.preemption)
         self.preemption.install()  # after the manager exists: a failure leaves no handler
+        if every == "auto" and jax.process_count() > 1:
+            _agree_on_saves(self.mgr)
         if self.owned:
             log(f"checkpoints: {checkpoint_dir(cfg)} (checkpoint.dir=auto; checkpoint.dir=null "
                 "saves none)")
@@ -202,6 +205,21 @@ class JobCheckpoints:
         except Exception:
             if not quiet:
                 raise
+
+
+def _agree_on_saves(mgr: CheckpointManager) -> None:
+    """Make every process take process 0's CheckFreq decision. Each process times its own
+    steps, so their intervals can differ; a save is collective (the canonical conversion and
+    Orbax's barriers), and one process saving alone hangs the job."""
+    from jax.experimental import multihost_utils
+
+    local = mgr.should_save
+
+    def should_save(step: int) -> bool:
+        mine = np.asarray(local(step), dtype=np.int32)
+        return bool(multihost_utils.broadcast_one_to_all(mine))
+
+    mgr.should_save = should_save  # save() asks it on every process at the same steps
 
 
 def for_run(cfg: dict, trainer, data_iter, log: Callable[[str], None] = print
