@@ -1,7 +1,9 @@
-"""The ``fiddlejax`` command: ``train``, ``schedule``, ``plan``, ``export``.
+"""The ``fiddlejax`` command: ``train``, ``schedule``, ``plan``, ``export``, ``eval``,
+``generate``.
 
-A dispatcher only: each command lives with what it runs (``fiddlejax.app`` for train and export,
-``fiddlejax.pipeline.render`` for schedule, ``fiddlejax.planner.command`` for plan).
+A dispatcher only: each command lives with what it runs (``fiddlejax.app`` for train, export,
+eval and generate, ``fiddlejax.pipeline.render`` for schedule, ``fiddlejax.planner.command`` for
+plan).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ commands:
   schedule KIND --stages P --microbatches M [--virtual-stages V] [--json] [--png FILE]
   plan ...                                predict and search parallel layouts
   export RUN_DIR OUT_DIR [--step N]       a Llama run's checkpoint as a Hugging Face directory
+  eval run.dir=DIR [data.path=...] [resume=N] [batches=N]
+                                          validation loss and perplexity of a run's checkpoint
+  generate run.dir=DIR prompt="..." [max_new_tokens=N temperature=T top_p=P seed=S]
+                                          continue a prompt (or model.from_pretrained=DIR)
 
 Errors are one line and exit status 2 (bad input) or 1 (a failure while training);
 --debug (anywhere before the overrides, or FIDDLEJAX_DEBUG=1) shows the traceback instead.
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from fiddlejax.app.export import export_command
 
         return export_command(rest)
+    if cmd in ("eval", "generate"):
+        from fiddlejax.app.inference import main as inference_main
+
+        return inference_main(cmd, rest, debug=debug)
     if cmd == "plan":
         from fiddlejax.planner.command import plan_command
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from fiddlejax import config as config_lib
-from fiddlejax.app import build, checkpoints, logs
+from fiddlejax.app import build, checkpoints, logs, runs
 
 # Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
 # training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
@@ -159,6 +159,9 @@ def _start(cfg: dict) -> Job:
     model = build.build_model(cfg["model"], tcfg["seed"])
     plan = build.make_plan(cfg)
     build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
+    loaded = runs.init_weights(cfg, model, plan)  # init_from=DIR: weights only, step 0
+    if loaded and is_main:
+        print(f"# init_from: weights of {loaded}; fresh optimizer, step 0", flush=True)
     trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
     if is_main and jax.process_count() > 1:
         print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)

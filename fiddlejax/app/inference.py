@@ -1,0 +1,144 @@
+"""``fiddlejax eval`` and ``fiddlejax generate``: a trained run (``run.dir=DIR``, its latest
+checkpoint or ``resume=N``) or a Hugging Face directory (``model.from_pretrained=DIR``).
+
+- ``fiddlejax eval run.dir=DIR [data.path=...] [batches=N]`` prints the validation loss and
+  perplexity (the run's own validation data unless ``data.*`` says otherwise);
+- ``fiddlejax generate run.dir=DIR prompt="..." [max_new_tokens=N temperature=T top_p=P
+  seed=S]`` prints the prompt's continuation, decoded with the run's tokenizer, using a KV cache
+  (:mod:`fiddlejax.models.generate`).
+
+Both run the unparallelized model on one device: the checkpoint is restored onto the run's
+layout and gathered into the canonical parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from fiddlejax import config as config_lib
+
+OWN_KEYS = ("run.dir", "resume", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
+            "batches")
+
+
+def parse(argv: list[str], command: str) -> tuple[dict, list[str]]:
+    """``key=value`` arguments: this command's own keys, and config overrides (the rest)."""
+    own, rest = {}, []
+    for a in argv:
+        if "=" not in a:
+            raise config_lib.ConfigError(f"fiddlejax {command}: argument {a!r} must be "
+                                         "key=value, e.g. run.dir=runs/default")
+        k, v = a.split("=", 1)
+        if k in OWN_KEYS:
+            own[k] = v
+        else:
+            rest.append(a)
+    return own, rest
+
+
+def _number(own: dict, key: str, kind, default):
+    try:
+        return kind(own[key]) if key in own else default
+    except ValueError:
+        raise config_lib.ConfigError(f"{key}={own[key]!r} must be a {kind.__name__}") from None
+
+
+def load(own: dict, overrides: list[str], command: str):
+    """``(cfg, model, tokenizer, what)`` for a run directory or a Hugging Face directory."""
+    from fiddlejax.app import build, runs
+    from fiddlejax.data import tokenizer
+
+    if "run.dir" in own:
+        run_dir = own["run.dir"]
+        cfg = runs.run_config(run_dir)
+        for item in overrides:  # e.g. data.path=... for eval: merged over the run's config
+            cfg = config_lib._merge(cfg, config_lib.parse_override(item))
+        step = _number(own, "resume", int, None)
+        _, model, step = runs.restore(run_dir, step=step)  # cfg keeps the overrides
+        what = f"{run_dir} step {step}"
+    elif any(o.startswith("model.from_pretrained=") for o in overrides):
+        cfg = config_lib.load(None, ["model.name=llama", "run.cpu_devices=0", *overrides])
+        build.resolve_data(cfg)
+        model = build.build_model(cfg["model"], 0)
+        what = cfg["model"]["from_pretrained"]
+    else:
+        raise config_lib.ConfigError(f"fiddlejax {command} needs run.dir=DIR (a trained run) or "
+                                     "model.from_pretrained=DIR (a Hugging Face directory)")
+    tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"),
+                         cfg["model"].get("from_pretrained"))
+    return cfg, model, tok, what
+
+
+def evaluate(cfg: dict, model, batches: int) -> float:
+    """Mean validation loss over ``batches`` validation batches (weighted losses exactly)."""
+    import jax
+    from flax import nnx
+
+    from fiddlejax import models
+    from fiddlejax.staged import as_weighted
+
+    data = models.get(cfg["model"]["name"]).batches(cfg, model, 0, 1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def loss(p, batch):
+        m = nnx.merge(graphdef, p, rest)
+        from fiddlejax.models.common import scan_layers
+
+        x = scan_layers(getattr(m, m.stack), m.prologue(batch))
+        return as_weighted(m.loss(m.head(x), batch))
+
+    total = weight = 0.0
+    for _ in range(batches):
+        s, w = loss(params, next(data.validation))
+        total, weight = total + float(s), weight + float(w)
+    return total / weight
+
+
+def eval_command(argv: list[str]) -> int:
+    own, overrides = parse(argv, "eval")
+    cfg, model, _, what = load(own, overrides, "eval")
+    n = _number(own, "batches", int, cfg["train"].get("eval_batches") or 8)
+    loss = evaluate(cfg, model, max(n, 1))
+    print(f"{what}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f} "
+          f"({max(n, 1)} batches of {cfg['data']['batch_size']})")
+    return 0
+
+
+def generate_command(argv: list[str]) -> int:
+    from fiddlejax.models.generate import generate
+
+    own, overrides = parse(argv, "generate")
+    cfg, model, tok, what = load(own, overrides, "generate")
+    if cfg["model"]["name"] not in ("gpt", "llama"):
+        raise config_lib.ConfigError(f"fiddlejax generate runs the decoders (gpt, llama); "
+                                     f"{what} is model.name={cfg['model']['name']}")
+    prompt = own.get("prompt", "")
+    ids = list(tok.encode(prompt))
+    if tok.bos_id is not None:
+        ids = [tok.bos_id, *ids]
+    if not ids:
+        raise config_lib.ConfigError('fiddlejax generate needs prompt="some text"')
+    out = generate(model, [ids], _number(own, "max_new_tokens", int, 64),
+                   temperature=_number(own, "temperature", float, 0.0),
+                   top_p=_number(own, "top_p", float, 1.0), seed=_number(own, "seed", int, 0),
+                   eos_id=tok.eos_id)
+    new = out[0, len(ids):].tolist()
+    if tok.eos_id in new:
+        new = new[:new.index(tok.eos_id)]
+    print(prompt + tok.decode(new))
+    return 0
+
+
+def main(command: str, argv: list[str], debug: bool = False) -> int:
+    """Run ``fiddlejax eval`` or ``generate``; a bad input is one line and exit status 2."""
+    try:
+        return (eval_command if command == "eval" else generate_command)(argv)
+    except (ValueError, TypeError, LookupError, OSError) as e:
+        if debug:
+            raise
+        print(f"fiddlejax {command}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        sys.stdout.flush()

@@ -1,0 +1,132 @@
+"""Text generation for the bundled decoders (GPT, Llama) with a KV cache.
+
+The prompt runs once (prefill) and fills each layer's keys and values; every new token then
+runs one position through the stack, attending to the cache, instead of re-running the whole
+sequence. ``use_cache=False`` re-runs the full (padded) sequence per token: the reference the
+tests compare against (greedy decoding gives the same tokens). Sampling: ``temperature=0`` is
+greedy; otherwise softmax at ``temperature`` restricted to the ``top_p`` nucleus.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .common import Block
+from .llama import LlamaBlock, apply_rope, rope_frequencies
+
+
+def _cached_attention(block, x, k_cache, v_cache, start, positions):
+    """One block's attention for ``x[B, T]`` at ``start`` with the cache updated."""
+    q = jnp.einsum("btd,dhk->bthk", x, block.wq[...])
+    k = jnp.einsum("btd,dhk->bthk", x, block.wk[...])
+    v = jnp.einsum("btd,dhk->bthk", x, block.wv[...])
+    if isinstance(block, LlamaBlock):
+        inv = rope_frequencies(block.config)
+        q, k = apply_rope(q, inv, positions), apply_rope(k, inv, positions)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
+    s = k_cache.shape[1]
+    mask = jnp.arange(s)[None, :] <= (start + jnp.arange(x.shape[1]))[:, None]
+    ctx = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
+    out = jnp.einsum("bthk,hkd->btd", ctx, block.wo[...])
+    if isinstance(block, Block):
+        out = out + block.bo[...]
+    return out, k_cache, v_cache
+
+
+def _block_step(block, x, k_cache, v_cache, start, positions):
+    if isinstance(block, LlamaBlock):
+        a, k_cache, v_cache = _cached_attention(block, block.attn_norm(x), k_cache, v_cache,
+                                                start, positions)
+        x = x + a
+        return x + block.mlp(block.mlp_norm(x)), k_cache, v_cache
+    a, k_cache, v_cache = _cached_attention(block, block.ln1(x), k_cache, v_cache, start,
+                                            positions)
+    x = x + a
+    return x + block.mlp(block.ln2(x)), k_cache, v_cache
+
+
+def _forward(model, tokens, cache, start):
+    """Logits of ``tokens[B, T]`` placed at ``start``, and the updated cache."""
+    t = tokens.shape[1]
+    positions = jnp.broadcast_to(start + jnp.arange(t), tokens.shape)
+    if hasattr(model, "wpe"):  # GPT: learned positions
+        x = jnp.take(model.wte[...], tokens, axis=0) + jnp.take(model.wpe[...], positions, 0)
+    else:
+        x = jnp.take(model.embed[...], tokens, axis=0)
+    graphdef, state = nnx.split(model.blocks)
+
+    def body(h, layer):
+        layer_state, kc, vc = layer
+        h, kc, vc = _block_step(nnx.merge(graphdef, layer_state), h, kc, vc, start, positions)
+        return h, (kc, vc)
+
+    x, (ks, vs) = jax.lax.scan(body, x, (state, cache[0], cache[1]))
+    return model.head(x), (ks, vs)
+
+
+def empty_cache(model, batch: int, length: int):
+    """Zero keys and values ``[layers, batch, length, kv_heads, head_dim]``."""
+    wk = model.blocks.wk[...]  # [layers, d, kv_heads, head_dim]
+    shape = (wk.shape[0], batch, length, wk.shape[2], wk.shape[3])
+    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+
+def max_length(model) -> int:
+    c = model.config
+    return getattr(c, "seq_len", None) if hasattr(model, "wpe") else c.max_position_embeddings
+
+
+def sample(logits: jax.Array, key, temperature: float, top_p: float) -> jax.Array:
+    """Next ids ``[B]`` from logits ``[B, V]``: greedy at temperature 0, else nucleus."""
+    if temperature <= 0:
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, -1)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), -1)
+        keep = jnp.cumsum(probs, -1) - probs < top_p  # the smallest set reaching top_p
+        cut = jnp.where(keep, jnp.take_along_axis(logits, order, -1), -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(cut)
+    return jax.random.categorical(key, logits, -1).astype(jnp.int32)
+
+
+def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             use_cache: bool = True) -> np.ndarray:
+    """``prompt[B, P]`` (int) continued by up to ``max_new_tokens`` ids: ``[B, P + n]``
+    (stops early once every row has produced ``eos_id``)."""
+    prompt = np.asarray(prompt, np.int32)
+    b, p = prompt.shape
+    total = p + max_new_tokens
+    limit = max_length(model)
+    if total > limit:
+        raise ValueError(f"prompt of {p} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                         f"model's {limit} positions; shorten them")
+    key = jax.random.key(seed)
+    out = np.zeros((b, total), np.int32)
+    out[:, :p] = prompt
+    if use_cache:
+        step = nnx.jit(_forward, static_argnums=())
+        logits, cache = step(model, jnp.asarray(prompt), empty_cache(model, b, total), 0)
+        last = logits[:, -1]
+    else:
+        full = nnx.jit(lambda m, t: m(t))
+    done = np.zeros(b, bool)
+    for i in range(p, total):
+        if not use_cache:
+            last = full(model, jnp.asarray(out))[:, i - 1]  # causal: later zeros do not count
+        key, sub = jax.random.split(key)
+        nxt = np.asarray(sample(last, sub, temperature, top_p))
+        out[:, i] = np.where(done, eos_id if eos_id is not None else 0, nxt)
+        done |= eos_id is not None and (nxt == eos_id)
+        if done.all():
+            return out[:, :i + 1]
+        if use_cache and i + 1 < total:
+            logits, cache = step(model, jnp.asarray(out[:, i:i + 1]), cache, i)
+            last = logits[:, -1]
+    return out
