@@ -10,13 +10,19 @@ from fiddlejax import config as config_lib
 from fiddlejax import models
 
 
-def setup_devices(cfg: dict) -> None:
-    """Simulate ``run.cpu_devices`` CPU devices; must run before JAX starts its backends."""
+def setup_devices(cfg: dict) -> dict[str, str]:
+    """Simulate ``run.cpu_devices`` CPU devices and, when the backend will be a GPU, set the
+    recommended XLA flags (:mod:`fiddlejax.xla_flags`); must run before JAX starts its
+    backends. Returns the XLA flags it added."""
+    from fiddlejax import xla_flags
+
+    added = xla_flags.apply()
     n = int(cfg["run"]["cpu_devices"] or 0)
     if n > 0:
         import jax
 
         jax.config.update("jax_num_cpu_devices", n)
+    return added
 
 
 def entry(cfg: dict) -> models.ModelEntry:

@@ -1,0 +1,70 @@
+"""XLA flags for GPUs, from one place: what MaxText and the JAX/NVIDIA GPU performance guides
+set for transformer training, applied only where the backend will be a GPU, the user's own
+``XLA_FLAGS`` always winning.
+
+XLA reads ``XLA_FLAGS`` once, when the first backend starts, so :func:`apply` must run before
+anything touches a device (the job calls it first thing). On a CPU run nothing is set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+
+# name -> value; each is a flag of the XLA that jaxlib 0.10 ships (tests/test_xla_flags.py
+# starts XLA with all of them: an unknown flag would abort the process).
+GPU_FLAGS: dict[str, str] = {
+    # Schedule collectives to overlap with compute (the one flag NVIDIA's JAX images bake in).
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # Combine small collectives into fewer, larger ones (MaxText's 1 GiB / 128 MiB class).
+    "xla_gpu_all_reduce_combine_threshold_bytes": str(1 << 30),
+    "xla_gpu_all_gather_combine_threshold_bytes": str(1 << 30),
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": str(1 << 29),
+    # FSDP: start the gathers of the next loop iteration (layer) in this one, and scatter the
+    # last one's gradients while computing.
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+    # cuBLAS for GEMMs: MaxText's choice; Triton GEMMs are slower for these shapes.
+    "xla_gpu_enable_triton_gemm": "false",
+}
+
+
+def gpu_expected(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether JAX will start a GPU backend, judged without starting one: ``JAX_PLATFORMS``
+    when set, else whether a CUDA or ROCm plugin is installed."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return any(p in ("cuda", "gpu", "rocm") for p in platforms.split(","))
+    return any(importlib.util.find_spec(name) is not None for name in
+               ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm60_plugin",
+                "jax_rocm7_plugin"))
+
+
+def merged(user: str, recommended: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """``(XLA_FLAGS, added)``: the user's flags as given, then each recommended flag the user
+    did not set (by name, whatever value they chose)."""
+    given = {f.split("=", 1)[0].lstrip("-") for f in user.split() if f.startswith("--")}
+    added = {k: v for k, v in recommended.items() if k not in given}
+    flags = " ".join([user.strip(), *(f"--{k}={v}" for k, v in added.items())]).strip()
+    return flags, added
+
+
+def apply(gpu: bool | None = None, environ=os.environ) -> dict[str, str]:
+    """Set the recommended GPU flags in ``environ["XLA_FLAGS"]`` (before JAX starts) when the
+    backend will be a GPU; returns the flags it added (empty on the CPU)."""
+    if not (gpu_expected(environ) if gpu is None else gpu):
+        return {}
+    flags, added = merged(environ.get("XLA_FLAGS", ""), GPU_FLAGS)
+    environ["XLA_FLAGS"] = flags
+    return added
+
+
+def describe(added: Mapping[str, str]) -> str:
+    """One line for the job's log: what was set, and how to override it."""
+    if not added:
+        return ""
+    return ("XLA flags set for GPU (override any in XLA_FLAGS): "
+            + " ".join(f"--{k}={v}" for k, v in added.items()))
