@@ -18,7 +18,7 @@ commands:
   train [--config FILE] [key=value ...]   train a model (GPT on the stdlib corpus by default)
   schedule KIND --stages P --microbatches M [--virtual-stages V] [--json] [--png FILE]
   plan ...                                predict and search parallel layouts
-  export RUN_DIR OUT_DIR [--step N]       a Llama run's checkpoint as a Hugging Face directory
+  export RUN_DIR OUT_DIR [--step N]       a Llama (or GPT: gpt2) run as a Hugging Face directory
   eval run.dir=DIR [data.path=...] [resume=N] [batches=N]
                                           validation loss and perplexity of a run's checkpoint
   generate run.dir=DIR prompt="..." [max_new_tokens=N temperature=T top_p=P seed=S]

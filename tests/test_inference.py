@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,3 +98,59 @@ def test_eval_generate_and_init_from(tmp_path):
     from fiddlejax.app import inference
 
     assert inference.main("eval", ["batches=2"]) == 2  # neither run.dir nor from_pretrained
+
+
+def gpt2_reference(t: dict, cfg: dict, ids: np.ndarray) -> np.ndarray:
+    """GPT-2's forward (transformers' GPT2LMHeadModel, eval mode) in numpy, from the tensors
+    of a Hugging Face gpt2 directory: an independent reading of the exported weights."""
+    import math
+
+    def ln(x, w, b):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * w + b
+
+    def gelu_new(x):
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+    n, d, h = ids.shape[1], cfg["n_embd"], cfg["n_head"]
+    x = t["transformer.wte.weight"][ids] + t["transformer.wpe.weight"][np.arange(n)]
+    for i in range(cfg["n_layer"]):
+        p = lambda k, i=i: t[f"transformer.h.{i}.{k}"]
+        a = ln(x, p("ln_1.weight"), p("ln_1.bias")) @ p("attn.c_attn.weight") \
+            + p("attn.c_attn.bias")
+        q, k, v = (z.reshape(*z.shape[:2], h, d // h).transpose(0, 2, 1, 3)
+                   for z in np.split(a, 3, axis=-1))
+        s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h)
+        s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        ctx = (w / w.sum(-1, keepdims=True)) @ v
+        x = x + ctx.transpose(0, 2, 1, 3).reshape(*x.shape) @ p("attn.c_proj.weight") \
+            + p("attn.c_proj.bias")
+        m = gelu_new(ln(x, p("ln_2.weight"), p("ln_2.bias")) @ p("mlp.c_fc.weight")
+                     + p("mlp.c_fc.bias"))
+        x = x + m @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+    x = ln(x, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"])
+    head = t["transformer.wte.weight"] if cfg["tie_word_embeddings"] else t["lm_head.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt_exports_as_hugging_face_gpt2(tmp_path, tied):
+    from flax import nnx
+
+    from fiddlejax.models.gpt import GPT, GPTConfig
+    from fiddlejax.models.gpt2_hf import save_gpt2
+    from fiddlejax.models.hf import read_safetensors
+
+    model = GPT(GPTConfig(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2,
+                          d_ff=64, tie_embeddings=tied), rngs=nnx.Rngs(1))
+    # non-zero biases and norms, so a misplaced one shows
+    state = nnx.state(model, nnx.Param)
+    rng = np.random.default_rng(0)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape), state))
+    save_gpt2(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new"
+    ids = rng.integers(0, 61, (2, 16))
+    ref = gpt2_reference(read_safetensors(tmp_path), cfg, ids)
+    assert rel_err(np.asarray(model(jnp.asarray(ids))), ref) < 1e-5

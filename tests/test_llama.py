@@ -194,12 +194,12 @@ def test_cli_builds_llama_from_the_config():
         build.build_model(config.load(None, ["model.from_pretrained=x"])["model"], 0)
 
 
-def test_export_refuses_a_run_that_is_not_llama(tmp_path):
+def test_export_refuses_a_run_without_a_hugging_face_twin(tmp_path):
     from fiddlejax import config
     from fiddlejax.app.export import export
 
-    (tmp_path / "config.yaml").write_text(json.dumps(config.load(None, [])))
-    with pytest.raises(ValueError, match="model.name='gpt'; export writes Hugging Face Llama"):
+    (tmp_path / "config.yaml").write_text(json.dumps(config.load(None, ["model.name=bert"])))
+    with pytest.raises(ValueError, match="model.name='bert', which has no Hugging Face twin"):
         export(tmp_path, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="has no config.yaml"):
         export(tmp_path / "missing", tmp_path / "out")

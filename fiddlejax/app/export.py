@@ -1,4 +1,5 @@
-"""``fiddlejax export RUN_DIR OUT_DIR``: a Llama run's checkpoint as a Hugging Face directory.
+"""``fiddlejax export RUN_DIR OUT_DIR``: a Llama run's checkpoint as a Hugging Face directory
+(a GPT run's as a Hugging Face ``gpt2`` one, :mod:`fiddlejax.models.gpt2_hf`).
 
 The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``: model, optimizer,
 plan and simulated devices), so the checkpoint restores through the same
@@ -29,9 +30,10 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         raise FileNotFoundError(f"{run_dir} has no config.yaml; pass the run.dir of a "
                                 "`fiddlejax train` run")
     cfg = yaml.safe_load(cfg_path.read_text())
-    if cfg["model"]["name"] != "llama":
-        raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}; export writes "
-                         "Hugging Face Llama directories (model.name=llama)")
+    if cfg["model"]["name"] not in ("llama", "gpt"):
+        raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
+                         "Hugging Face twin here; export writes Llama runs as Hugging Face "
+                         "llama and GPT runs as gpt2 directories")
     ckpt = checkpoint_dir or cfg["checkpoint"]["dir"]
     if not ckpt:
         raise ValueError(f"{run_dir} saved no checkpoints (checkpoint.dir was null); train with "
@@ -60,16 +62,21 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     finally:
         mgr.close()
     nnx.update(model, trainer.params(restored.state))
-    model.save_pretrained(out_dir, max_shard_size=max_shard_size, dtype=dtype)
+    if cfg["model"]["name"] == "gpt":  # GPT-2's architecture: a gpt2 directory
+        from fiddlejax.models.gpt2_hf import save_gpt2
+
+        save_gpt2(model, out_dir, max_shard_size=max_shard_size, dtype=dtype)
+    else:
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size, dtype=dtype)
     return restored.step
 
 
 def export_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="fiddlejax export",
-        description="Write a trained Llama run's checkpoint as a Hugging Face directory "
-                    "(config.json + safetensors) that transformers loads.")
-    p.add_argument("run_dir", help="the run.dir of a `fiddlejax train model.name=llama` run")
+        description="Write a trained Llama (or GPT: gpt2) run's checkpoint as a Hugging Face "
+                    "directory (config.json + safetensors) that transformers loads.")
+    p.add_argument("run_dir", help="the run.dir of a `fiddlejax train` run of llama or gpt")
     p.add_argument("out_dir", help="directory to write")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--checkpoint-dir", help="default: the run's checkpoint.dir")
