@@ -196,6 +196,27 @@ def test_stream_state_resumes_and_refuses_other_data(corpus):
         new_tok.set_state(state)
     allowed, _ = pipeline.job_batches(dict(dcfg, allow_change=True), bpe, 32, 512, "")
     allowed.set_state(state)
+    with pytest.raises(DataError, match="trained with data 'the bundled stdlib corpus"):
+        b.set_state({"next_index": 3})  # a checkpoint of the default byte-window stream
+
+
+def test_job_refuses_bad_data_settings_before_building(tmp_path, corpus):
+    from fiddlejax import config
+    from fiddlejax.app import build, runs
+
+    cfg = config.load(None, ["model.name=bert", f"data.path={corpus[0] / 'c.jsonl'}"])
+    with pytest.raises(config.ConfigError, match="model.name=bert trains on its bundled data"):
+        build.resolve_data(cfg)
+    cfg = config.load(None, [f"data.tokenizer={tmp_path / 'none.json'}"])
+    with pytest.raises(DataError, match="none.json does not exist"):
+        build.resolve_data(cfg)
+    cfg = config.load(None, [f"data.tokenizer={corpus[0] / 'tokenizer.json'}", "mesh.tensor=2"])
+    build.resolve_data(cfg)
+    assert cfg["model"]["vocab_size"] == 512
+    with pytest.raises(config.ConfigError, match="data.val_fraction=1.5 must be"):
+        config.load(None, ["data.val_fraction=1.5"])
+    with pytest.raises(ValueError, match="init_from=.* is neither a fiddlejax run"):
+        runs.init_weights({"init_from": str(tmp_path)}, None, None)
 
 
 def test_vocabulary_too_small_for_the_tokenizer_is_refused(corpus):
