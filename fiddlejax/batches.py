@@ -49,9 +49,15 @@ def check(batch: dict, plan: Plan, batch_spec: Callable | None, model_name: str)
                 f"{model_name} expects {np.dtype(spec.dtype).name}{list(spec.shape)}")
 
 
-def place(batch: dict, sharding: NamedSharding, check_fn: Callable[[dict], None]) -> dict:
+def place(batch: dict, sharding: NamedSharding, check_fn: Callable[[dict], None],
+          ranges: dict | None = None) -> dict:
     """``batch`` checked by ``check_fn`` (on its global shapes) and placed with ``sharding``;
-    ShapeDtypeStructs (for lowering) come back as ShapeDtypeStructs carrying it."""
+    ShapeDtypeStructs (for lowering) come back as ShapeDtypeStructs carrying it. ``ranges``
+    (:func:`fiddlejax.checks.value_ranges`): the ids of host (NumPy) arrays are checked too, a
+    pass over the batch on the host that needs no device sync (an id outside the vocabulary
+    gives a finite, meaningless loss, or NaN, never an error inside XLA)."""
+    if ranges and isinstance(batch, dict):
+        checks.check_ids(batch, ranges)
     if isinstance(batch, dict) and batch and all(
             isinstance(x, jax.ShapeDtypeStruct) for x in batch.values()):
         check_fn(batch)
@@ -70,11 +76,15 @@ def place(batch: dict, sharding: NamedSharding, check_fn: Callable[[dict], None]
             for k, x in batch.items()}
 
 
-def place_steps(batches: dict, sharding: NamedSharding, check_fn: Callable[[dict], None]) -> dict:
+def place_steps(batches: dict, sharding: NamedSharding, check_fn: Callable[[dict], None],
+                ranges: dict | None = None) -> dict:
     """Batches ``[steps, batch, ...]`` for K steps in one program, each step's checked by
-    ``check_fn`` and split over ``data`` (``sharding`` is the one-step batch sharding)."""
+    ``check_fn`` (and host ids by ``ranges``) and split over ``data`` (``sharding`` is the
+    one-step batch sharding)."""
     if not isinstance(batches, dict) or not batches:
         raise TypeError("batches must be a dict of arrays shaped [steps, batch, ...]")
+    if ranges:
+        checks.check_ids(batches, ranges)
     ks = {np.shape(v)[0] if np.ndim(v) > 1 else None for v in batches.values()}
     if len(ks) != 1 or None in ks:
         raise ValueError("batches must share a leading steps dimension: [steps, batch, ...]")

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from fiddlejax import checkpoint_manifest as manifest
 from fiddlejax.checkfreq import CheckFreq
@@ -49,8 +48,12 @@ from fiddlejax.checkpoint_manifest import FORMAT, jsonable, named_leaves
 from fiddlejax.checkpoint_timing import SaveTiming
 from fiddlejax.preemption import Preemption
 
-__all__ = ["FORMAT", "CheckFreq", "CheckpointManager", "Preemption", "Restored", "jsonable",
-           "named_leaves"]
+__all__ = ["FORMAT", "CheckFreq", "CheckpointManager", "NonFiniteState", "Preemption",
+           "Restored", "jsonable", "named_leaves"]
+
+
+class NonFiniteState(FloatingPointError):
+    """:meth:`CheckpointManager.save` was given a state holding NaN or inf: it is not written."""
 
 
 # -- what a restore returns --------------------------------------------------------------------
@@ -152,7 +155,7 @@ class CheckpointManager:
     def warm_up(self, state) -> None:
         """Compile the save path now, so the first save (maybe a preemption's) is quick."""
         _, leaves, _ = named_leaves(self.trainer.to_canonical_state(state))
-        np.asarray(manifest.fingerprints(leaves))
+        manifest.save_summaries(leaves)
 
     def save(self, step: int, state, force: bool = False, *, metrics: dict | None = None,
              data_state: Any = None, rng: jax.Array | None = None, extra: Any = None) -> bool:
@@ -182,15 +185,24 @@ class CheckpointManager:
         timing.book_persist()
         canonical = self.trainer.to_canonical_state(state)
         paths, leaves, _ = named_leaves(canonical)
-        fps = np.asarray(manifest.fingerprints(leaves))
+        fps, nonfinite = manifest.save_summaries(leaves)
+        bad = manifest.first_nonfinite(paths, leaves, nonfinite)
+        if bad is not None:  # a checkpoint must never hold a state that only produces NaN
+            timing.last_return = time.perf_counter()
+            raise NonFiniteState(
+                f"step {step}: the state is not finite ({bad}); not saved to {self.directory}. "
+                + self._last_good_text())
         meta = self._meta(step, paths, leaves, fps, data_state, rng, extra, metrics)
         ocp = self._ocp
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(manifest.nest(paths, leaves)),
                                   meta=ocp.args.JsonSave(meta))
         timing.snapshot_begins()
         ranked = self.best_metric is not None and self.best_metric in (metrics or {})
-        self._mngr.save(step, args=args, metrics=jsonable(metrics) if ranked else None,
-                        force=True)
+        try:
+            self._mngr.save(step, args=args, metrics=jsonable(metrics) if ranked else None,
+                            force=True)
+        except Exception as e:  # noqa: BLE001 - a synchronous write failed: one clear error
+            self._check_committed(step, e)
         self._pending, self._last_saved = step, step
         end = timing.snapshot_ended(now, self.async_save)
         if not self.async_save:
@@ -227,11 +239,17 @@ class CheckpointManager:
         if error is None and (self.directory / str(step)).is_dir():
             return
         self._mngr.reload()
-        cause = f"{type(error).__name__}: {_first_line(error)}" if error else "see Orbax's log"
-        raise RuntimeError(
-            f"saving checkpoint step {step} to {self.directory} failed ({cause}); the previous "
-            f"checkpoint (step {self._mngr.latest_step()}) is intact and is what a resume "
-            "will use") from error
+        cause = manifest.io_cause(error) if error else "see Orbax's log"
+        raise RuntimeError(f"saving checkpoint step {step} to {self.directory} failed ({cause}); "
+                           f"nothing was changed: {self._last_good_text()}") from error
+
+    def _last_good_text(self) -> str:
+        """The newest committed step, as the user resumes from it (or that there is none)."""
+        last = self._mngr.latest_step()
+        if last is None:
+            return f"no earlier checkpoint is in {self.directory}"
+        return (f"the previous checkpoint (step {last}) is intact and is what a resume will "
+                f"use (fiddlejax train ... resume={last}; Python: restore(step={last}))")
 
     def wait(self) -> None:
         """Block until the last save is on disk; raises if its background write failed."""
@@ -327,7 +345,7 @@ class CheckpointManager:
             meta = meta["meta"]
         except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
             raise ValueError(f"{where} is unreadable: its metadata is missing or corrupted "
-                             f"({type(e).__name__}: {_first_line(e)}); "
+                             f"({manifest.io_cause(e)}); "
                              f"{self._fallback(step)}") from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or "arrays" not in meta:
             raise ValueError(f"{where} is not a fiddlejax checkpoint of format {FORMAT} "
@@ -336,17 +354,31 @@ class CheckpointManager:
 
     def _read_arrays(self, step: int, where: str, paths, target: list) -> list:
         """The step's arrays in ``paths`` order, read straight into ``target``'s shardings."""
-        ocp = self._ocp
-        abstract = manifest.nest(paths, target)
         try:
-            restore = ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
-            arrays = self._mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+            arrays = self._restore_tree(step, manifest.nest(paths, target))
             return [manifest.lookup(arrays, p) for p in paths]
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{where} is truncated or corrupted: reading its arrays failed "
-                             f"({type(e).__name__}: {_first_line(e)}); "
-                             f"{self._fallback(step)}") from e
+            name = self._unreadable(step, paths, target)
+            what = f"{name} cannot be read" if name else "reading its arrays failed"
+            raise ValueError(f"{where} is truncated or corrupted: {what} "
+                             f"({manifest.io_cause(e)}); {self._fallback(step)}") from e
+
+    def _restore_tree(self, step: int, abstract: dict, partial: bool = False) -> dict:
+        ocp = self._ocp
+        restore = ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=partial)
+        return self._mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+
+    def _unreadable(self, step: int, paths, target: list) -> str | None:
+        """After a failed read: the first array that cannot be read alone (named in the error;
+        the storage layer's own message names a byte range, not an array). Error path only."""
+        for p, t in zip(paths, target):
+            try:
+                self._restore_tree(step, manifest.nest([p], [t]), partial=True)
+            except Exception:  # noqa: BLE001 - this is the one
+                return manifest.array_name(p)
+        return None
 
     def _fallback(self, bad: int) -> str:
         """What to do instead of restoring the damaged step ``bad``."""
@@ -356,7 +388,3 @@ class CheckpointManager:
         return (f"restore an earlier step: fiddlejax train ... resume={earlier[0]} (Python: "
                 f"restore(step={earlier[0]})); earlier steps: {earlier}")
 
-
-def _first_line(e: Exception) -> str:
-    line = (str(e).strip().splitlines() or [""])[0]
-    return line.split(" See full TensorStore details")[0][:200]

@@ -8,6 +8,9 @@ a corrupted checkpoint fails with an error naming the array instead of training 
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from typing import Any
 
 import jax
@@ -87,6 +90,29 @@ def fingerprints(leaves: list) -> jax.Array:
     return jnp.stack([_fingerprint(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
 
 
+@jax.jit
+def _save_summaries(leaves: list) -> tuple[jax.Array, jax.Array]:
+    fps = jnp.stack([_fingerprint(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
+    bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if jnp.issubdtype(x.dtype, jnp.inexact)
+           else jnp.zeros((), jnp.int32) for x in leaves]
+    return fps, jnp.stack(bad) if bad else jnp.zeros(0, jnp.int32)
+
+
+def save_summaries(leaves: list) -> tuple[np.ndarray, np.ndarray]:
+    """Every leaf's fingerprint and its count of NaN/inf elements, in one compiled call and one
+    transfer (a save reads the fingerprints anyway; the finiteness test rides along)."""
+    fps, bad = _save_summaries(leaves)
+    return np.asarray(fps), np.asarray(bad)
+
+
+def first_nonfinite(paths, leaves, bad: np.ndarray) -> str | None:
+    """``"<name> holds k NaN/inf values (of n)"`` for the first array that has any, else None."""
+    for p, x, k in zip(paths, leaves, bad):
+        if int(k):
+            return f"{array_name(p)} holds {int(k)} NaN/inf values (of {x.size})"
+    return None
+
+
 # -- the record ----------------------------------------------------------------------------------
 def array_records(paths, leaves, fps) -> dict:
     """``{name: {"shape", "dtype", "fingerprint"}}``: the ``arrays`` entry of a step's meta."""
@@ -163,3 +189,37 @@ def first_mismatch(meta: dict, paths, leaves) -> tuple[str, int, int] | None:
         if int(got) != want:
             return array_name(p), int(got), want
     return None
+
+
+# -- errors from the storage layer, as a user reads them ----------------------------------------
+_ERRNO_FIX = {errno.ENOSPC: "the disk is full", errno.EFBIG: "a file size limit (ulimit -f?)",
+              errno.EDQUOT: "the disk quota is used up", errno.EROFS: "the disk is read-only",
+              errno.EACCES: "no permission to write there", errno.EIO: "the disk failed"}
+
+
+def io_cause(e: BaseException) -> str:
+    """Why a read or write failed, without TensorStore's or Orbax's internals: the operating
+    system's reason when there is one (``[os_error_code='27']`` -> "File too large")."""
+    import json
+
+    if isinstance(e, json.JSONDecodeError):
+        return f"its JSON is cut off or damaged at line {e.lineno}, column {e.colno}"
+    if isinstance(e, UnicodeDecodeError):
+        return f"it holds bytes that are not {e.encoding} text (at byte {e.start})"
+    cause = e.__cause__ or e.__context__
+    if cause is not None and cause is not e:  # the storage layer's own error is the innermost
+        return io_cause(cause)
+    text = str(e)
+    if "is not valid for value of size" in text:
+        return "a data file is shorter than the checkpoint recorded (truncated: a copy cut short?)"
+    if "checksum" in text.lower() or "DATA_LOSS" in text:
+        return "a data file does not match its checksum: damaged on disk or in a copy"
+    code = getattr(e, "errno", None)
+    m = re.search(r"os_error_code='?(\d+)", text)
+    if m:
+        code = int(m.group(1))
+    if isinstance(code, int) and code in errno.errorcode:
+        fix = _ERRNO_FIX.get(code)
+        return f"{os.strerror(code)}" + (f": {fix}" if fix else "")
+    line = (text.strip().splitlines() or [type(e).__name__])[0]
+    return line.split(" See full TensorStore details")[0][:200]

@@ -10,6 +10,7 @@ the data pipelines check a whole source once instead (``fiddlejax.data``).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,11 +18,23 @@ import numpy as np
 
 
 class NonFiniteLoss(FloatingPointError):
-    """The loss of a step is NaN or infinite; ``step`` says which."""
+    """The loss (or the gradient norm) of a step is NaN or infinite; ``step`` says which.
 
-    def __init__(self, step: int, value: float, hint: str = ""):
-        self.step, self.value = step, value
-        super().__init__(f"step {step}: the loss is {value}{hint}")
+    ``state``: the state the step returned, whose update was skipped (the last good parameters:
+    :meth:`fiddlejax.train.Trainer.step` raises with it under ``Plan(check_inputs=True)``).
+    """
+
+    def __init__(self, step: int, value: float, hint: str = "", what: str | None = None,
+                 state: Any = None):
+        self.step, self.value, self.state = step, value, state
+        super().__init__(f"step {step}: {what or f'the loss is {value}'}{hint}")
+
+
+def nonfinite_what(loss: float, grad_norm: float) -> str:
+    """What was not finite in a step, as a message says it."""
+    if not math.isfinite(loss):
+        return f"the loss is {loss}"
+    return f"the gradient norm is {grad_norm} (the loss is {loss:.4g})"
 
 
 def value_ranges(model: Any) -> dict[str, tuple[int, int, str]]:
@@ -53,20 +66,71 @@ def check_values(batch: dict, ranges: dict[str, tuple[int, int, str]], step: int
         bad = (x < lo) | (x >= hi)
         if bad.any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])
+            fix = "fix the data" + ("" if int(x[where]) < lo else " or enlarge the vocabulary")
             raise ValueError(
-                f"step {step}: batch[{key!r}] holds id {int(x[where])} at {list(where)}, "
-                f"outside [{lo}, {hi}) of {what}; fix the data or enlarge the vocabulary "
-                f"({int(bad.sum())} ids out of range)")
+                f"{f'step {step}: ' if step else ''}batch[{key!r}] holds id {int(x[where])} at "
+                f"{list(where)}, outside [{lo}, {hi}) of {what}; {fix} ({int(bad.sum())} ids "
+                "out of range)")
 
 
-def check_finite(metrics: dict, step: int) -> None:
-    """Raise :class:`NonFiniteLoss` if ``metrics["loss"]`` (scalar or per-step) is not finite."""
+def check_finite(metrics: dict, step: int, state: Any = None) -> None:
+    """Raise :class:`NonFiniteLoss` if ``metrics["loss"]`` or ``metrics["grad_norm"]`` (scalar
+    or per-step) is not finite; ``state`` (the step's result) travels with the error."""
     losses = np.atleast_1d(np.asarray(metrics["loss"], np.float64))
-    for i, value in enumerate(losses):
-        if not math.isfinite(float(value)):
+    norms = np.atleast_1d(np.asarray(metrics.get("grad_norm", 0.0), np.float64))
+    norms = np.broadcast_to(norms, losses.shape)
+    for i, (value, norm) in enumerate(zip(losses, norms)):
+        if not (math.isfinite(float(value)) and math.isfinite(float(norm))):
             raise NonFiniteLoss(step + i, float(value), (
-                "; the parameters are now garbage: lower the learning rate, check the data "
-                "(Plan(check_inputs=True) checks ids) or restore a checkpoint"))
+                "; the update was skipped, so the parameters are still the last good ones (the "
+                "state returned with this error, e.state): lower the learning rate, check the "
+                "data (Plan(check_inputs=True) checks ids) or restore a checkpoint"),
+                what=nonfinite_what(float(value), float(norm)), state=state)
+
+
+def check_not_donated(state: Any, call: str = "trainer.step") -> None:
+    """A clear error for a TrainState whose buffers an earlier step consumed (donated): using
+    one crashes the process inside XLA instead (a segmentation fault, jax 0.10.2)."""
+    import jax
+
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+        raise ValueError(
+            f"this TrainState was consumed by an earlier {call} (its buffers were donated to "
+            "the new state, to save memory) and cannot be used again; use the state that call "
+            "returned: `state, metrics = trainer.step(state, batch)`")
+
+
+def check_ids(batch: dict, ranges: dict[str, tuple[int, int, str]]) -> None:
+    """:func:`check_values` for the host (NumPy) arrays of ``batch``, without a step number:
+    the default check, which costs no device sync (device arrays are left to the step)."""
+    host = {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.size
+            and np.issubdtype(v.dtype, np.integer)}
+    for key, (lo, hi, _) in ranges.items():
+        x = host.get(key)
+        if x is not None and (x.min() < lo or x.max() >= hi):
+            check_values({key: x}, {key: ranges[key]}, 0)
+
+
+def bad_id_count(batch: dict, ranges: dict[str, tuple[int, int, str]]):
+    """How many integer ids of ``batch`` fall outside their range, computed on the device (a
+    device scalar, for batches already there, where a host check would cost a sync)."""
+    bounds = tuple((k, lo, hi) for k, (lo, hi, _) in sorted(ranges.items()) if k in batch
+                   and np.issubdtype(batch[k].dtype, np.integer))
+    return _count_bad(bounds)({k: batch[k] for k, _, _ in bounds})
+
+
+@functools.cache
+def _count_bad(bounds: tuple):
+    import jax
+    import jax.numpy as jnp
+
+    def count(arrays):
+        total = jnp.zeros((), jnp.int32)
+        for key, lo, hi in bounds:
+            total = total + jnp.sum((arrays[key] < lo) | (arrays[key] >= hi), dtype=jnp.int32)
+        return total
+
+    return jax.jit(count)
 
 
 def check_rank(batch: dict, spec: dict, model_name: str) -> None:

@@ -45,7 +45,7 @@ class Trainer:
         for name in ("param_shardings", "grad_shardings", "opt_shardings", "residual_shardings",
                      "state_shardings", "batch_sharding", "stepper"):
             setattr(self, name, getattr(lay, name))
-        self._value_ranges = checks.value_ranges(model) if plan.check_inputs else {}
+        self._value_ranges = checks.value_ranges(model)  # host batches: always (free)
         self._names_checked = False
         # remat="auto" is resolved on the first batch, when the step's shapes are known.
         self.remat_policy = None if plan.remat == "auto" else plan.remat
@@ -143,20 +143,33 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------------------
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        """One optimizer step on a global batch; returns the new state and metrics."""
+        """One optimizer step on a global batch; returns the new state and metrics.
+
+        ``state`` is consumed (donated): continue from the returned one. A step whose loss or
+        gradient norm is not finite keeps the old parameters (``metrics["nonfinite_skipped"]``
+        is 1). Ids of a NumPy batch are checked on the host; a batch already on the device adds
+        ``metrics["bad_ids"]``, its count of ids outside the vocabulary, computed in-graph."""
+        checks.check_not_donated(state)
         if self.plan.check_inputs:  # opt-in: ids in range before the step, a finite loss after
             n = int(state.step) + 1
             checks.check_values(batch, self._value_ranges, n)
             state, metrics = self._step(state, self._prepare(state, batch))
-            checks.check_finite(metrics, n)
+            checks.check_finite(metrics, n, state)
             return state, metrics
-        return self._step(state, self._prepare(state, batch))
+        on_device = self._value_ranges and isinstance(batch, dict) and any(
+            isinstance(x, jax.Array) for x in batch.values())
+        state, metrics = self._step(state, self._prepare(state, batch))
+        if on_device:  # no host sync: a device scalar, dispatched after the step
+            metrics = {**metrics, "bad_ids": checks.bad_id_count(batch, self._value_ranges)}
+        return state, metrics
 
     def steps(self, state: TrainState, batches_: dict) -> tuple[TrainState, dict]:
         """``K`` optimizer steps in one jitted program; ``batches_`` leaves are
         ``[K, batch, ...]``. Metrics come back per step (``metrics["loss"]`` has shape ``[K]``).
         With ``schedule="2bw"`` the pipeline runs the K steps without a flush between them."""
-        batches_ = batches.place_steps(batches_, self.batch_sharding, self.check_batch)
+        checks.check_not_donated(state, "trainer.steps")
+        batches_ = batches.place_steps(batches_, self.batch_sharding, self.check_batch,
+                                       self._value_ranges)
         if self._remat is None:
             self._choose_remat(state, jax.tree.map(lambda x: x[0], batches_))
         return self._steps(state, batches_)
@@ -173,7 +186,7 @@ class Trainer:
     def shard_batch(self, batch: dict) -> dict:
         """Check a global batch and place it sharded over ``data`` (this process's rows when
         several processes run: see :mod:`fiddlejax.batches`)."""
-        return batches.place(batch, self.batch_sharding, self.check_batch)
+        return batches.place(batch, self.batch_sharding, self.check_batch, self._value_ranges)
 
     def check_batch(self, batch: dict) -> None:
         """Raise a clear error for a batch this trainer cannot take, before compiling."""

@@ -67,7 +67,7 @@ class DenseExchange:
         updates, opt_state = prog.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = state.advanced(params=params, opt_state=opt_state, **changes)
-        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return keep_if_finite(state, new, loss, optax.tree.norm(grads))
 
 
 class TopKExchange(DenseExchange):
@@ -98,7 +98,7 @@ class TopKExchange(DenseExchange):
         residual = jax.lax.with_sharding_constraint(residual, lay.residual_shardings)
         params = optax.apply_updates(state.params, updates)
         new = state.advanced(params=params, opt_state=opt_state, residual=residual)
-        return new, {"loss": loss, "grad_norm": norm}  # replica mean of local gradient norms
+        return keep_if_finite(state, new, loss, norm)  # norm: replica mean of local norms
 
     def loss_and_grads(self, prog: Program, params, batch, residual: Any, opt_state: Any = None):
         """Each replica sends the largest ``topk_density`` fraction of (its gradient + its
@@ -172,7 +172,27 @@ class TwoBWStepper(DenseExchange):
             lambda *s: data.reduce_sums(lay, *s), prog.remat, prog.optimizer, opt_specs)
         new = state.advanced(step=state.step + k, params=params, opt_state=opt_state,
                              residual=None, prev_params=prev)
-        return new, {"loss": losses, "grad_norm": norms}
+        # The optimizer ran inside the pipeline: a non-finite step skips the whole call.
+        new, metrics = keep_if_finite(state, new, losses, norms)
+        return new, {**metrics, "nonfinite_skipped": jnp.broadcast_to(
+            metrics["nonfinite_skipped"], losses.shape)}
+
+
+def keep_if_finite(old, new, loss, grad_norm):
+    """``new`` if the step's loss and gradient norm are finite, else ``old`` with only the step
+    counter advanced (the update is skipped, as ``optax.apply_if_finite`` does); and the step's
+    metrics, ``nonfinite_skipped`` 1 for a skipped step.
+
+    One NaN or inf anywhere in the gradients makes their global norm non-finite, and the norm
+    is computed anyway (for clipping and the metrics), so the test costs a scalar and an
+    elementwise select that fuses into the update: no extra pass, no host sync. ``loss`` and
+    ``grad_norm`` may hold one value per step (2BW's K steps in one program): then all count.
+    """
+    ok = jnp.all(jnp.isfinite(loss)) & jnp.all(jnp.isfinite(grad_norm))
+    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    kept = dataclasses.replace(kept, step=new.step)
+    return kept, {"loss": loss, "grad_norm": grad_norm,
+                  "nonfinite_skipped": jnp.logical_not(ok).astype(jnp.int32)}
 
 
 def _leafwise(optimizer: optax.GradientTransformation) -> bool:
@@ -193,4 +213,4 @@ def pick(plan) -> DenseExchange:
     return DenseExchange()
 
 
-__all__ = ["DenseExchange", "Program", "TopKExchange", "TwoBWStepper", "pick"]
+__all__ = ["DenseExchange", "Program", "TopKExchange", "TwoBWStepper", "keep_if_finite", "pick"]
