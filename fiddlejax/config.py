@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -37,6 +38,7 @@ class Spec:
     open_hi: bool = False
     null: bool = False  # null is allowed
     words: tuple = ()  # strings a numeric key also takes ("auto")
+    empty: bool = True  # a string key may be "" (paths may not: "" would mean "off" silently)
 
     def expected(self) -> str:
         if self.choices:
@@ -49,7 +51,7 @@ class Spec:
         elif self.kind is dict:
             text = "a mapping, e.g. {a: b}"
         elif self.kind is str:
-            text = "a string"
+            text = "a string" if self.empty else "a non-empty string"
         else:
             text = "an integer" if self.kind is int else "a number"
             bounds = []
@@ -73,9 +75,10 @@ class Spec:
         if self.kind is dict:
             return isinstance(v, dict)
         if self.kind is str:
-            return isinstance(v, str) and (not self.choices or v in self.choices)
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return False
+            return (isinstance(v, str) and (not self.choices or v in self.choices)
+                    and (self.empty or bool(v.strip())))
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            return False  # NaN passes every comparison, so it must be refused by name
         if self.choices and v not in self.choices:
             return False
         if self.kind is int and not isinstance(v, int):
@@ -105,6 +108,7 @@ POSITIVE = Spec(int, lo=1)
 COUNT = Spec(int, lo=0)
 MESH_AXIS = Spec(int, lo=-1)  # -1 infers the axis from the device count
 FRACTION = Spec(float, lo=0, hi=1, open_hi=True)
+MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minutes or crash
 
 # Keys typed beyond their default's type. Choices that other modules own are filled in by
 # :func:`specs` (schedule kinds, remat policies, all-reduce algorithms).
@@ -138,17 +142,19 @@ SPECS: dict[str, Spec] = {
     "optimizer.b1": FRACTION, "optimizer.b2": FRACTION, "optimizer.nesterov": Spec(bool),
     "optimizer.stale_correction": Spec(float, lo=0, hi=1), "optimizer.clip": Spec(float, lo=0),
     "data.batch_size": POSITIVE, "data.seed": COUNT,
-    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": COUNT,
-    "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
-    "run.dir": Spec(str), "run.cpu_devices": COUNT, "run.peak_tflops": Spec(float, lo=0),
-    "run.progress": Spec(str, choices=("auto", "bar", "lines")),
-    "checkpoint.dir": Spec(str, null=True, words=("auto",)),  # auto: <run.dir>/checkpoints
-    "checkpoint.every": Spec(int, lo=1, words=("auto",)),
     "data.field": Spec(str), "data.tokenizer": Spec(str), "data.pack": Spec(bool),
     "data.val_fraction": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True, null=True),
     "data.eos_id": Spec(int, lo=0, null=True), "data.workers": COUNT,
     "data.token_dtype": Spec(str, choices=("uint16", "uint32")),
     "data.allow_change": Spec(bool), "init_from": Spec(str, null=True),
+    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": COUNT,
+    "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
+    "run.dir": Spec(str, empty=False), "run.cpu_devices": Spec(int, lo=0, hi=MAX_CPU_DEVICES),
+    "run.peak_tflops": Spec(float, lo=0),
+    "run.progress": Spec(str, choices=("auto", "bar", "lines")),
+    "train.nonfinite": Spec(str, choices=("skip", "stop")), "train.nonfinite_limit": POSITIVE,
+    "checkpoint.dir": Spec(str, null=True, words=("auto",), empty=False),  # auto: run.dir/...
+    "checkpoint.every": Spec(int, lo=1, words=("auto",)),
     "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
     "checkpoint.max_to_keep": Spec(int, lo=1, null=True),
     "checkpoint.best_metric": Spec(str, null=True),
@@ -170,7 +176,9 @@ HINTS = {
     "mesh.data": "a device count, or -1 to use the devices the other axes leave",
     "checkpoint.dir": "checkpoint.dir=auto saves under run.dir/checkpoints, checkpoint.dir=DIR "
                       "in DIR, checkpoint.dir=null saves nothing",
-    "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={kv: tensor, fsdp: null}",
+    "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={mlp: null, kv_heads: null}",
+    "run.cpu_devices": f"0 (real devices) or up to {MAX_CPU_DEVICES}, e.g. run.cpu_devices=8",
+    "run.dir": "the directory for logs and checkpoints, e.g. run.dir=runs/default",
 }
 
 
@@ -269,6 +277,10 @@ def _read_file(path: str | Path) -> dict:
     try:
         with p.open() as f:
             user = yaml.safe_load(f) or {}
+    except (UnicodeDecodeError, OSError) as e:  # a binary file, an unreadable one
+        why = (f"not text: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8"
+               if isinstance(e, UnicodeDecodeError) else f"unreadable: {e.strerror or e}")
+        raise ConfigError(f"--config {path} is {why}; give a YAML file of overrides") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -309,7 +321,10 @@ def validate(cfg: dict) -> None:
         default = base.get(key)
         fix = HINTS.get(key) or (f"e.g. {key}={_yaml(default)} (the default)"
                                  if spec.ok(default) else f"see {key} in default.yaml")
-        raise _fail(key, value, spec.expected(), fix)
+        expected = spec.expected()
+        if isinstance(value, float) and not math.isfinite(value):  # NaN, inf: named as such
+            expected = expected.replace("a number", "a finite number", 1)
+        raise _fail(key, value, expected, fix)
     if cfg["plan"]["memory_budget"] is not None:
         parse_bytes(cfg["plan"]["memory_budget"], "plan.memory_budget")
     _check_combinations(cfg)
@@ -342,14 +357,9 @@ def _check_combinations(cfg: dict) -> None:
         raise ConfigError(
             f"plan.schedule={p['schedule']} needs a pipeline (mesh.pipe > 1), but mesh.pipe=1; "
             "set plan.schedule=null, or mesh.pipe=2 or more")
-    b, data, m = cfg["data"]["batch_size"], mesh["data"], p["microbatches"]
-    if data > 0 and b % (data * m):
-        per = data * m
-        good = max(per, b - b % per)
-        raise ConfigError(
-            f"data.batch_size={b} must be a multiple of mesh.data={data} x plan.microbatches={m} "
-            f"= {per} (each replica splits its rows into microbatches); e.g. "
-            f"data.batch_size={good}")
+    axes, n = list(mesh.values()), cfg["run"]["cpu_devices"]
+    if mesh["data"] > 0 and not (n and min(axes) > 0 and math.prod(axes) != n):
+        check_batch(cfg, mesh["data"])  # else a mesh problem, which the job names with devices
     t, c = cfg["train"], cfg["checkpoint"]
     if cfg["resume"] is not None and not c["dir"]:
         raise ConfigError(f"resume={cfg['resume']} needs checkpoints: checkpoint.dir=auto (under "
@@ -357,6 +367,17 @@ def _check_combinations(cfg: dict) -> None:
     if isinstance(cfg["resume"], int) and cfg["resume"] > t["steps"]:
         raise ConfigError(f"resume={cfg['resume']} is after train.steps={t['steps']}; resume "
                           "from an earlier step or raise train.steps")
+
+
+def check_batch(cfg: dict, data: int) -> None:
+    """``data.batch_size`` must split over ``data`` replicas x ``plan.microbatches``."""
+    b, m = cfg["data"]["batch_size"], cfg["plan"]["microbatches"]
+    if b % (data * m):
+        per = data * m
+        raise ConfigError(
+            f"data.batch_size={b} must be a multiple of mesh.data={data} x plan.microbatches={m} "
+            f"= {per} (each replica splits its rows into microbatches); e.g. "
+            f"data.batch_size={max(per, b - b % per)}")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -57,6 +57,15 @@ def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
     stream.close()
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it cannot act on SIGTERM."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -102,7 +111,11 @@ class Group:
                     pass
 
     def end(self, grace_s: float) -> None:
-        """SIGTERM the live processes, then SIGKILL whatever is left after ``grace_s``."""
+        """SIGTERM the live processes, then SIGKILL whatever is left after ``grace_s`` (a
+        stopped process at once: it would only act on SIGTERM once continued)."""
+        for p in self.procs:
+            if p.poll() is None and stopped(p.pid):
+                os.killpg(p.pid, signal.SIGKILL)
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
@@ -130,8 +143,11 @@ class Group:
             if failed:
                 rank, code = failed[0]
                 live = [r for r, c in enumerate(codes) if c is None]
+                frozen = [r for r in live if stopped(self.procs[r].pid)]
                 self.say(f"process {rank} {_describe(code)}"
-                         + (f"; ending processes {live}" if live else ""))
+                         + (f"; ending processes {live}" if live else "")
+                         + (f" (process {', '.join(map(str, frozen))} is stopped: SIGSTOP or a "
+                            "debugger; killed at once)" if frozen else ""))
                 self.end(grace_s)
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):

@@ -53,7 +53,16 @@ def build_model(mcfg: dict, seed: int):
     if mcfg.get("from_pretrained") and name != "llama":
         raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
                          f"model.name=llama (got {name!r})")
-    return models.get(name).build(mcfg, seed)
+    try:
+        return models.get(name).build(mcfg, seed)
+    except Exception as e:  # a damaged Hugging Face file: name it, not the parser's words
+        from fiddlejax.app.guards import pretrained_error
+
+        source = mcfg.get("from_pretrained")
+        clear = pretrained_error(source, e) if source else None
+        if clear is None:
+            raise
+        raise clear from e
 
 
 def build_data(cfg: dict, model, process_index: int = 0,

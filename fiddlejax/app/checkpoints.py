@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from fiddlejax.checkpoint import CheckpointManager, Preemption, jsonable
+from fiddlejax.checkpoint_lock import DirectoryInUse, DirectoryLock
 from fiddlejax.config import AUTO_CHECKPOINT_DIR, checkpoint_dir
 
 ROLLED_BACK = "rolled_back"  # where resume=N moves the checkpoints after N (never deleted)
@@ -55,6 +56,35 @@ def config_changes(saved: dict | None, cfg: dict) -> list[str]:
     return out
 
 
+def quiet_storage_errors() -> None:
+    """Keep a failed write to one line: the job reports it (naming the directory and the step
+    a resume uses), so Orbax's own log of the same error from its writer threads and
+    TensorStore's late callbacks into the closed event loop ("Event loop is closed", up to
+    hundreds of tracebacks) are dropped. Other logs and unraisable errors pass through."""
+    import logging
+    import sys
+
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxWriterErrors) for f in absl.filters):
+        absl.addFilter(_OrbaxWriterErrors())
+    previous = sys.unraisablehook
+    if getattr(previous, "fiddlejax", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.fiddlejax = True
+    sys.unraisablehook = hook
+
+
+class _OrbaxWriterErrors:
+    def filter(self, record) -> bool:
+        return "_SignalingThread.run() raised an exception" not in record.getMessage()
+
+
 def check_directory(cfg: dict) -> None:
     """Refuse an unusable ``checkpoint.dir`` before anything runs: a regular file, a directory
     that cannot be written, or a disk without room for a probe write."""
@@ -81,6 +111,38 @@ def check_directory(cfg: dict) -> None:
             "user can write to, with free space, or leave checkpoint.dir unset") from None
 
 
+def lock_directory(cfg: dict, log: Callable[[str], None] = print) -> DirectoryLock | None:
+    """Check ``checkpoint.dir`` (:func:`check_directory`) and lock it for this job's lifetime:
+    process 0 holds the lock for the whole job; every process learns whether it got it, so a
+    second job is refused everywhere (naming the holder), before anything is built. The caller
+    releases it on every exit path (the kernel does when the process ends)."""
+    check_directory(cfg)
+    d = checkpoint_dir(cfg)
+    if not d:
+        return None
+    lock, error, note = None, None, None
+    if jax.process_index() == 0:
+        lock = DirectoryLock(d, cfg["run"]["dir"], what=f"checkpoint.dir={d}")
+        try:
+            note = lock.acquire()
+        except DirectoryInUse as e:
+            error = e
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+            error = DirectoryInUse(f"checkpoint.dir={d} is in use by another fiddlejax job "
+                                   "(process 0's message names it); wait for it to end, or "
+                                   "give this run its own checkpoint.dir")
+    if error is not None:
+        raise error
+    if note:
+        log(note)
+    return lock
+
+
 class JobCheckpoints:
     """The ``checkpoint:`` and ``resume`` parts of ``fiddlejax train``, kept out of the loop.
 
@@ -93,11 +155,13 @@ class JobCheckpoints:
         c = cfg["checkpoint"]
         self.cfg, self.trainer, self.data_iter, self.log = cfg, trainer, data_iter, log
         self.resume, self.steps = cfg.get("resume"), cfg["train"]["steps"]
+        self.skipped_before = 0  # non-finite steps skipped by the runs this one resumes
         every = c["every"]
         self.directory = Path(checkpoint_dir(cfg)).absolute()
         self.owned = c["dir"] == AUTO_CHECKPOINT_DIR  # the run directory's own checkpoints
         self._remove_empty_steps()
         self.preemption = Preemption()
+        quiet_storage_errors()
         self.mgr = CheckpointManager(
             self.directory, trainer, every=every if every == "auto" else int(every or 0),
             max_to_keep=c["max_to_keep"], best_metric=c["best_metric"], best_mode=c["best_mode"],
@@ -145,6 +209,7 @@ class JobCheckpoints:
             self.log("warning: this data pipeline cannot be checkpointed; it restarts")
         elif r.data_state is not None:
             self.data_iter.set_state(r.data_state)
+        self.skipped_before = int((r.metrics or {}).get("nonfinite_skipped", 0))
         self.log(f"resumed from {self.mgr.directory} at step {r.step} "
                  f"(saved with layout {r.plan['mesh'] if r.plan else '?'})")
         for line in config_changes(r.config, self.cfg):
@@ -184,9 +249,13 @@ class JobCheckpoints:
             pass
         return self.mgr.latest_step()
 
-    def after_step(self, step: int, state, rec: dict) -> bool:
-        """Save if due (interval, CheckFreq, preemption, last step); True when it must stop."""
+    def after_step(self, step: int, state, rec: dict, skipped: bool = False) -> bool:
+        """Save if due (interval, CheckFreq, preemption, last step); True when it must stop.
+        A ``skipped`` step (its non-finite update was not applied) is saved only when the job
+        stops there (preemption, last step): the periodic save waits for an applied step."""
         preempted = self.mgr.reached_preemption(step)
+        if skipped and not (preempted or step == self.steps):
+            return False
         data_state = self.data_iter.get_state() if hasattr(self.data_iter, "get_state") else None
         self.mgr.save(step, state, force=preempted or step == self.steps,
                       metrics={k: v for k, v in rec.items() if isinstance(v, int | float)},

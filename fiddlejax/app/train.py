@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from fiddlejax import config as config_lib
-from fiddlejax.app import build, checkpoints, logs, runs
+from fiddlejax.app import build, checkpoints, guards, logs, nonfinite, runs
 
 # Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
 # training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
@@ -42,13 +42,12 @@ def main(config_path: str | None, overrides: list[str], debug: bool = False) -> 
 
 def report(e: BaseException) -> int:
     """Print ``e`` as one line on stderr; the exit code for it."""
-    from fiddlejax.checks import NonFiniteLoss
-
     text = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, KeyboardInterrupt):
         print("fiddlejax train: interrupted", file=sys.stderr, flush=True)
         return 130
-    if isinstance(e, NonFiniteLoss | RuntimeError) and not isinstance(e, NotImplementedError):
+    # FloatingPointError: a non-finite loss, or a non-finite state a save refused
+    if isinstance(e, FloatingPointError | RuntimeError) and not isinstance(e, NotImplementedError):
         code = 1
     elif isinstance(e, USER_ERRORS):
         code = 2
@@ -105,13 +104,37 @@ def _correct_fn(entry, model):
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
     cfg = config_lib.load(config_path, overrides)
-    build.setup_devices(cfg)
-    from fiddlejax import distributed
+    guards.check_config(cfg)  # rules, best metric, a batch beyond this machine's memory
+    flags = build.setup_devices(cfg)
+    from fiddlejax import distributed, xla_flags
 
     try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
         distributed.initialize()
     except RuntimeError as e:  # start-up problems name their fix: bad input, exit 2
         raise config_lib.ConfigError(str(e)) from e
+    guards.check_devices(cfg)  # the mesh against the devices, float16 on the CPU
+    import jax
+
+    if flags and jax.process_index() == 0:
+        _main_print(xla_flags.describe(flags))
+    # checkpoint.dir: checked, then locked for the job's lifetime (a second job is refused)
+    lock = checkpoints.lock_directory(cfg, _main_print if jax.process_index() == 0 else _quiet)
+    try:
+        return _run(cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _main_print(text: str) -> None:
+    print(text, flush=True)
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+def _run(cfg: dict) -> int:
     job = _start(cfg)
     try:
         state, start = job.ckpt.start() if job.ckpt else (job.trainer.init(), 1)
@@ -151,7 +174,6 @@ def _start(cfg: dict) -> Job:
         raise config_lib.ConfigError(
             f"train.steps_per_call={per_call} must be 1 when several processes train together; "
             "set train.steps_per_call=1")
-    checkpoints.check_directory(cfg)  # a file, read-only or full: refused before anything runs
     build.resolve_data(cfg)  # data: fits the model; model.vocab_size=auto from the tokenizer
     if is_main:
         print("# resolved config\n" + yaml.safe_dump(cfg, sort_keys=False), flush=True)
@@ -191,14 +213,14 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
     import jax
     import numpy as np
 
-    from fiddlejax.checks import NonFiniteLoss
-
     cfg, trainer, tcfg = job.cfg, job.trainer, job.cfg["train"]
     per_call, n_dev = int(tcfg.get("steps_per_call", 1)), jax.device_count()
     peak = float(cfg["run"]["peak_tflops"] or 0.0)
     times, losses = [], []
     t_prev = time.perf_counter()
     step, stop = start, False
+    guard = nonfinite.NonFiniteSteps(cfg, job.ckpt, job.log.print,
+                                     job.ckpt.skipped_before if job.ckpt else 0)
     while step <= tcfg["steps"] and not stop:
         # One call runs k steps (several in one program: PipeDream-2BW's unflushed pipeline).
         k = min(per_call, tcfg["steps"] - step + 1)
@@ -209,10 +231,14 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
         else:
             state, metrics = trainer.steps(
                 state, {key: np.stack([b[key] for b in batches]) for key in batches[0]})
-        step_losses = [float(x) for x in metrics["loss"]]  # syncs: time runs to completion
-        bad = [i for i, x in enumerate(step_losses) if not math.isfinite(x)]
-        if bad:  # stop before this state is logged as good or checkpointed
-            raise NonFiniteLoss(step + bad[0], step_losses[bad[0]], _nan_hint(cfg, job.ckpt))
+        # One transfer (it syncs: time runs to completion). A step whose loss or gradient norm
+        # is not finite was not applied (in-graph); the guard counts it or stops the job.
+        host = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "nonfinite_skipped")
+                               if k in metrics})
+        step_losses = [float(x) for x in host["loss"]]
+        norms = [float(x) for x in host["grad_norm"]]
+        skipped = guard.check(step, step_losses, norms, [int(x) for x in host.get(
+            "nonfinite_skipped", [0] * k)])
         now = time.perf_counter()
         dt, t_prev = (now - t_prev) / k, now
         for i, loss in enumerate(step_losses):
@@ -220,7 +246,9 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
             if step > start:  # the first call compiles
                 times.append(dt)
             losses.append(loss)
-            rec = {"loss": loss, "grad_norm": float(metrics["grad_norm"][i]), "step_time_s": dt}
+            rec = {"loss": loss, "grad_norm": norms[i], "step_time_s": dt}
+            if guard.total:
+                rec["nonfinite_skipped"] = guard.total
             rec.update(logs.throughput(dt, job.data.items_per_step, job.flops, n_dev, peak,
                                        job.data.unit))
             eval_due = tcfg["eval_every"] and any(
@@ -231,21 +259,12 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
                 if acc is not None:
                     rec["val_accuracy"] = acc
                 t_prev = time.perf_counter()  # evaluation is not step time
-            stop = last and job.ckpt is not None and job.ckpt.after_step(s, state, rec)
+            stop = last and job.ckpt is not None and job.ckpt.after_step(s, state, rec,
+                                                                         skipped[i])
             shown = s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec
             job.log.log(s, rec, logs.line(s, rec) if shown else None)
         step += k
     return losses, times, val, acc
-
-
-def _nan_hint(cfg: dict, ckpt) -> str:
-    where = ""
-    if ckpt is not None:
-        last = ckpt.last_good()
-        where = (f"; the last checkpoint is step {last} in {config_lib.checkpoint_dir(cfg)} "
-                 f"(resume=auto or resume={last} continues from it)" if last is not None else "")
-    return (f"; stopped before saving it{where}. Lower optimizer.lr (now "
-            f"{cfg['optimizer']['lr']}) or set plan.check_inputs=true to check the data")
 
 
 if __name__ == "__main__":

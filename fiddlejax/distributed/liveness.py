@@ -1,11 +1,15 @@
-"""Peer liveness: a dead peer ends the job in seconds, with one line naming it.
+"""Peer liveness: a dead or frozen peer ends the job in seconds, with one line naming it.
 
 After the preflight every process keeps one TCP connection to process 0. The kernel closes a
 process's sockets however it dies (SIGKILL included), so the other end reads EOF at once: a
 process whose peer vanished without a goodbye prints one line naming it and exits 1, instead of
-hanging in a collective until JAX's heartbeat timeout aborts it with a C++ stack dump. Process 0
-relays a loss to the others. Best effort: if the connection cannot be made, JAX's heartbeat
-(FIDDLEJAX_HEARTBEAT_TIMEOUT_S) still ends the job.
+hanging in a collective until JAX's heartbeat timeout aborts it with a C++ stack dump. A peer
+that stops without dying (SIGSTOP, a debugger, a hung host) keeps its socket open, so both ends
+also send a heartbeat every second from a thread of their own (it runs while the main thread
+computes or waits in a collective); a peer silent for ``FIDDLEJAX_PEER_TIMEOUT_S`` (10 s, and
+always under half of JAX's own heartbeat timeout, whose expiry aborts the process) is lost the
+same way. Process 0 relays a loss to the others. Best effort: if the connection cannot be made,
+JAX's heartbeat (FIDDLEJAX_HEARTBEAT_TIMEOUT_S) still ends the job.
 """
 
 from __future__ import annotations
@@ -20,6 +24,25 @@ import time
 from fiddlejax.distributed.wire import read_hello, send, who
 
 PEER_GRACE_S = 20.0  # a peer that exited with an error: time for this process to finish too
+ENV_PEER_TIMEOUT = "FIDDLEJAX_PEER_TIMEOUT_S"
+DEFAULT_PEER_TIMEOUT_S = 10.0
+BEAT_S = 1.0  # heartbeat period
+
+
+def peer_timeout() -> float:
+    """Seconds without a heartbeat after which a peer is lost: ``FIDDLEJAX_PEER_TIMEOUT_S``
+    (default 10), at most half of JAX's heartbeat timeout (which aborts with a stack dump)."""
+    from fiddlejax.distributed.cluster_env import DEFAULT_HEARTBEAT_TIMEOUT_S, ENV_HEARTBEAT_TIMEOUT
+
+    def env(key: str, default: float) -> float:
+        try:
+            value = float(os.environ.get(key) or default)
+        except ValueError:
+            return default
+        return value if value > 0 else default
+
+    jax_beat = env(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S)
+    return max(min(env(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S), jax_beat / 2), 2 * BEAT_S)
 
 
 def listen_any() -> socket.socket | None:
@@ -64,28 +87,52 @@ def join_watch(host: str, port: int, me: dict) -> None:
 
 
 class _Watchdog:
-    """One thread per connection; the first peer lost ends this process."""
+    """One thread per connection, one heartbeat thread; the first peer lost ends this process."""
 
     def __init__(self, me: int, conns: dict[int, socket.socket], hosts: dict):
         self.me, self.conns, self.hosts = me, conns, hosts
         self.finishing = threading.Event()
         self.lock = threading.Lock()
+        self.send_lock = threading.Lock()  # whole lines: beats, relays and goodbyes interleave
+        self.timeout = peer_timeout()
+        self.heard = {peer: time.monotonic() for peer in conns}  # peer -> last line received
         for peer, conn in conns.items():
             conn.settimeout(None)
             threading.Thread(target=self._watch, args=(peer, conn), daemon=True,
                              name=f"fiddlejax-watch-{peer}").start()
+        threading.Thread(target=self._beat, daemon=True, name="fiddlejax-heartbeat").start()
+
+    def send(self, conn: socket.socket, msg: dict) -> None:
+        with self.send_lock:
+            send(conn, msg)
+
+    def _beat(self) -> None:
+        """Send a heartbeat to every peer each second; lose a peer silent for the timeout."""
+        while not self.finishing.wait(BEAT_S):
+            for conn in list(self.conns.values()):
+                self.send(conn, {"beat": 1})
+            now = time.monotonic()
+            for peer, last in list(self.heard.items()):
+                if now - last > self.timeout:
+                    self._lost(peer, f"it stopped answering: no heartbeat for {now - last:.0f} s "
+                                     "(frozen: stopped with SIGSTOP or in a debugger, or its host "
+                                     f"hangs; {ENV_PEER_TIMEOUT}={self.timeout:g})")
 
     def _watch(self, peer: int, conn: socket.socket) -> None:
         bye = None
         try:
             for line in conn.makefile("rb"):
+                if bye is None:
+                    self.heard[peer] = time.monotonic()
                 msg = json.loads(line)
                 if "lost" in msg:  # process 0 relays another peer's loss
                     self._lost(int(msg["lost"]), msg.get("why", ""))
-                if "bye" in msg:
+                if "bye" in msg:  # ending on purpose: no more heartbeats from it
                     bye = msg["bye"]
+                    self.heard.pop(peer, None)
         except (OSError, ValueError):
             pass
+        self.heard.pop(peer, None)  # its end is judged below, not by heartbeats
         if bye is None:
             self._lost(peer, "it ended without a goodbye (killed, or crashed)")
         elif bye != 0 and not self.finishing.wait(PEER_GRACE_S):
@@ -99,7 +146,7 @@ class _Watchdog:
             if self.me == 0:
                 for other, c in self.conns.items():
                     if other != peer:
-                        send(c, {"lost": peer, "why": why})
+                        self.send(c, {"lost": peer, "why": why})
             info = self.hosts.get(peer, {})
             where = f" ({who(info)})" if info.get("pid", "?") != "?" else ""
             sys.stdout.flush()
@@ -112,7 +159,7 @@ class _Watchdog:
     def goodbye(self, code: int) -> None:
         self.finishing.set()
         for c in self.conns.values():
-            send(c, {"bye": int(code)})
+            self.send(c, {"bye": int(code)})
 
 
 _watchdog: _Watchdog | None = None

@@ -20,12 +20,13 @@ def read_hello(conn: socket.socket) -> dict | None:
     conn.settimeout(10.0)
     buf = b""
     try:
-        while not buf.endswith(b"\n") and len(buf) < 4096:
+        while b"\n" not in buf and len(buf) < 4096:
             chunk = conn.recv(4096)
             if not chunk:
                 return None
             buf += chunk
-        hello = json.loads(buf)
+        # Only the first line: a watcher's heartbeats may already follow its hello.
+        hello = json.loads(buf.split(b"\n", 1)[0])
     except (OSError, ValueError):
         return None
     if not isinstance(hello, dict) or not {"process_id", "num_processes"} <= set(hello):
