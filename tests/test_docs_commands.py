@@ -8,6 +8,7 @@ joined at trailing backslashes. Within a command (between ``&&``, ``;`` and ``|`
 - ``fiddlejax train ...`` (also after ``python launch/local.py ... --``) gets :data:`SHORT`
   appended, so it trains two steps into a temporary run directory; everything else of the
   command (layout, model, schedule, optimizer, checkpoint.dir, resume) runs as the docs say.
+  A command that ranks checkpoints by a validation metric keeps one validation batch.
 - A command matching :data:`EXEMPT` is replaced by ``true``; the reason is beside its pattern.
 - A usage synopsis, a command with a ``[optional]`` or ``...`` placeholder, is skipped: it is
   not meant to be pasted.
@@ -59,7 +60,10 @@ def _rewrite(command: str) -> str:
     if "fiddlejax train" in c:
         redirect = re.search(r"\s[12]?>", c)
         head, tail = (c[:redirect.start()], c[redirect.start():]) if redirect else (c, "")
-        return f"{head} {' '.join(SHORT)}{tail}"
+        short = SHORT
+        if re.search(r"checkpoint\.best_metric=val_", head):  # it needs validation to run
+            short = [*SHORT, "train.eval_every=2", "train.eval_batches=1"]
+        return f"{head} {' '.join(short)}{tail}"
     return c
 
 
