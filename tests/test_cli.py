@@ -34,7 +34,8 @@ def test_cli_rejects_bad_layout():
                         "data.batch_size=48"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "needs 12 devices but 8 are available" in r.stderr  # default pipe=2, tensor=2
+    assert ("mesh.data=3 x mesh.pipe=2 x mesh.tensor=2 = 12 devices, but this run has 8 "
+            "devices") in r.stderr  # default pipe=2, tensor=2
 
 
 @pytest.mark.slow
