@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 if __name__ == "models":  # pragma: no cover - the old import path, see the docstring
@@ -31,6 +31,8 @@ if __name__ == "models":  # pragma: no cover - the old import path, see the docs
         sys.modules[f"{__name__}.{_sub}"] = importlib.import_module(f"fiddlejax.models.{_sub}")
 
 
+from .feed import Batches, own_batches, own_data, token_batches, vocab_fix  # noqa: E402,F401
+
 # Muon orthogonalizes each layer's matrices: which axes of a stacked block leaf are the matrix's
 # input (reduction) and output axes, counted from the end so every parallel layout agrees.
 TRANSFORMER_MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,), (-2, -1)),
@@ -38,17 +40,6 @@ TRANSFORMER_MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,
                          "wo": ((-3, -2), (-1,))}
 LLAMA_MUON_AXES = {**TRANSFORMER_MUON_AXES, "w3": ((-2,), (-1,))}  # SwiGLU's up projection
 CNN_MUON_AXES = {"k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,))}
-
-
-@dataclasses.dataclass(frozen=True)
-class Batches:
-    """What a model's data looks like to the job: iterators of global-batch dicts (this
-    process's rows) and how many items (tokens or examples) one step consumes."""
-
-    train: Iterator[dict]
-    validation: Iterator[dict]
-    items_per_step: int
-    unit: str = "tokens"  # what items_per_step counts: "tokens" or "examples"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,35 +101,6 @@ def vocab(mcfg: dict) -> int:
     return tokenizer.load("auto", mcfg.get("from_pretrained")).vocab_size
 
 
-def vocab_fix(cfg: dict, vocab: int) -> str:
-    """How to give the model a vocabulary of ``{need}`` ids, naming the key that decides it: a
-    pretrained model's vocabulary is its checkpoint's, which ``model.vocab_size`` cannot change."""
-    source = cfg["model"].get("from_pretrained")
-    if source:
-        return (f"the vocabulary comes from model.from_pretrained={source} (vocab_size={vocab} "
-                "in its config.json; model.vocab_size is not used). The bundled corpus is "
-                "bytes: fine-tune a checkpoint whose vocabulary holds at least {need} ids, or "
-                "train from scratch without model.from_pretrained (model.vocab_size={need})")
-    return "set model.vocab_size={need} (or more)"
-
-
-def token_batches(cfg: dict, seq_len: int, vocab: int | None, process_index: int,
-                  process_count: int) -> tuple[Iterator[dict], Iterator[dict]]:
-    """Windows of the stdlib corpus, ``{"tokens": int32[B, seq_len + 1]}`` (inputs and
-    next-token targets); ids checked once against ``vocab`` (the model's vocabulary)."""
-    from fiddlejax import data
-
-    b, seed = cfg["data"]["batch_size"], cfg["data"]["seed"]
-    shard = {"process_index": process_index, "process_count": process_count}
-    corpus = data.stdlib_corpus("train")
-    if vocab is not None:
-        data.check_tokens(corpus, vocab, "the stdlib corpus", vocab_fix(cfg, vocab))
-    train = data.token_batches(corpus, seq_len, b, seed=seed, **shard)
-    val = data.token_batches(data.stdlib_corpus("validation"), seq_len, b, shuffle=False,
-                             **shard)
-    return iter(train), iter(val)
-
-
 def transformer_flops(model, batch_size: int, lookups: tuple[str, ...] = ("wte", "wpe"),
                       tied: str | None = None) -> float:
     """6 N per token for the N matmul parameters plus 12 L T d for attention scores.
@@ -173,27 +135,6 @@ def _gpt_batches(cfg, model, process_index, process_count) -> Batches:
     else:
         train, val = token_batches(cfg, seq, vocab, process_index, process_count)
     return Batches(train, val, cfg["data"]["batch_size"] * seq)
-
-
-def own_data(cfg: dict) -> bool:
-    """Whether the job trains on the user's data (``data.path``, ``data.mixture`` or a
-    tokenizer other than bytes) rather than the stdlib corpus in byte windows."""
-    from fiddlejax.data import pipeline
-
-    return pipeline.wanted(cfg["data"], cfg["model"].get("from_pretrained"))
-
-
-def own_batches(cfg: dict, seq_len: int, vocab: int, process_index: int = 0,
-                process_count: int = 1):
-    """(train stream, validation batches) of the user's data, packed (``segment_ids``,
-    ``positions``); the train stream's state records the sources and the tokenizer."""
-    from fiddlejax.data import pipeline, tokenizer
-
-    tok = tokenizer.load(cfg["data"]["tokenizer"], cfg["model"].get("from_pretrained"))
-    fix = vocab_fix(cfg, vocab).replace("The bundled corpus is bytes", "The tokenizer is "
-                                        f"{tok.describe()}")
-    return pipeline.job_batches(cfg["data"], tok, seq_len, vocab, fix, process_index,
-                                process_count)
 
 
 def _gpt_flops(model, batch_size: int) -> float:
@@ -296,3 +237,31 @@ def register(entry: ModelEntry) -> ModelEntry:
     """Add (or replace) a model the job can train by ``model.name``."""
     REGISTRY[entry.name] = entry
     return entry
+
+
+# -- what eval, generate and export ask of a bundled model ---------------------------------------
+def forward_loss(model, batch: dict):
+    """The model's loss on ``batch``, unparallelized (prologue, stacked layers, head, loss):
+    a scalar mean or a ``(sum, weight)`` pair, as the model's ``loss`` returns it."""
+    from .common import scan_layers
+
+    x = scan_layers(getattr(model, model.stack), model.prologue(batch))
+    return model.loss(model.head(x), batch)
+
+
+def generate_text(model, prompt, max_new_tokens: int, **kw):
+    """A decoder's continuation of ``prompt`` with a KV cache (:mod:`.generate`)."""
+    from .generate import generate as run
+
+    return run(model, prompt, max_new_tokens, **kw)
+
+
+def save_hf(model, directory, *, max_shard_size="5GB", dtype: str = "float32") -> None:
+    """A bundled model as a Hugging Face directory: Llama as ``llama``, GPT as ``gpt2``."""
+    from .gpt import GPT
+
+    if isinstance(model, GPT):
+        from .gpt2_hf import save_gpt2
+
+        return save_gpt2(model, directory, max_shard_size=max_shard_size, dtype=dtype)
+    return model.save_pretrained(directory, max_shard_size=max_shard_size, dtype=dtype)

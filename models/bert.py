@@ -144,7 +144,7 @@ def masked_batches(cfg: dict, model: BERT, process_index: int, process_count: in
     """The job's train and validation streams: stdlib-corpus windows of ``model.seq_len``
     bytes, masked per batch (:class:`MaskedBatches`); ids checked against the byte vocabulary
     (the [MASK] id excluded)."""
-    from . import Batches, token_batches
+    from .feed import Batches, token_batches
 
     b, seed, seq = cfg["data"]["batch_size"], cfg["data"]["seed"], cfg["model"]["seq_len"]
     train, val = token_batches(cfg, seq - 1, model.config.vocab_size - 1, process_index,

@@ -100,7 +100,7 @@ def digit_batches(cfg: dict, process_index: int, process_count: int):
     """The job's train and validation streams: 8x8 digits, ``{"images", "labels"}``."""
     from fiddlejax import data
 
-    from . import Batches
+    from .feed import Batches
 
     b, seed = cfg["data"]["batch_size"], cfg["data"]["seed"]
     shard = {"process_index": process_index, "process_count": process_count}

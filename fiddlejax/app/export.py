@@ -62,12 +62,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     finally:
         mgr.close()
     nnx.update(model, trainer.params(restored.state))
-    if cfg["model"]["name"] == "gpt":  # GPT-2's architecture: a gpt2 directory
-        from fiddlejax.models.gpt2_hf import save_gpt2
+    from fiddlejax import models
 
-        save_gpt2(model, out_dir, max_shard_size=max_shard_size, dtype=dtype)
-    else:
-        model.save_pretrained(out_dir, max_shard_size=max_shard_size, dtype=dtype)
+    models.save_hf(model, out_dir, max_shard_size=max_shard_size, dtype=dtype)  # GPT: gpt2
     return restored.step
 
 

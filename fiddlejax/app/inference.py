@@ -5,7 +5,7 @@ checkpoint or ``resume=N``) or a Hugging Face directory (``model.from_pretrained
   perplexity (the run's own validation data unless ``data.*`` says otherwise);
 - ``fiddlejax generate run.dir=DIR prompt="..." [max_new_tokens=N temperature=T top_p=P
   seed=S]`` prints the prompt's continuation, decoded with the run's tokenizer, using a KV cache
-  (:mod:`fiddlejax.models.generate`).
+  (``fiddlejax.models.generate``).
 
 Both run the unparallelized model on one device: the checkpoint is restored onto the run's
 layout and gathered into the canonical parameters.
@@ -83,11 +83,7 @@ def evaluate(cfg: dict, model, batches: int) -> float:
 
     @jax.jit
     def loss(p, batch):
-        m = nnx.merge(graphdef, p, rest)
-        from fiddlejax.models.common import scan_layers
-
-        x = scan_layers(getattr(m, m.stack), m.prologue(batch))
-        return as_weighted(m.loss(m.head(x), batch))
+        return as_weighted(models.forward_loss(nnx.merge(graphdef, p, rest), batch))
 
     total = weight = 0.0
     for _ in range(batches):
@@ -107,7 +103,7 @@ def eval_command(argv: list[str]) -> int:
 
 
 def generate_command(argv: list[str]) -> int:
-    from fiddlejax.models.generate import generate
+    from fiddlejax import models
 
     own, overrides = parse(argv, "generate")
     cfg, model, tok, what = load(own, overrides, "generate")
@@ -120,7 +116,7 @@ def generate_command(argv: list[str]) -> int:
         ids = [tok.bos_id, *ids]
     if not ids:
         raise config_lib.ConfigError('fiddlejax generate needs prompt="some text"')
-    out = generate(model, [ids], _number(own, "max_new_tokens", int, 64),
+    out = models.generate_text(model, [ids], _number(own, "max_new_tokens", int, 64),
                    temperature=_number(own, "temperature", float, 0.0),
                    top_p=_number(own, "top_p", float, 1.0), seed=_number(own, "seed", int, 0),
                    eos_id=tok.eos_id)
