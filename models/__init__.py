@@ -19,6 +19,7 @@ from typing import Any
 
 if __name__ == "models":  # pragma: no cover - the old import path, see the docstring
     import importlib
+    import pkgutil
     import sys
     import warnings
 
@@ -27,8 +28,9 @@ if __name__ == "models":  # pragma: no cover - the old import path, see the docs
                   stacklevel=2)
     # One module object per model under both names, so classes and REGISTRY entries agree.
     sys.modules[__name__] = importlib.import_module("fiddlejax.models")
-    for _sub in ("common", "gpt", "bert", "cnn", "llama"):
-        sys.modules[f"{__name__}.{_sub}"] = importlib.import_module(f"fiddlejax.models.{_sub}")
+    for _sub in pkgutil.iter_modules(__path__):
+        sys.modules[f"{__name__}.{_sub.name}"] = importlib.import_module(
+            f"fiddlejax.models.{_sub.name}")
 
 
 from .feed import Batches, own_batches, own_data, token_batches, vocab_fix  # noqa: E402,F401
