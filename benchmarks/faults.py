@@ -16,8 +16,10 @@ compares with an uninterrupted reference run of the same config, step by step:
 - ``disk``: a read-only and a full checkpoint disk (tmpfs mounts; needs root, else skipped):
   refused before the first step / the failed save stops the run (exit 1), nothing continues
   without saves.
+- ``concurrent``, ``nan``, ``frozen``, ``ulimit`` (round three, ``benchmarks/faults_jobs.py``):
+  two jobs on one checkpoint directory, NaN injection, a frozen peer, a file-size limit.
 
-    python benchmarks/faults.py [--kills 20] [--seed 0]
+    python benchmarks/faults.py [--kills 20] [--trials 2] [--seed 0]
 
 writes ``benchmarks/results/faults.md``.
 """
@@ -31,75 +33,29 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "faults.md"
-TINY = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
-        "model.n_layers=2", "model.d_ff=64", "data.batch_size=8", "mesh.pipe=1",
-        "mesh.tensor=1", "plan.schedule=null", "plan.microbatches=1", "train.eval_every=0",
-        "train.eval_batches=0", "train.log_every=1", "run.progress=lines",
-        "optimizer.warmup_steps=5"]
-ONE = ["run.cpu_devices=2", "mesh.data=2"]  # one process, 2 devices
-TWO = ["mesh.data=4"]  # two processes x 2 devices
-
-
-def env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("FIDDLEJAX_", "SLURM_", "OMPI_", "JAX_NUM_CPU_DEVICES"))}
-    e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
-                              if "xla_force_host_platform_device_count" not in f)
-    e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **CACHE, **extra)
-    return e
-
-
-CACHE: dict[str, str] = {}
-
-
-def train(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fiddlejax.cli", "train", *TINY, f"run.dir={run_dir}", *extra]
-
-
-def launcher(*cmd: str) -> list[str]:
-    return [sys.executable, str(ROOT / "launch" / "local.py"), "--nproc", "2",
-            "--devices-per-process", "2", "--", *cmd]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in recs]
-    assert len(steps) == len(set(steps)), "a step is logged twice"
-    return {r["step"]: r["loss"] for r in recs}
-
-
-def committed(ckpt: Path) -> int | None:
-    steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
-    return max(steps) if steps else None
-
-
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=kw.pop("env", env()),
-                          timeout=kw.pop("timeout", 600), cwd=ROOT, **kw)
-
-
-def start(cmd: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=kw.pop("env", env()), cwd=ROOT, start_new_session=True, **kw)
-
-
-def wait_for_step(p: subprocess.Popen, pattern: str = r"step\s+\d+ \|") -> list[str]:
-    """Lines of ``p``'s stdout up to its first step line (or its end)."""
-    out = []
-    for line in p.stdout:
-        out.append(line)
-        if re.search(pattern, line):
-            break
-    return out
+import faults_jobs
+from fault_tools import (
+    CACHE,
+    ONE,
+    OUT,
+    TWO,
+    committed,
+    env,
+    free_port,
+    launcher,
+    losses,
+    ranks,
+    run,
+    start,
+    train,
+    wait_for_step,
+)
 
 
 # -- scenarios ---------------------------------------------------------------------------------
@@ -215,12 +171,6 @@ def corrupt(tmp: Path, steps: int) -> dict:
             "failures": failures, "lost": 0, "exact": failures == 0, "note": "; ".join(notes)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def peer_kill(tmp: Path, trials: int) -> dict:
     cfg = [*TWO, "train.steps=100000"]
     failures, notes = 0, []
@@ -230,14 +180,14 @@ def peer_kill(tmp: Path, trials: int) -> dict:
         if via == "launcher":
             p = start(launcher(*train(d, *cfg)))
             wait_for_step(p, r"\[0\] step\s+\d+ \|")
-            pids = _ranks(p.pid)
+            pids = ranks(p.pid)
             os.kill(pids[1], signal.SIGKILL)
             t0 = time.monotonic()
             out, err = p.communicate(timeout=120)
             took, code = time.monotonic() - t0, p.returncode
             survivor_err = "\n".join(x for x in err.splitlines() if x.startswith("[0]"))
         else:
-            port = _free_port()
+            port = free_port()
             procs = [start(train(d, *cfg), env=env(
                 FIDDLEJAX_COORDINATOR=f"127.0.0.1:{port}", FIDDLEJAX_NUM_PROCESSES="2",
                 FIDDLEJAX_PROCESS_ID=str(r), FIDDLEJAX_CPU_DEVICES="2")) for r in range(2)]
@@ -254,19 +204,6 @@ def peer_kill(tmp: Path, trials: int) -> dict:
         notes.append(f"{via}: exit {code} after {took:.1f} s")
     return {"scenario": "SIGKILL of one of two processes", "trials": trials,
             "failures": failures, "lost": 0, "exact": None, "note": "; ".join(notes)}
-
-
-def _ranks(launcher_pid: int) -> list[int]:
-    """The launcher's two training processes, rank order (by FIDDLEJAX_PROCESS_ID)."""
-    kids = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
-                          text=True).stdout.split()
-    ranked = {}
-    for k in kids:
-        environ = Path(f"/proc/{k}/environ").read_bytes().split(b"\0")
-        rank = [e for e in environ if e.startswith(b"FIDDLEJAX_PROCESS_ID=")]
-        if rank:
-            ranked[int(rank[0].split(b"=")[1])] = int(k)
-    return [ranked[r] for r in sorted(ranked)]
 
 
 def disk(tmp: Path) -> dict:
@@ -303,6 +240,8 @@ def disk(tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=20, help="SIGKILL trials (default 20)")
+    ap.add_argument("--trials", type=int, default=2,
+                    help="trials of the concurrent-jobs and frozen-peer faults (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", default=None, help="scenario names to run (debugging; "
                     "the results file is written only for a full run)")
@@ -318,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                          ("sigterm", lambda: sigterm_launcher(tmp, 2, 16)),
                          ("corrupt", lambda: corrupt(tmp, 16)),
                          ("peer", lambda: peer_kill(tmp, 4)),
-                         ("disk", lambda: disk(tmp))):
+                         ("disk", lambda: disk(tmp)),
+                         ("concurrent", lambda: faults_jobs.concurrent(tmp, args.trials)),
+                         ("nan", lambda: faults_jobs.nan(tmp)),
+                         ("frozen", lambda: faults_jobs.frozen(tmp, args.trials)),
+                         ("ulimit", lambda: faults_jobs.ulimit(tmp))):
             if args.only is not None and name not in args.only:
                 continue
             t = time.time()
@@ -328,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     lines = ["# Fault injection", "",
-             f"`python benchmarks/faults.py --kills {args.kills} --seed {args.seed}` "
+             f"`python benchmarks/faults.py --kills {args.kills} --trials {args.trials} "
+             f"--seed {args.seed}` "
              f"({time.time() - t0:.0f} s on this machine). Tiny GPT (2 layers, d=32) on 2 "
              "simulated CPU devices per process; every trial is compared with an uninterrupted "
              "run of the same config. Steps lost: steps before the newest committed checkpoint "

@@ -76,10 +76,10 @@ def test_two_jobs_at_once_lose_nothing_and_a_full_disk_changes_nothing(tmp_path)
         assert m.all_steps() == [2, 4]  # the winner's, complete
         m.restore(4)
 
-    before = digest(ck)  # `ulimit -f 300`: files up to 150 kB; a write past it fails (EFBIG)
+    before = digest(ck)  # `ulimit -f 64`: files up to 64 KiB; a write past it fails (EFBIG)
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}  # only checkpoints are large
     cmd = train_cmd(*cfg, "train.steps=8", "resume=auto", f"run.dir={tmp_path / 'a'}")
-    r = subprocess.run(["bash", "-c", 'ulimit -f 300 && exec "$@"', "bash", *cmd],
+    r = subprocess.run(["bash", "-c", 'ulimit -f 64 && exec "$@"', "bash", *cmd],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1, r.stderr[-3000:]
