@@ -240,3 +240,19 @@ def test_damaged_pretrained_files_are_named(tmp_path, capsys):
     assert train.main(None, args) == 2
     err = capsys.readouterr().err
     assert f"model.from_pretrained={hf}: config.json is damaged (its JSON is cut off" in err, err
+
+
+def test_a_truncated_checkpoint_names_the_array(tmp_path):
+    t = trainer()
+    with ckpt.CheckpointManager(tmp_path, t, async_save=False) as mgr:
+        state = t.init()
+        mgr.save(1, state, force=True)
+        mgr.save(2, state, force=True)
+    files = (tmp_path / "2" / "state").rglob("ocdbt.process_0/d/*")
+    data = max(files, key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with ckpt.CheckpointManager(tmp_path, t) as mgr:
+        with pytest.raises(ValueError, match=r"checkpoint step 2 in .* is truncated or corrupted: "
+                           r"(params|opt_state)\.\S+ cannot be read \(a data file is shorter than "
+                           r"the checkpoint recorded .*resume=1"):
+            mgr.restore()
