@@ -190,7 +190,7 @@ class CheckpointManager:
         if bad is not None:  # a checkpoint must never hold a state that only produces NaN
             timing.last_return = time.perf_counter()
             raise NonFiniteState(
-                f"step {step}: the state is not finite ({bad}); not saved to {self.directory}. "
+                f"step {step}: the state is not finite ({bad}); not saved to {self.directory}; "
                 + self._last_good_text())
         meta = self._meta(step, paths, leaves, fps, data_state, rng, extra, metrics)
         ocp = self._ocp

@@ -84,11 +84,10 @@ def _check_batch_memory(cfg: dict) -> None:
     seq = cfg["model"].get("seq_len") or 1
     need = b * (seq + 1) * TOKEN_BYTES
     if mem and need > mem:
-        fit = max(1, mem // (8 * (seq + 1) * TOKEN_BYTES))
         raise ConfigError(
             f"data.batch_size={b} is too large: one batch of (model.seq_len={seq} + 1) int32 "
             f"token ids takes {_size(need)}, more than this machine's {_size(mem)} of memory "
-            f"(before any activation); lower it, e.g. data.batch_size=32 (at most about {fit})")
+            "(before any activation); lower it, e.g. data.batch_size=32")
 
 
 def _size(n: float) -> str:
