@@ -205,7 +205,9 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     act = ends.prologue(ends.outer(0), 0)  # its shape (the trace is dead code)
     layer = remat(s.layer)
     # collectives inside a layer that every device must reach: run the loops in lockstep
-    lockstep = lockstep_lib.needs_lockstep(pipeline, layer, versions[0], act)
+    # (probed on the layer as the model wrote it: the FSDP view's gathers over `data` need the
+    # manual `data` axis of the step, and only the `tensor` split decides)
+    lockstep = lockstep_lib.needs_lockstep(pipeline, s.layer, versions[0], act)
 
     def stage_program(f, n_in: int, n_rest: int = 2):
         """``f`` on each stage's slice ``[1, ...]`` of its first ``n_in`` arguments (the

@@ -69,8 +69,8 @@ def _probe(pipeline, layer: Callable, params: nnx.State, act: Any) -> str:
     """The compiled text of one layer's forward and backward in a loop that only stage 0
     runs, its parameters split over ``pipe`` and ``tensor`` as the pipeline splits them."""
     mesh, stack, p = pipeline.plan.mesh, pipeline.staged.stack, pipeline.p
-    lp = nnx.State(params[stack])
-    specs = nnx.State(pipeline.param_specs(params)[stack])
+    lp = params[stack]  # the structure the executor hands its layers
+    specs = pipeline.param_specs(params)[stack]
 
     def one(v, s):  # [p, v, lmax, *rest] -> one layer per stage [p, *rest]
         value = v.get_value() if isinstance(v, nnx.Variable) else v
@@ -79,9 +79,9 @@ def _probe(pipeline, layer: Callable, params: nnx.State, act: Any) -> str:
         return jax.ShapeDtypeStruct((p, *value.shape[3:]), value.dtype,
                                     sharding=NamedSharding(mesh, P("pipe", *rest)))
 
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    flat_lp, lp_def = jax.tree.flatten(lp, is_leaf=is_var)
-    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: is_var(x) or isinstance(x, P))
+    # Variables stay nodes of the structure (a parameter view's prefix trees have them)
+    flat_lp, lp_def = jax.tree.flatten(lp)
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     abstract = [one(v, s) for v, s in zip(flat_lp, flat_specs, strict=True)]
     x = jax.ShapeDtypeStruct((p, *act.shape), act.dtype, sharding=NamedSharding(mesh, P("pipe")))
 
@@ -93,7 +93,8 @@ def _probe(pipeline, layer: Callable, params: nnx.State, act: Any) -> str:
             h, g = c
             out, vjp = jax.vjp(layer, lp_, h)
             dlp, dh = vjp(out)
-            return dh + out, [a + d for a, d in zip(g, jax.tree.leaves(dlp))]
+            return ((dh + out).astype(h.dtype),
+                    [a + d.astype(a.dtype) for a, d in zip(g, jax.tree.leaves(dlp))])
 
         trips = jnp.where(jax.lax.axis_index("pipe") == 0, 1, 0)
         zeros = [jnp.zeros_like(a) for a in jax.tree.leaves(lp_)]
