@@ -21,7 +21,10 @@ def setup_devices(cfg: dict) -> dict[str, str]:
     if n > 0:
         import jax
 
-        jax.config.update("jax_num_cpu_devices", n)
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # JAX already runs in this process (a notebook, a test): its
+            pass              # devices serve, and the mesh is checked against them
     return added
 
 
