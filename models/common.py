@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
+from fiddlejax.parallel import context
 
 Init = Callable[..., jax.Array]
 
@@ -191,8 +192,10 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
-              segment_ids: jax.Array | None = None, as_bias: bool | None = None) -> jax.Array:
-    """softmax(q k^T / sqrt(d)) v for ``q[B, T, H, Dh]``, ``k, v[B, S, KV, Dh]``; tagged CONTEXT.
+              segment_ids: jax.Array | None = None, as_bias: bool | None = None,
+              window: int | None = None, softcap: float | None = None,
+              scale: float | None = None) -> jax.Array:
+    """softmax(q k^T * scale) v for ``q[B, T, H, Dh]``, ``k, v[B, S, KV, Dh]``; tagged CONTEXT.
 
     One ``jax.nn.dot_product_attention`` call, so the backend picks the kernel: cuDNN's fused
     flash attention on a GPU for bf16/fp16 inputs, XLA's implementation otherwise (CPU, float32).
@@ -200,11 +203,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     Hugging Face's ``repeat_kv`` does; the call broadcasts K/V heads instead of copying them.
     With ``segment_ids[B, T]`` a query attends only to keys of its own segment: a boolean mask
     on XLA's path, an additive bias on cuDNN's fused one (``as_bias`` forces either).
+    ``window``: a query sees itself and the ``window - 1`` keys before it (Hugging Face's
+    ``sliding_window``; a local window of the fused call). ``scale`` defaults to ``Dh ** -0.5``.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2), which no fused
+    kernel offers: :func:`capped_attention` computes it with XLA.
     """
+    if context.active() is not None:  # a sequence split over `context`: join the shards
+        return checkpoint_name(context.attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                                 window=window, softcap=softcap, scale=scale),
+                               names.CONTEXT)
+    if softcap is not None:
+        ctx = capped_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window,
+                               softcap=softcap, scale=scale)
+        return checkpoint_name(ctx, names.CONTEXT)
     impl = None
     if q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
         impl = "cudnn"
-    kw = {}
+    kw = {"scale": scale}
+    if window is not None:
+        kw["local_window_size"] = (window - 1, 0)
     if segment_ids is not None:  # documents never see each other (fused path: as a bias)
         mask = segment_mask(segment_ids)
         if (as_bias if as_bias is not None else SEGMENT_BIAS if SEGMENT_BIAS is not None
@@ -222,6 +239,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
         # XLA's implementation computes the same function.
         ctx = jax.nn.dot_product_attention(q, k, v, is_causal=causal, **kw)
     return checkpoint_name(ctx, names.CONTEXT)
+
+
+def capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                     segment_ids: jax.Array | None, window: int | None, softcap: float,
+                     scale: float | None) -> jax.Array:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it: scores in
+    float32, capped, masked, softmax, then the weighted values in the inputs' dtype."""
+    b, t, h, dh = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    scale = dh ** -0.5 if scale is None else scale
+    qg = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = softcap * jnp.tanh(scores / softcap)
+    qi, ki = jnp.arange(t)[:, None] + (s - t), jnp.arange(s)[None, :]
+    ok = jnp.ones((t, s), bool)
+    if causal:
+        ok &= ki <= qi
+    if window is not None:
+        ok &= ki > qi - window
+    ok = ok[None, None, None]
+    if segment_ids is not None:
+        ok = ok & segment_mask(segment_ids)[:, :, None]
+    probs = jax.nn.softmax(jnp.where(ok, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+    return ctx.reshape(b, t, h, dh)
 
 
 def stacked(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:

@@ -1,4 +1,4 @@
-"""Text generation for the bundled decoders (GPT, Llama) with a KV cache.
+"""Text generation for the bundled decoders (GPT, every Hugging Face family) with a KV cache.
 
 The prompt runs once (prefill) and fills each layer's keys and values; every new token then
 runs one position through the stack, attending to the cache, instead of re-running the whole
@@ -14,38 +14,62 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .common import Block
-from .llama import LlamaBlock, apply_rope, rope_frequencies
+from .common import split_side
+from .decoder import DecoderBlock
 
 
-def _cached_attention(block, x, k_cache, v_cache, start, positions):
-    """One block's attention for ``x[B, T]`` at ``start`` with the cache updated."""
-    q = jnp.einsum("btd,dhk->bthk", x, block.wq[...])
-    k = jnp.einsum("btd,dhk->bthk", x, block.wk[...])
-    v = jnp.einsum("btd,dhk->bthk", x, block.wv[...])
-    if isinstance(block, LlamaBlock):
-        inv = rope_frequencies(block.config)
-        q, k = apply_rope(q, inv, positions), apply_rope(k, inv, positions)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
-    s = k_cache.shape[1]
-    mask = jnp.arange(s)[None, :] <= (start + jnp.arange(x.shape[1]))[:, None]
-    ctx = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
-    out = jnp.einsum("bthk,hkd->btd", ctx, block.wo[...])
-    if isinstance(block, Block):
-        out = out + block.bo[...]
-    return out, k_cache, v_cache
+def _cached_context(q, k_cache, v_cache, start, window=None, softcap=None, scale=None):
+    """Attention of queries ``q[B, T]`` at ``start`` over the cache (keys up to their own
+    position, within ``window``; scores soft-capped as the model does)."""
+    b, t, h, dh = q.shape
+    s, kv = k_cache.shape[1], k_cache.shape[2]
+    qpos, kpos = (start + jnp.arange(t))[:, None], jnp.arange(s)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    if softcap is None:
+        return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None],
+                                            scale=scale)
+    qg = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k_cache) * (dh ** -0.5 if scale is None
+                                                             else scale)
+    scores = softcap * jnp.tanh(scores / softcap)
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
+    return jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache).reshape(b, t, h, dh)
 
 
-def _block_step(block, x, k_cache, v_cache, start, positions):
-    if isinstance(block, LlamaBlock):
-        a, k_cache, v_cache = _cached_attention(block, block.attn_norm(x), k_cache, v_cache,
-                                                start, positions)
-        x = x + a
-        return x + block.mlp(block.mlp_norm(x)), k_cache, v_cache
-    a, k_cache, v_cache = _cached_attention(block, block.ln1(x), k_cache, v_cache, start,
-                                            positions)
-    x = x + a
+def _update(cache, new, start):
+    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, start, 0, 0))
+
+
+def _decoder_step(block, x, k_cache, v_cache, start, positions, layer):
+    """One decoder layer (any family) over ``x`` at ``start``, its cache updated."""
+    c = block.config
+
+    def attend(h, kc, vc, kind):
+        q, k, v = block.qkv(h, positions, kind)
+        kc, vc = _update(kc, k, start), _update(vc, v, start)
+        ctx = _cached_context(q, kc, vc, start, c.window(kind), c.attn_logit_softcapping,
+                              c.attention_scale)
+        return jnp.einsum("bthk,hkd->btd", ctx, block.wo[...]), kc, vc
+
+    branches = [lambda h, kc, vc, kind=kind: attend(h, kc, vc, kind) for kind in c.kinds]
+    table = jnp.asarray([c.kinds.index(t) for t in c.layer_types], jnp.int32)
+    a, k_cache, v_cache = jax.lax.switch(table[layer], branches, block.attn_norm(x), k_cache,
+                                         v_cache)
+    return block.residual(x, a), k_cache, v_cache
+
+
+def _block_step(block, x, k_cache, v_cache, start, positions, layer):
+    if isinstance(block, DecoderBlock):
+        return _decoder_step(block, x, k_cache, v_cache, start, positions, layer)
+    h = block.ln1(x)
+    q = jnp.einsum("btd,dhk->bthk", h, block.wq[...])
+    k = jnp.einsum("btd,dhk->bthk", h, block.wk[...])
+    v = jnp.einsum("btd,dhk->bthk", h, block.wv[...])
+    k_cache, v_cache = _update(k_cache, k, start), _update(v_cache, v, start)
+    ctx = _cached_context(q, k_cache, v_cache, start)
+    x = x + jnp.einsum("bthk,hkd->btd", ctx, block.wo[...]) + block.bo[...]
     return x + block.mlp(block.ln2(x)), k_cache, v_cache
 
 
@@ -55,16 +79,17 @@ def _forward(model, tokens, cache, start):
     positions = jnp.broadcast_to(start + jnp.arange(t), tokens.shape)
     if hasattr(model, "wpe"):  # GPT: learned positions
         x = jnp.take(model.wte[...], tokens, axis=0) + jnp.take(model.wpe[...], positions, 0)
-    else:
-        x = jnp.take(model.embed[...], tokens, axis=0)
+    else:  # a decoder: its embedding (scaled for Gemma), without the layer counter
+        x = split_side(model.embed_tokens(tokens), model.config.hidden_size)[0]
     graphdef, state = nnx.split(model.blocks)
+    layers = jnp.arange(cache[0].shape[0])
 
     def body(h, layer):
-        layer_state, kc, vc = layer
-        h, kc, vc = _block_step(nnx.merge(graphdef, layer_state), h, kc, vc, start, positions)
+        layer_state, kc, vc, i = layer
+        h, kc, vc = _block_step(nnx.merge(graphdef, layer_state), h, kc, vc, start, positions, i)
         return h, (kc, vc)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (state, cache[0], cache[1]))
+    x, (ks, vs) = jax.lax.scan(body, x, (state, cache[0], cache[1], layers))
     return model.head(x), (ks, vs)
 
 

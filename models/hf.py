@@ -1,11 +1,11 @@
-"""Hugging Face checkpoints for :mod:`.llama`, without torch: ``config.json`` plus safetensors.
+"""Hugging Face checkpoints for :mod:`.decoder` (every family), without torch: config + safetensors.
 
 Reading: :func:`read_config` and :func:`read_safetensors` (one ``model.safetensors`` or shards
 listed in ``model.safetensors.index.json``), then :func:`params_from_hf` maps the tensors onto a
 model's canonical parameters. Writing: :func:`hf_tensors` maps them back, and
-:func:`write_pretrained` writes ``config.json`` and the shards as transformers does. Llama's
-layout matches ``LlamaForCausalLM`` exactly, so each tensor converts by a transpose and a
-reshape, never a permutation.
+:func:`write_pretrained` writes ``config.json`` and the shards as transformers does. The layout
+matches transformers' exactly, so each tensor converts by a transpose and a reshape (Phi-3's
+fused projections by a split), never a permutation.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], conf
         import ml_dtypes
 
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-        config["torch_dtype"] = "bfloat16"
     elif dtype != "float32":
         raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
+    config = {**config, "torch_dtype": dtype}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -50,11 +50,14 @@ def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], conf
 
 # -- weight conversion ---------------------------------------------------------------------------
 # Per layer: (our name, Hugging Face name, to ours, to Hugging Face). torch Linear weights are
-# [out, in]; ours are [in, ...out] with heads split out.
+# [out, in]; ours are [in, ...out] with heads split out. The options of the config add biases,
+# query/key norms and the norms after each sub-layer (Gemma 2/3).
 def _layer_map(c: Any) -> list[tuple]:
     d, h, kv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     ident = lambda w: w
-    return [
+    t = lambda w: w.T
+    sandwich = getattr(c, "sandwich_norms", False)
+    rows = [
         (("attn_norm", "weight"), "input_layernorm.weight", ident, ident),
         (("wq",), "self_attn.q_proj.weight", lambda w: w.T.reshape(d, h, dh),
          lambda w: w.reshape(d, h * dh).T),
@@ -64,11 +67,27 @@ def _layer_map(c: Any) -> list[tuple]:
          lambda w: w.reshape(d, kv * dh).T),
         (("wo",), "self_attn.o_proj.weight", lambda w: w.T.reshape(h, dh, d),
          lambda w: w.reshape(h * dh, d).T),
-        (("mlp_norm", "weight"), "post_attention_layernorm.weight", ident, ident),
-        (("w1",), "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
-        (("w3",), "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
-        (("w2",), "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
+        (("mlp_norm", "weight"), ("pre_feedforward_layernorm.weight" if sandwich
+                                  else "post_attention_layernorm.weight"), ident, ident),
+        (("w1",), "mlp.gate_proj.weight", t, t),
+        (("w3",), "mlp.up_proj.weight", t, t),
+        (("w2",), "mlp.down_proj.weight", t, t),
     ]
+    if getattr(c, "attention_bias", False):
+        rows += [(("bq",), "self_attn.q_proj.bias", lambda b: b.reshape(h, dh),
+                  lambda b: b.reshape(h * dh)),
+                 (("bk",), "self_attn.k_proj.bias", lambda b: b.reshape(kv, dh),
+                  lambda b: b.reshape(kv * dh)),
+                 (("bv",), "self_attn.v_proj.bias", lambda b: b.reshape(kv, dh),
+                  lambda b: b.reshape(kv * dh))]
+    if getattr(c, "qk_norm", False):
+        rows += [(("q_norm", "weight"), "self_attn.q_norm.weight", ident, ident),
+                 (("k_norm", "weight"), "self_attn.k_norm.weight", ident, ident)]
+    if sandwich:
+        rows += [(("attn_post_norm", "weight"), "post_attention_layernorm.weight", ident, ident),
+                 (("mlp_post_norm", "weight"), "post_feedforward_layernorm.weight", ident,
+                  ident)]
+    return rows
 
 
 def _get(state, path):
@@ -77,9 +96,48 @@ def _get(state, path):
     return state
 
 
+# Phi-3 stores Q, K and V as one qkv_proj and gate and up as one gate_up_proj. They are split at
+# load, so tensor parallelism shards each over its own heads or units (a fused matrix split in
+# contiguous blocks would hand a device queries of one head and keys of another), and fused
+# again at save.
+def _split_fused(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndarray]:
+    out = dict(tensors)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    for i in range(c.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        if pre + "self_attn.qkv_proj.weight" in out:
+            w = out.pop(pre + "self_attn.qkv_proj.weight")
+            out[pre + "self_attn.q_proj.weight"] = w[:q]
+            out[pre + "self_attn.k_proj.weight"] = w[q:q + kv]
+            out[pre + "self_attn.v_proj.weight"] = w[q + kv:]
+        if pre + "mlp.gate_up_proj.weight" in out:
+            w = out.pop(pre + "mlp.gate_up_proj.weight")
+            half = w.shape[0] // 2
+            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = w[:half], w[half:]
+    return out
+
+
+def _fuse(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                       "mlp.up_proj.weight")):
+            continue
+        if k.endswith("self_attn.q_proj.weight"):
+            pre = k[: -len("q_proj.weight")]
+            out[pre + "qkv_proj.weight"] = np.concatenate(
+                [v, tensors[pre + "k_proj.weight"], tensors[pre + "v_proj.weight"]])
+        elif k.endswith("mlp.gate_proj.weight"):
+            pre = k[: -len("gate_proj.weight")]
+            out[pre + "gate_up_proj.weight"] = np.concatenate([v, tensors[pre + "up_proj.weight"]])
+        else:
+            out[k] = v
+    return out
+
+
 def hf_tensors(params: nnx.State, config: Any) -> dict[str, np.ndarray]:
-    """Hugging Face tensor names -> numpy arrays for canonical parameters ``params`` of a
-    Llama with ``config`` (a ``LlamaConfig``)."""
+    """Hugging Face tensor names -> float32 numpy arrays for canonical parameters ``params`` of
+    a decoder with ``config`` (fused as the family stores them: Phi-3)."""
     arr = lambda path: np.asarray(_get(params, path)[...], dtype=np.float32)
     out = {"model.embed_tokens.weight": arr(("embed",))}
     stacked_ = {ours: arr(("blocks", *ours)) for ours, *_ in _layer_map(config)}
@@ -89,18 +147,22 @@ def hf_tensors(params: nnx.State, config: Any) -> dict[str, np.ndarray]:
     out["model.norm.weight"] = arr(("norm", "weight"))
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(arr(("lm_head",)).T)
-    return out
+    return _fuse(out, config) if getattr(config, "model_type", "") == "phi3" else out
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], config: Any,
-                   template: nnx.State) -> nnx.State:
-    """Canonical parameters (the tree of ``template``) from Hugging Face tensors, as float32."""
+def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.State,
+                   what: str = "Llama", dtype: Any = None) -> nnx.State:
+    """Canonical parameters (the tree of ``template``) from Hugging Face tensors, as float32
+    (or ``dtype``). ``what``: the model's name, for the messages."""
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if getattr(config, "model_type", "") == "phi3":
+        tensors = _split_fused(tensors, config)
     used: set[str] = set()
+    arch = what if what != "Llama" else "LlamaForCausalLM"
 
     def take(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ValueError(f"the checkpoint lacks {name!r}; is it a LlamaForCausalLM "
+            raise ValueError(f"the checkpoint lacks {name!r}; is it a {arch} "
                              f"checkpoint with num_hidden_layers={config.num_hidden_layers}?")
         used.add(name)
         return np.asarray(tensors[name], dtype=np.float32)
@@ -116,7 +178,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: Any,
         values[("lm_head",)] = take("lm_head.weight").T
     extra = sorted(set(tensors) - used)
     if extra:
-        raise ValueError(f"the checkpoint has tensors this Llama does not use: {extra[:5]}"
+        raise ValueError(f"the checkpoint has tensors this {what} does not use: {extra[:5]}"
                          f"{' ...' if len(extra) > 5 else ''}; is config.json the right one?")
 
     def fill(path, v):
@@ -125,7 +187,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: Any,
         if tuple(want.shape) != tuple(v.shape):
             raise ValueError(f"{'.'.join(key)}: checkpoint shape {want.shape} does not match "
                              f"config.json's {tuple(v.shape)}")
-        return v.replace(jnp.asarray(want))
+        return v.replace(jnp.asarray(want, dtype or jnp.float32))
 
     return jax.tree_util.tree_map_with_path(fill, template,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))

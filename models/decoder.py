@@ -1,0 +1,390 @@
+"""One decoder for the Hugging Face families: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3.
+
+The families differ by options of one block, not by code: biases on Q/K/V (Qwen2), RMSNorm on
+queries and keys (Qwen3, Gemma 3), sliding-window layers (Mistral, Qwen2, Gemma 2/3, Phi-3),
+soft-capped attention and final logits (Gemma 2), a query scale of its own
+(``query_pre_attn_scalar``), norms before and after each sub-layer, Gemma's ``(1 + w)`` norm and
+scaled embedding, GeGLU instead of SwiGLU, and per-layer-type RoPE bases (Gemma 3).
+:mod:`.families` reads each family's ``config.json`` into a :class:`DecoderConfig`.
+
+Stage declaration (as :mod:`models.gpt`): ``prologue(batch)`` embeds ``tokens[:, :-1]``;
+``blocks`` are ``num_hidden_layers`` :class:`DecoderBlock`s stacked on a leading axis; ``head``
+is the final norm and the vocabulary projection; ``loss`` the next-token cross-entropy.
+
+Layers of different types (local and global attention) share one stacked block, so a layer
+learns its type from the activation: a model with several layer types appends one counter
+channel (the layer's index, exact in any float dtype below 256 layers) after the side channels
+of packed documents, and each block reads it, picks its type's branch with ``lax.switch`` (each
+branch one attention call with static options, so the fused kernel stays available) and adds
+one. Pipelines carry it with the activation, so every layout sees the same layer types.
+
+Tensor parallelism: query heads, KV heads, MLP units and the vocabulary split over ``tensor``
+as in :mod:`.llama`; norms, biases and the counter follow their tensors' axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from fiddlejax.memory import names
+
+from . import families, hf, rope
+from .common import (
+    annotated,
+    attention,
+    batch_sides,
+    encode_side,
+    join_side,
+    next_token_loss,
+    param,
+    scan_layers,
+    side_inputs,
+    side_values,
+    split_side,
+    stacked,
+)
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MAX_TYPED_LAYERS = 255  # the counter channel stays an exact integer in bf16 and fp16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Hugging Face field names (``LlamaConfig``'s first), ``seq_len`` (the default training
+    length for ``batch_spec``; any batch up to ``max_position_embeddings`` is accepted) and
+    the options of the other families. ``layer_types``: one of :data:`LAYER_TYPES` per layer
+    (None: all ``sliding_attention`` when ``sliding_window`` is set, else all full);
+    ``local_rope_theta``: the sliding layers' RoPE base when it differs (Gemma 3);
+    ``checkpoint_dtype``: what ``save_pretrained`` writes by default."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None  # stored as a sorted tuple of items: configs must stay hashable
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    seq_len: int = 128
+    model_type: str = "llama"
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple | None = None
+    local_rope_theta: float | None = None
+    checkpoint_dtype: str = "float32"
+
+    def __post_init__(self):
+        me = type(self).__name__
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                  "seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{me}.{f}={v!r} must be a positive int")
+        h, kv = self.num_attention_heads, self.num_key_value_heads
+        if h % kv:
+            raise ValueError(f"{me}.num_attention_heads={h} must be a multiple of "
+                             f"num_key_value_heads={kv} (grouped-query attention)")
+        if self.head_dim is None:
+            if self.hidden_size % h:
+                raise ValueError(f"{me}.hidden_size={self.hidden_size} must be divisible "
+                                 f"by num_attention_heads={h}, or give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // h)
+        if self.head_dim % 2:
+            raise ValueError(f"{me}.head_dim={self.head_dim} must be even (rotary pairs)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"{me}.hidden_act={self.hidden_act!r} is not supported; "
+                             f"supported: {tuple(ACTIVATIONS)}")
+        object.__setattr__(self, "rope_scaling", rope.normalize_scaling(
+            self.rope_scaling, self.max_position_embeddings, me))
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
+            raise ValueError(f"{me}.sliding_window={w!r} must be a positive int or None")
+        types = self.layer_types
+        if types is None:
+            types = ("sliding_attention" if w else "full_attention",) * self.num_hidden_layers
+        types = tuple(types)
+        if len(types) != self.num_hidden_layers or set(types) - set(LAYER_TYPES):
+            raise ValueError(f"{me}.layer_types={list(types)} must give one of {LAYER_TYPES} "
+                             f"for each of the {self.num_hidden_layers} layers")
+        if "sliding_attention" in types and not w:
+            raise ValueError(f"{me}.layer_types has sliding_attention layers but "
+                             "sliding_window is None")
+        if len(set(types)) > 1 and self.num_hidden_layers > MAX_TYPED_LAYERS:
+            raise ValueError(f"{me}: mixed layer_types need num_hidden_layers <= "
+                             f"{MAX_TYPED_LAYERS}")
+        object.__setattr__(self, "layer_types", types)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The distinct layer types, in order of first use (a layer's branch index)."""
+        return tuple(dict.fromkeys(self.layer_types))
+
+    @property
+    def attention_scale(self) -> float | None:
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
+
+    def window(self, kind: str) -> int | None:
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    def inv_freq(self, kind: str = "full_attention"):
+        """The RoPE inverse frequencies of a layer type (a trace-time constant)."""
+        if kind == "sliding_attention" and self.local_rope_theta is not None:
+            return rope.inverse_frequencies(self.head_dim, self.local_rope_theta)
+        return rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with float32 statistics; ``plus_one``: Gemma's ``x * (1 + w)`` in float32, its
+    weights starting at zero (Llama: ``w * x`` in the input's dtype)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False,
+                 axis: str | None = "embed"):
+        self.weight = annotated(jnp.zeros((dim,)) if plus_one else jnp.ones((dim,)), (axis,))
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class DecoderBlock(nnx.Module):
+    """x + Attn(norm(x)), then x + MLP(norm(x)) (each sub-layer's output normed too with
+    ``sandwich_norms``); Meta's names: w1 gate, w3 up, w2 down.
+
+    Tags: Q/K/V projections before rotary, the attention context, the output projection, the
+    gate and up projections (both ``MLP_HIDDEN``) and the down projection.
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        d, h, kv, dh, f = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                           c.head_dim, c.intermediate_size)
+        normal = jax.nn.initializers.normal
+        std, out_std = 0.02, 0.02 / (2 * c.num_hidden_layers) ** 0.5  # scaled residual init
+        norm = lambda n=d, axis="embed": RMSNorm(n, c.rms_norm_eps, c.norm_plus_one, axis)
+        self.attn_norm = norm()
+        self.wq = param(rngs, normal(std), (d, h, dh), ("embed", "heads", "head_dim"))
+        self.wk = param(rngs, normal(std), (d, kv, dh), ("embed", "kv_heads", "head_dim"))
+        self.wv = param(rngs, normal(std), (d, kv, dh), ("embed", "kv_heads", "head_dim"))
+        if c.attention_bias:
+            self.bq = annotated(jnp.zeros((h, dh)), ("heads", "head_dim"))
+            self.bk = annotated(jnp.zeros((kv, dh)), ("kv_heads", "head_dim"))
+            self.bv = annotated(jnp.zeros((kv, dh)), ("kv_heads", "head_dim"))
+        if c.qk_norm:
+            self.q_norm, self.k_norm = norm(dh, "head_dim"), norm(dh, "head_dim")
+        self.wo = param(rngs, normal(out_std), (h, dh, d), ("heads", "head_dim", "embed"))
+        if c.sandwich_norms:
+            self.attn_post_norm = norm()
+        self.mlp_norm = norm()
+        self.w1 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
+        self.w3 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
+        self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
+        if c.sandwich_norms:
+            self.mlp_post_norm = norm()
+
+    def qkv(self, x: jax.Array, positions: jax.Array | None, kind: str):
+        """Queries, keys and values of ``x[B, T, d]``: biases, norms and rotary applied."""
+        c = self.config
+        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
+        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
+        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
+        if c.attention_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv = c.inv_freq(kind)
+        return rope.apply_rope(q, inv, positions), rope.apply_rope(k, inv, positions), v
+
+    def attend(self, x: jax.Array, segment_ids, positions, kind: str) -> jax.Array:
+        """The attention sub-layer of a layer of type ``kind`` (before the output norm)."""
+        c = self.config
+        q, k, v = self.qkv(x, positions, kind)
+        ctx = attention(q, k, v, causal=True, segment_ids=segment_ids, window=c.window(kind),
+                        softcap=c.attn_logit_softcapping, scale=c.attention_scale)
+        return checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]), names.ATTN_OUT)
+
+    def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                  positions: jax.Array | None = None, layer: jax.Array | None = None
+                  ) -> jax.Array:
+        """Attention of the layer ``layer`` (its index: picks its type), or of the one type."""
+        kinds = self.config.kinds
+        if len(kinds) == 1 or layer is None:  # one type (or a probe of layer 0 alone)
+            return self.attend(x, segment_ids, positions, self.config.layer_types[0])
+        table = jnp.asarray([kinds.index(t) for t in self.config.layer_types], jnp.int32)
+        branches = [lambda x, s, p, kind=kind: self.attend(x, s, p, kind) for kind in kinds]
+        return jax.lax.switch(table[jnp.clip(layer, 0, len(table) - 1)], branches, x,
+                              segment_ids, positions)
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.config.hidden_act]
+        gate = checkpoint_name(x @ self.w1[...], names.MLP_HIDDEN)
+        up = checkpoint_name(x @ self.w3[...], names.MLP_HIDDEN)
+        return checkpoint_name((act(gate) * up) @ self.w2[...], names.MLP_OUT)
+
+    def residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """The rest of the layer once its attention output ``attn`` is known."""
+        if self.config.sandwich_norms:
+            x = x + self.attn_post_norm(attn)
+            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        x = x + attn
+        return x + self.mlp(self.mlp_norm(x))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x, side = split_side(x, self.config.hidden_size)
+        layer, counter = None, None
+        if side is not None and len(self.config.kinds) > 1:  # the last channel: layer index
+            counter, side = side[..., -1:], (side[..., :-1] if side.shape[-1] > 1 else None)
+            layer = jnp.round(counter[0, 0, 0].astype(jnp.float32)).astype(jnp.int32)
+        seg, pos = (None, None) if side is None else side_values(side)
+        x = self.residual(x, self.attention(self.attn_norm(x), seg, pos, layer))
+        if counter is not None:
+            side = counter + 1 if side is None else jnp.concatenate([side, counter + 1], -1)
+        return join_side(x, side)
+
+
+class Decoder(nnx.Module):
+    """A decoder-only language model of any family :mod:`.families` reads."""
+
+    stack = "blocks"  # the attribute holding the stacked layers
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        normal = jax.nn.initializers.normal
+        self.embed = param(rngs, normal(0.02), (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        self.blocks = stacked(c.num_hidden_layers, lambda r: DecoderBlock(c, rngs=r), rngs)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_plus_one)
+        if not c.tie_word_embeddings:
+            self.lm_head = param(rngs, normal(0.02), (c.hidden_size, c.vocab_size),
+                                 ("embed", "vocab"))
+
+    def embed_tokens(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> jax.Array:
+        """Token embeddings (times sqrt(hidden) for Gemma); segment ids and positions ride along
+        as side channels (:func:`~models.common.encode_side`), then the layer counter."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.config.scale_embeddings:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        segment_ids, positions = side_inputs(tokens, segment_ids, positions)
+        side = None if segment_ids is None else encode_side(segment_ids, positions, x.dtype)
+        if len(self.config.kinds) > 1:
+            zero = jnp.zeros((*tokens.shape, 1), x.dtype)
+            side = zero if side is None else jnp.concatenate([side, zero], axis=-1)
+        return join_side(x, side)
+
+    def prologue(self, batch: dict) -> jax.Array:
+        return self.embed_tokens(batch["tokens"][:, :-1], *batch_sides(batch))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        x = self.norm(split_side(x, c.hidden_size)[0])
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...])
+        else:
+            logits = x @ self.lm_head[...]
+        cap = c.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def loss(self, logits: jax.Array, batch: dict):
+        return next_token_loss(logits, batch, self.config.vocab_size)
+
+    def batch_spec(self, batch_size: int, batch: dict | None = None) -> dict:
+        """``{"tokens": int32[batch_size, seq_len + 1]}``; given a ``batch``, its own length
+        (the sequence length is the data's), refused beyond ``max_position_embeddings``."""
+        t = self.config.seq_len
+        tokens = None if batch is None else batch.get("tokens")
+        if tokens is not None and len(getattr(tokens, "shape", ())) == 2:
+            t, most = int(tokens.shape[1]) - 1, self.config.max_position_embeddings
+            if t > most:
+                raise ValueError(f"batch['tokens'] holds {t} positions (+1 target), beyond "
+                                 f"max_position_embeddings={most} of {type(self).__name__}; "
+                                 f"use sequences of at most {most} tokens")
+            t = max(t, 1)
+        return {"tokens": jax.ShapeDtypeStruct((batch_size, t + 1), jnp.int32)}
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Logits ``[B, T, vocab]`` for ``tokens[B, T]``; ``segment_ids`` / ``positions``
+        ``[B, T]`` for packed documents (attention stays within a segment)."""
+        x = self.embed_tokens(tokens, segment_ids, positions)
+        return self.head(scan_layers(self.blocks, x))
+
+    # -- Hugging Face checkpoints (models/hf.py, models/families.py) ---------------------------
+    config_class = DecoderConfig
+    model_type: str | None = None  # the one config.json model_type a family class reads
+
+    @classmethod
+    def config_from_hf(cls, hf_config: dict, seq_len: int | None = None) -> DecoderConfig:
+        """The config of a ``config.json`` (a family class refuses another family's)."""
+        return cls.config_class(**families.read(hf_config, seq_len, expect=cls.model_type))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, seq_len: int | None = None,
+                        dtype: Any = None) -> Decoder:
+        """The model of a Hugging Face directory: ``config.json`` and ``model.safetensors`` or
+        sharded ``model-*-of-*.safetensors`` with ``model.safetensors.index.json``.
+
+        Weights load as float32 masters whatever their stored dtype (bf16 included), or as
+        ``dtype``; ``save_pretrained`` writes the stored dtype back. ``seq_len`` (the default
+        length of ``batch_spec``) defaults to ``max_position_embeddings``.
+        """
+        config = cls.config_from_hf(hf.read_config(directory), seq_len=seq_len)
+        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+        tensors = hf.read_safetensors(Path(directory))
+        nnx.update(model, hf.params_from_hf(tensors, config, nnx.state(model, nnx.Param),
+                                            type(model).__name__, dtype))
+        return model
+
+    def save_pretrained(self, directory: str | Path, *, max_shard_size: int | str = "5GB",
+                        dtype: str | None = None) -> None:
+        """Write a Hugging Face directory that transformers' class of the family reads:
+        ``config.json`` and safetensors, split into ``model-0000i-of-0000n.safetensors`` files
+        with an index when the weights exceed ``max_shard_size`` (bytes, or "500MB", "2GiB").
+        ``dtype``: "float32" or "bfloat16"; default: the loaded checkpoint's (float32 for a
+        model built here)."""
+        tensors = hf.hf_tensors(nnx.state(self, nnx.Param), self.config)
+        hf.write_pretrained(directory, tensors, families.write(self.config), max_shard_size,
+                            dtype or self.config.checkpoint_dtype)
+
+
+def _family(name: str, model_type: str) -> type[Decoder]:
+    cls = type(name, (Decoder,), {"model_type": model_type, "__module__": __name__,
+                                  "__doc__": f"The decoder as Hugging Face's {model_type}."})
+    cls.__qualname__ = name
+    return cls
+
+
+Mistral = _family("Mistral", "mistral")
+Qwen2 = _family("Qwen2", "qwen2")
+Qwen3 = _family("Qwen3", "qwen3")
+Phi3 = _family("Phi3", "phi3")
+Gemma = _family("Gemma", "gemma")
+Gemma2 = _family("Gemma2", "gemma2")
+Gemma3 = _family("Gemma3", "gemma3_text")
+FAMILIES: dict[str, type[Decoder]] = {c.model_type: c for c in (
+    Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3)}
