@@ -31,6 +31,7 @@ error naming the model, the blocks and the fix, never a traceback from inside tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -41,13 +42,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fiddlejax import dropout, sharding
+from fiddlejax import dropout, scanned, sharding
 from fiddlejax.blocks import (
     block_keys,
     check_params_only,
     find_blocks,
     repeating_unit,
     stack_params,
+    stacked_at,
     unstack_params,
 )
 from fiddlejax.side_inputs import activation, constant_leaves, counted, keys_of, pack, unpack
@@ -71,6 +73,7 @@ class AdaptedModel(StagedModel):
     shift: tuple = ()                  # batch keys the model gets as x[:, :-1] (next token)
     dropout: bool = False              # a dropout rate above 0: keys per (step, example, layer)
     dropout_base: Any = None           # key data every dropout key is folded from
+    scanned: bool = False              # the blocks are one nnx.vmap stack applied by a scan
     # batch shapes -> (a block output's treedef, the constant side inputs {index: value})
     checked: dict = dataclasses.field(default_factory=dict)
 
@@ -80,11 +83,12 @@ class AdaptedModel(StagedModel):
         takes the variable type and sharding names of the canonical template (so params
         without metadata, e.g. restored ones, are laid out as the trainer planned)."""
         return stack_params(params, self.template, self.block_keys, self.unit, self.stack,
-                            self.callsite.split(".")[0])
+                            self.callsite.split(".")[0], self.scanned)
 
     def to_model(self, params: nnx.State) -> nnx.State:
         """The inverse of :meth:`to_staged`: blocks unstacked into the model's own tree."""
-        return unstack_params(params, self.template, self.block_keys, self.unit, self.stack)
+        return unstack_params(params, self.template, self.block_keys, self.unit, self.stack,
+                              self.scanned)
 
     # -- the forward, split around the blocks ------------------------------------------------
     def _outer(self, params: nnx.State) -> nnx.Module:
@@ -119,8 +123,13 @@ class AdaptedModel(StagedModel):
         return pack(args[0], args[1:], kwargs, self.sides, self.callsite,
                     self.checked[_shape_key(batch)][1], keys)
 
+    def _tracing(self):
+        """The model's own scan over a stacked module runs unrolled while fiddlejax traces its
+        pieces (:mod:`fiddlejax.scanned`); lists of blocks need nothing."""
+        return scanned.unrolled() if self.scanned else contextlib.nullcontext()
+
     def _first_call(self, model: nnx.Module, batch: dict) -> tuple[tuple, dict]:
-        with acting("prologue"):
+        with acting("prologue"), self._tracing():
             try:
                 self._call(model, dropout.without_indices(batch))
             except Stop as stop:
@@ -146,7 +155,8 @@ class AdaptedModel(StagedModel):
         side = self.sides[x.shape[1:]]
         h, _, _ = unpack(x, side)
         keys = keys_of(x, side)[0]
-        with acting("epilogue", h, self.checked[_shape_key(batch)][0]), dropout.keys(keys, -2):
+        with (acting("epilogue", h, self.checked[_shape_key(batch)][0]),
+              dropout.keys(keys, -2), self._tracing()):
             outputs = self._call(self._outer(params), dropout.without_indices(batch))
         outputs = unpad_outputs(outputs, self.vocab_pads)
         batch = dropout.without_indices(batch)
@@ -161,6 +171,9 @@ class AdaptedModel(StagedModel):
         flat = dict(nnx.to_flat_state(self.template))
         blocks = [nnx.from_flat_state([(p[len(key):], _abstract(v)) for p, v in flat.items()
                                        if p[: len(key)] == key]) for key in self.block_keys]
+        n = self.num_layers * self.unit
+        if self.scanned:  # one stacked module: its layers, one by one
+            blocks = [scanned.per_layer(blocks[0], i) for i in range(n)]
         b = _abstract(dropout.without_indices(batch))
         info = {}
 
@@ -170,9 +183,9 @@ class AdaptedModel(StagedModel):
                               self.unit_rest[i % self.unit], copy=True)
                     for i, bp in enumerate(bps)]
             log = []
-            with acting("record", real, log), dropout.keys(None, 0):  # eval: shapes only
-                self._call_checked(model, bt)
-            info["out"] = check_log(log, len(self.block_keys), self.callsite)
+            with acting("record", real, log), dropout.keys(None, 0), self._tracing():
+                self._call_checked(model, bt)  # eval mode: shapes only
+            info["out"] = check_log(log, n, self.callsite)
 
         jax.eval_shape(record, outer, blocks, b)
 
@@ -243,25 +256,37 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         loss_fn = type(model).loss.__get__(model)
     params = [p for p in inspect.signature(type(model).__call__).parameters.values()
               if p.name != "self"]
-    _, attr, keys, blocks = find_blocks(model, layers)
+    stack = stacked_at(model, layers)
+    if stack is None:
+        _, attr, keys, blocks = find_blocks(model, layers)
+    else:  # one module stacked with nnx.vmap: the layer axis is already there
+        attr, keys, blocks = layers.split(".")[-1], [], [stack[0]]
     check_params_only(model, blocks, layers)
-    sharding.infer_names(model)
+    if stack is None:
+        sharding.infer_names(model)
+    else:
+        with scanned.one_layer_view(stack[0]):  # names from one layer's shapes
+            sharding.infer_names(model)
+        scanned.name_layers(stack[0])
     canonical = nnx.state(model, nnx.Param)
     sharding.check_ranks(canonical, name)
-    unit = repeating_unit(model, layers, blocks)
+    unit = repeating_unit(model, layers, blocks) if stack is None else 1
     unit_graphdefs, unit_rest = [], []
     for b in blocks[:unit]:
         gd, _, rest = nnx.split(b, nnx.Param, ...)
         unit_graphdefs.append(gd)
-        unit_rest.append(rest)
+        unit_rest.append(rest if stack is None else scanned.per_layer(rest, 0))
     # The model without its blocks: stand-ins take their places (on a copy).
-    copy = without_blocks(model, layers, attr, keys)
+    copy = without_blocks(model, layers, attr, keys,
+                          None if stack is None else scanned.ScanStandIn(stack[1]))
     graphdef, _, rest = nnx.split(copy, nnx.Param, ...)
+    n_layers = len(blocks) // unit if stack is None else stack[1]
+    bkeys = (tuple(layers.split(".")),) if stack else block_keys(layers, attr, keys)
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
-        num_layers=len(blocks) // unit, loss_fn=loss_fn, unit=unit,
+        num_layers=n_layers, loss_fn=loss_fn, unit=unit, scanned=stack is not None,
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
-        block_keys=block_keys(layers, attr, keys), template=_abstract(canonical),
+        block_keys=bkeys, template=_abstract(canonical),
         callsite=f"{name}.{layers}",
         call_names=tuple(p.name for p in params), call_nones=_required_optional(params),
         shift=shift, dropout=bool(dropout.rates(model)),

@@ -49,12 +49,24 @@ def find_blocks(model: nnx.Module, layers: str) -> tuple[Any, str, list[str | in
         return parent, last, list(range(len(blocks))), blocks
     if isinstance(held, nnx.Module):
         raise TypeError(
-            f"{type(model).__name__}.{layers} is one module ({type(held).__name__}), not a list "
-            "of blocks: for blocks already stacked with nnx.vmap, declare the explicit staged "
-            "protocol (stack, prologue, head, loss; see fiddlejax.staged); else name the list "
-            "that holds the blocks")
+            f"{type(model).__name__}.{layers} is one module ({type(held).__name__}) whose "
+            "parameters share no leading layer axis, not a list of blocks nor a stack of them "
+            "(nnx.vmap); name the list, or the stacked module, that holds the blocks")
     raise TypeError(f"{type(model).__name__}.{layers} is a {type(held).__name__}; name a list, "
                     "an nnx.List or numbered attributes ('block_*') holding the blocks")
+
+
+def stacked_at(model: nnx.Module, layers: str) -> tuple[nnx.Module, int] | None:
+    """``(module, layer count)`` when ``layers`` names one module whose parameters all share a
+    leading axis (blocks stacked with ``nnx.vmap``, applied with a scan); None otherwise."""
+    parent = model
+    for part in layers.split("."):
+        parent = getattr(parent, part, None)
+    if not isinstance(parent, nnx.Module) or isinstance(parent, nnx.List):
+        return None
+    params = jax.tree.leaves(nnx.state(parent, nnx.Param))
+    sizes = {np.shape(p)[0] if np.ndim(p) else None for p in params}
+    return (parent, sizes.pop()) if len(sizes) == 1 and None not in sizes else None
 
 
 def _not_found(model, what: str, layers: str) -> str:
@@ -152,10 +164,11 @@ def check_params_only(model: nnx.Module, blocks: list, layers: str) -> None:
 
 # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) ----------------
 def stack_params(params: nnx.State, template: nnx.State, keys: tuple, unit: int, stack: str,
-                 owner: str) -> nnx.State:
+                 owner: str, scanned: bool = False) -> nnx.State:
     """``params`` (the model's tree) with the blocks stacked under ``stack``; every leaf takes
     the variable type and sharding names of ``template`` (so params without metadata, e.g.
-    restored ones, are laid out as the trainer planned). ``owner`` names the model in errors."""
+    restored ones, are laid out as the trainer planned). ``owner`` names the model in errors.
+    ``scanned``: ``keys`` is one module already stacked (``nnx.vmap``): it moves as it is."""
     values = {p: _value(v) for p, v in nnx.to_flat_state(params)}
     flat_template = list(nnx.to_flat_state(template))
     missing = [p for p, _ in flat_template if p not in values]
@@ -174,12 +187,13 @@ def stack_params(params: nnx.State, template: nnx.State, keys: tuple, unit: int,
     stacked = []
     for (j, sub), (t, vals) in blocks.items():
         key = (stack, j, *sub) if unit > 1 else (stack, *sub)
-        stacked.append((key, _with_value(t, jnp.stack(vals), stacked=True)))
+        value = vals[0] if scanned else jnp.stack(vals)
+        stacked.append((key, _with_value(t, value, stacked=not scanned)))
     return nnx.from_flat_state(outer + stacked)
 
 
 def unstack_params(params: nnx.State, template: nnx.State, keys: tuple, unit: int,
-                   stack: str) -> nnx.State:
+                   stack: str, scanned: bool = False) -> nnx.State:
     """The inverse of :func:`stack_params`: blocks unstacked into the model's own tree."""
     flat = dict(nnx.to_flat_state(params))
     out = []
@@ -191,7 +205,8 @@ def unstack_params(params: nnx.State, template: nnx.State, keys: tuple, unit: in
         sub = path[len(keys[i]):]
         u, j = divmod(i, unit)
         key = (stack, j, *sub) if unit > 1 else (stack, *sub)
-        out.append((path, _with_value(t, _value(flat[key])[u])))
+        value = _value(flat[key])
+        out.append((path, _with_value(t, value if scanned else value[u])))
     return nnx.from_flat_state(out)
 
 

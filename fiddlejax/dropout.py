@@ -115,8 +115,9 @@ def base_key(model: nnx.Module) -> jax.Array:
     """The model's own ``dropout`` RNG stream's key data (``nnx.Rngs(dropout=...)``), else
     ``key(0)``'s: the seed every dropout key is folded from."""
     for path, v in nnx.to_flat_state(nnx.state(model, nnx.RngKey)):
-        if "dropout" in map(str, path):
-            return jax.random.key_data(v.get_value())
+        if "dropout" in map(str, path):  # a stack's (nnx.vmap) keys: its first layer's
+            data = jax.random.key_data(v.get_value())
+            return data.reshape(-1, data.shape[-1])[0]
     return jax.random.key_data(jax.random.key(0))
 
 

@@ -69,12 +69,17 @@ def acting(*mode: Any) -> Iterator[None]:
         _MODE.reset(token)
 
 
-def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list) -> nnx.Module:
-    """A copy of ``model`` whose blocks (found at ``layers``) are stand-ins."""
+def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list,
+                   stack_stand_in: nnx.Module | None = None) -> nnx.Module:
+    """A copy of ``model`` whose blocks (found at ``layers``) are stand-ins (``stack_stand_in``
+    in place of one stacked module, :mod:`fiddlejax.scanned`)."""
     copy = nnx.merge(*nnx.split(model), copy=True)
     host = copy
     for part in layers.split(".")[:-1]:
         host = getattr(host, part)
+    if stack_stand_in is not None:
+        setattr(host, attr, stack_stand_in)
+        return copy
     stand_ins = [StandIn(i) for i in range(len(keys))]
     if attr.endswith("*"):
         for k, s in zip(keys, stand_ins, strict=True):
