@@ -8,11 +8,24 @@ GPU per direction, so NVIDIA's bidirectional "600 GB/s" NVLink3 is 300 GB/s here
   cluster of the Megatron-LM 2021 measurements.
 - ``h100``: DGX H100: 989 TFLOP/s, 80 GiB HBM3 at 3.35 TB/s, NVLink4 450 GB/s, 8 x 400 Gb/s NDR.
 - ``h200``: HGX H200: 989 TFLOP/s, 141 GB HBM3e at 4.8 TB/s, NVLink4 450 GB/s, 8 x 400 Gb/s NDR.
+- ``jean-zay-a100``: the Jean Zay A100 partition BLOOM-176B trained on: the same 8 A100-80GB
+  per node on NVLink/NVSwitch, but 4 x 100 Gb/s Omni-Path per node (6.25 GB/s per GPU), a
+  quarter of Selene's 25 GB/s (BLOOM's model card and bigscience tr11-176B-ml README).
 - ``cpu-sim``: the 8 simulated CPU devices of the tests (only memory is meaningful there).
+
+``nvlink_efficiency`` is the share of the NVLink datasheet bandwidth NCCL's collectives
+reach. A100 nodes: 0.7, since nccl-tests' all_reduce_perf measures about 200-210 GB/s bus
+bandwidth on 8 A100-SXM4-80GB against 300 GB/s (NVIDIA/nccl-tests issues #149 and #178);
+H100/H200: 1.0, since NCCL's NVLink SHARP all-reduce reaches ~480 GB/s bus bandwidth there,
+above the 450 GB/s the ring formula assumes (GTC S62129). Like ``gemm_efficiency``, an a-priori
+measurement of the library, not fitted to the runs the planner is validated against.
 
 ``gemm_efficiency`` is the fraction of peak a large bf16 matmul reaches. It is an a-priori
 assumption from public cuBLAS/vendor GEMM benchmarks (A100 ~0.8, H100/H200 ~0.75), not fitted to
-the published training runs the planner is validated against.
+the published training runs the planner is validated against. ``hbm_efficiency`` (0.9) is its
+counterpart for memory-bound kernels: STREAM-style kernels reach about 85-90% of the HBM
+datasheet bandwidth (NVIDIA CCCL's babelstream benchmarks report 87-88% utilisation, PR #9881),
+never all of it.
 """
 
 from __future__ import annotations
@@ -33,6 +46,12 @@ class GPUSpec:
     memory_bytes: float
     hbm_bandwidth: float  # bytes/s
     gemm_efficiency: float = 0.8
+    hbm_efficiency: float = 0.9  # share of hbm_bandwidth a streaming (elementwise) kernel reaches
+
+    @property
+    def hbm_achieved(self) -> float:
+        """Bytes/s an elementwise kernel moves."""
+        return self.hbm_bandwidth * self.hbm_efficiency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +71,16 @@ class ClusterSpec:
     nvlink_latency: float = 1e-6
     nic_latency: float = 5e-6
     usable_memory: float = 0.9
+    nvlink_efficiency: float = 1.0  # share of nvlink_bandwidth NCCL's collectives reach
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f}={v!r} must be a positive int (e.g. --nodes 4)")
-        if not 0 < self.usable_memory <= 1:
-            raise ValueError(f"usable_memory={self.usable_memory} must be in (0, 1]")
+        for f in ("usable_memory", "nvlink_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"{f}={getattr(self, f)} must be in (0, 1]")
 
     @property
     def num_gpus(self) -> int:
@@ -70,6 +91,11 @@ class ClusterSpec:
         """Bytes per GPU a layout may use."""
         return self.gpu.memory_bytes * self.usable_memory
 
+    @property
+    def nvlink_achieved(self) -> float:
+        """Bytes/s per GPU per direction NCCL moves over NVLink."""
+        return self.nvlink_bandwidth * self.nvlink_efficiency
+
     def with_nodes(self, nodes: int) -> ClusterSpec:
         return dataclasses.replace(self, nodes=nodes)
 
@@ -78,7 +104,7 @@ class ClusterSpec:
         device order, communicates over: NVLink when the group fits in one node, else the NIC."""
         span = (size - 1) * stride + 1
         if span <= self.gpus_per_node:
-            return self.nvlink_bandwidth, self.nvlink_latency
+            return self.nvlink_achieved, self.nvlink_latency
         return self.nic_bandwidth, self.nic_latency
 
     def describe(self) -> str:
@@ -91,10 +117,13 @@ class ClusterSpec:
 A100_80GB = GPUSpec("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12, 0.8)
 H100 = GPUSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 0.75)
 H200 = GPUSpec("H200-SXM-141GB", 989e12, 141e9, 4.8e12, 0.75)
-CPU_SIM = GPUSpec("simulated CPU device", 1e11, 64 * GIB, 2e10, 1.0)
+CPU_SIM = GPUSpec("simulated CPU device", 1e11, 64 * GIB, 2e10, 1.0, 1.0)
 
 PRESETS = {
-    "a100-80gb": dict(gpu=A100_80GB, nvlink_bandwidth=300 * GB, nic_bandwidth=25 * GB),
+    "a100-80gb": dict(gpu=A100_80GB, nvlink_bandwidth=300 * GB, nic_bandwidth=25 * GB,
+                      nvlink_efficiency=0.7),
+    "jean-zay-a100": dict(gpu=A100_80GB, nvlink_bandwidth=300 * GB, nic_bandwidth=6.25 * GB,
+                          nvlink_efficiency=0.7),
     "h100": dict(gpu=H100, nvlink_bandwidth=450 * GB, nic_bandwidth=50 * GB),
     "h200": dict(gpu=H200, nvlink_bandwidth=450 * GB, nic_bandwidth=50 * GB),
     "cpu-sim": dict(gpu=CPU_SIM, nvlink_bandwidth=10 * GB, nic_bandwidth=10 * GB),
@@ -102,7 +131,8 @@ PRESETS = {
 
 
 def cluster(name: str, nodes: int = 1, gpus_per_node: int = 8, **overrides) -> ClusterSpec:
-    """A preset cluster by name (``a100-80gb``, ``h100``, ``h200``, ``cpu-sim``) with ``nodes``
+    """A preset cluster by name (``a100-80gb``, ``jean-zay-a100``, ``h100``, ``h200``,
+    ``cpu-sim``) with ``nodes``
     nodes; keyword overrides replace any ClusterSpec field (e.g. ``nic_bandwidth=``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown cluster {name!r}; presets: {', '.join(PRESETS)}")

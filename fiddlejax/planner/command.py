@@ -5,7 +5,8 @@
     fiddlejax plan predict ... --pipe 8 --schedule 2bw --steps-per-call 4   # PipeDream-2BW
     fiddlejax plan search --model gpt3-175b --cluster h100 --nodes 64 --global-batch 1536 \\
         [--top 10] [--schedules 1f1b zb-h1 2bw --steps-per-call 4] [--json]
-    fiddlejax plan validate [--json]       # Megatron-LM 2021 Table 1: predicted vs published
+    fiddlejax plan validate [--json]       # every published run: predicted vs published;
+                                           # exit 1 when one is off by more than 10%
     fiddlejax plan predict --model bloom-176b --cluster a100-80gb --nodes 48 --tensor 4 \
         --pipe 12 --microbatch-size 2 --global-batch 2048 --remat full --zero 1  # BLOOM's run
 """
@@ -21,7 +22,17 @@ from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
-from fiddlejax.planner.space import FSDP_GATHERS, HEADS, PRECISIONS, ZEROS, Layout, schedule_kinds
+from fiddlejax.planner.space import (
+    FSDP_GATHERS,
+    GRAD_ACCUMULATIONS,
+    HEADS,
+    P2PS,
+    PARTITIONS,
+    PRECISIONS,
+    ZEROS,
+    Layout,
+    schedule_kinds,
+)
 
 GIB = 2**30
 
@@ -86,6 +97,17 @@ def _parser() -> argparse.ArgumentParser:
                     "its published runs)")
     pp.add_argument("--dp-overlap", type=float, default=0.0,
                     help="share of the gradient all-reduce hidden under the backward")
+    g = pp.add_argument_group("how a published run executed (defaults: fiddlejax)")
+    g.add_argument("--p2p", default="async", choices=P2PS,
+                   help="stage-to-stage transfers: async, batched (Megatron-LM 2021) or "
+                   "blocking (DeepSpeed's pipeline engine)")
+    g.add_argument("--grad-accumulation", default="fused", choices=GRAD_ACCUMULATIONS,
+                   help="separate: an HBM pass per microbatch adding its gradient")
+    g.add_argument("--grad-bytes", type=int, default=4, choices=(2, 4),
+                   help="bytes per gradient element reduced over data (2: fp16)")
+    g.add_argument("--partition", default="layers", choices=PARTITIONS,
+                   help="layers+head: the embedding and head count as a layer each "
+                   "(Megatron-DeepSpeed's type:transformer|embedding)")
     ps = sub.add_parser("search", help="rank every layout that fits memory")
     _common(ps)
     ps.add_argument("--top", type=int, default=10)
@@ -95,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
                     "named: its updates use one-step-stale gradients)")
     ps.add_argument("--steps-per-call", type=int, default=1,
                     help="2bw: optimizer steps per call without a pipeline flush (K)")
-    pv = sub.add_parser("validate", help="predicted vs published (Megatron-LM 2021 Table 1)")
+    pv = sub.add_parser("validate", help="every published run (Megatron-LM 2021 Table 1, "
+                        "BLOOM-176B) predicted as it ran vs its published throughput")
     pv.add_argument("--json", action="store_true")
     return ap
 
@@ -123,6 +146,7 @@ def _print_predict(pr: Prediction) -> None:
                     ("pipeline bubble", tm.bubble), ("data-parallel comm (exposed)",
                                                      tm.data_comm_exposed),
                     ("data-parallel comm (overlapped)", tm.overlapped),
+                    ("pipeline transfers (blocking)", tm.pipe_comm),
                     ("optimizer", tm.optimizer), ("step", tm.total)):
         share = "" if name.endswith("(overlapped)") else f"{v / tm.total:.1%}"
         t.add_row(name, f"{v:.4f}", share)
@@ -170,6 +194,12 @@ def plan_command(argv: list[str]) -> int:
 
             rows = published.compare()
             print(json.dumps(rows, indent=2) if a.json else published.markdown(rows))
+            bad = published.off(rows)
+            if bad:
+                names = ", ".join(f"{r['run']} {r['error']:+.1%}" for r in bad)
+                print(f"fiddlejax plan validate: {len(bad)} run(s) off by more than "
+                      f"{published.BAR:.0%}: {names}", file=sys.stderr)
+                return 1
             return 0
         model = _model(a)
         clus = cluster(a.cluster, nodes=a.nodes, gpus_per_node=a.gpus_per_node)
@@ -186,7 +216,8 @@ def plan_command(argv: list[str]) -> int:
                         global_batch=a.global_batch, schedule=a.schedule,
                         steps_per_call=a.steps_per_call, remat=a.remat, zero=a.zero,
                         precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap,
-                        fsdp_gather=a.fsdp_gather)
+                        fsdp_gather=a.fsdp_gather, p2p=a.p2p, grad_bytes=a.grad_bytes,
+                        grad_accumulation=a.grad_accumulation, partition=a.partition)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))

@@ -15,6 +15,9 @@ from fiddlejax.planner.workload import ModelSpec
 
 PRECISIONS = ("fp32", "bf16-mixed")
 HEADS = ("vocab-parallel", "last-stage")
+P2PS = ("async", "batched", "blocking")  # how stage-to-stage transfers wait (Layout.p2p)
+PARTITIONS = ("layers", "layers+head")
+GRAD_ACCUMULATIONS = ("fused", "separate")
 ZEROS = (0, 1, 2, 3)
 FSDP_GATHERS = ("layer", "step")  # fj.Plan(fsdp_gather=)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
@@ -59,6 +62,25 @@ class Layout:
     microbatch by all of them. ``last-stage`` is Megatron-LM's placement (embedding on the first
     stage, head on the last, each split over ``tensor``), to compare with runs published with it.
 
+    How a published run executed, to predict it as it ran (fiddlejax's runtime is the
+    default of each; ``fiddlejax.planner.published`` sets them per run):
+
+    - ``p2p``: ``async`` transfers delay only the receiving stage (the simulator's latency);
+      ``batched`` (Megatron-LM 2021: one blocking send-and-receive per action) and
+      ``blocking`` (DeepSpeed's pipeline engine: a blocking receive and a blocking send per
+      action) charge every action its transfer, the message split over the tensor ranks and
+      all-gathered over NVLink (Megatron's scatter/gather, DeepSpeed's partitioned
+      activations).
+    - ``grad_bytes``: bytes per element of the gradient accumulator, which the data-parallel
+      reduction sends (float32 here; 2 for Megatron-LM 2021's fp16 runs). Time only: the
+      memory model is fiddlejax's float32 state.
+    - ``grad_accumulation``: ``separate`` adds each microbatch's gradient into the
+      accumulator with its own kernel (PyTorch's autograd, Megatron's ``main_grad.add_``,
+      DeepSpeed's BF16_Optimizer), an HBM pass per microbatch; ``fused`` counts none.
+    - ``partition``: ``layers+head`` counts the embedding and the head as a layer each when
+      splitting layers over stages (Megatron-DeepSpeed's ``type:transformer|embedding``,
+      BLOOM's run); ``layers`` splits the layers evenly and adds the head to the last stage.
+
     ``steps_per_call`` (K, ``2bw`` only): optimizer steps one ``trainer.steps`` call runs
     without a pipeline flush; the fill and drain are paid once per K steps. Predictions stay
     per optimizer step.
@@ -79,6 +101,10 @@ class Layout:
     optimizer: str = "adam"
     dp_overlap: float = 0.0
     fsdp_gather: str = "layer"
+    p2p: str = "async"
+    grad_bytes: int = 4
+    grad_accumulation: str = "fused"
+    partition: str = "layers"
 
     @property
     def gpus(self) -> int:
@@ -194,4 +220,13 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
         raise ValueError(f"optimizer={lo.optimizer!r} must be 'adam' or 'sgd'")
     if not 0.0 <= lo.dp_overlap <= 1.0:
         raise ValueError(f"dp_overlap={lo.dp_overlap} must be in [0, 1]")
+    for name, value, allowed in (("p2p", lo.p2p, P2PS), ("grad_bytes", lo.grad_bytes, (2, 4)),
+                                 ("grad_accumulation", lo.grad_accumulation,
+                                  GRAD_ACCUMULATIONS), ("partition", lo.partition, PARTITIONS)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    if lo.partition == "layers+head" and (lo.head != "last-stage" or lo.virtual_stages > 1):
+        raise ValueError(f"partition='layers+head' splits Megatron's placement of the head "
+                         f"(head='last-stage', got {lo.head!r}) without interleaving (got "
+                         f"virtual_stages={lo.virtual_stages}); set partition='layers'")
     return lo

@@ -2,9 +2,10 @@
 
 One microbatch through one chunk (``layers / (pipe x virtual)`` layers) costs
   forward  = matmul FLOPs / (tensor x peak x gemm_efficiency)
-           + elementwise bytes / HBM bandwidth           (a roofline: every residual written and
+           + elementwise bytes / achieved HBM bandwidth  (a roofline: every residual written and
                                                            read once)
-           + tensor-parallel all-reduces                  (``collectives.cost``, on NVLink or NICs)
+           + tensor-parallel all-reduces                  (``collectives.cost``, on NVLink at the
+                                                           bandwidth NCCL reaches, or NICs)
   backward = 2 x forward compute + the same all-reduces, plus the recomputation the remat policy
              implies (``full`` re-runs the forward; ``dots``/``minimal`` its elementwise part).
 The schedule simulator (``pipeline.schedules.simulate``) runs the real action lists with those
@@ -12,8 +13,13 @@ F/B (or F/I/W) costs and the stage-to-stage transfer time as latency: its makesp
 stage's busy time is the bubble. ``2bw`` runs 1F1B over the K x m microbatches of
 ``steps_per_call`` = K optimizer steps without a flush: the simulator's makespan of that
 schedule, divided by K, is the time per step, so the fill and drain are amortized over K
-steps. The data-parallel gradient all-reduce follows (exposed, except ``dp_overlap``), then the
-optimizer update (HBM bound). The embedding and head of a pipeline run vocabulary-parallel over
+steps. The data-parallel gradient all-reduce follows (exposed, except the ``dp_overlap`` share,
+which can hide at most under the last microbatch's backward), then the optimizer update (HBM
+bound). How a published run executed adds to this (``Layout`` docstring): blocking
+stage-to-stage transfers charged to every action (``p2p``), a separate gradient-accumulation
+pass per microbatch, fp16 gradients in the reduction, Megatron-DeepSpeed's partition.
+
+The embedding and head of a pipeline run vocabulary-parallel over
 every device of ``pipe`` x ``tensor`` once per microbatch, between the stage programs: each
 device pays 1/(pipe x tensor) of their FLOPs per microbatch, serially with the ticks, plus
 their activation-sized all-reduces (``vocab_allreduces``). ``head="last-stage"`` (Megatron's
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.footprint import (
@@ -58,11 +65,12 @@ class StepTime:
     data_comm: float  # the whole gradient reduction
     data_comm_exposed: float  # the part not hidden under the backward
     optimizer: float
+    pipe_comm: float = 0.0  # blocking stage-to-stage transfers (``p2p`` "batched"/"blocking")
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor_comm + self.bubble + self.data_comm_exposed
-                + self.optimizer)
+                + self.optimizer + self.pipe_comm)
 
     @property
     def overlapped(self) -> float:
@@ -135,7 +143,7 @@ def allreduce_seconds(cluster: ClusterSpec, size: int, stride: int, nbytes: floa
     per_node = min(per_node, size)
     if size % per_node:
         per_node = 1
-    return _allreduce(size, per_node, float(nbytes), cluster.nvlink_bandwidth,
+    return _allreduce(size, per_node, float(nbytes), cluster.nvlink_achieved,
                       cluster.nic_bandwidth, cluster.nvlink_latency)
 
 
@@ -164,7 +172,7 @@ def _closed_allreduce(cluster: ClusterSpec, size: int, stride: int, nbytes: floa
     k = min(size, max(1, cluster.gpus_per_node // stride))
     nodes = size // k
     if 1 < k and nodes > 1 and size % k == 0:
-        inner = 2 * (k - 1) * (cluster.nvlink_latency + nbytes / k / cluster.nvlink_bandwidth)
+        inner = 2 * (k - 1) * (cluster.nvlink_latency + nbytes / k / cluster.nvlink_achieved)
         outer = 2 * (nodes - 1) * (cluster.nic_latency
                                    + nbytes / k / nodes / cluster.nic_bandwidth)
         best = min(best, inner + outer)
@@ -175,7 +183,8 @@ def _data_comm(cluster: ClusterSpec, layout: Layout, n_params: float) -> float:
     """Seconds of the data-parallel reduction per step: the gradient all-reduce, ZeRO-1/2's
     all-gather of the updated shards, or FSDP's gathers and reduce-scatters."""
     t, p, d, m = layout.tensor, layout.pipe, layout.data, layout.microbatches
-    pb, gb, _ = state_bytes(layout)
+    pb, _, _ = state_bytes(layout)
+    gb = layout.grad_bytes
     ab = activation_bytes(layout)
     dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
     if layout.zero in (1, 2) and d > 1:  # the updated shards all-gathered (half a ring
@@ -208,7 +217,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     # One layer, one microbatch, one tensor rank.
     mm = mb * model.layer_flops / t / flop_rate
     split, rep = model.act["none"]
-    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_bandwidth
+    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved
     ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab) * model.tp_allreduces
     recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
     recompute_ar = ar if layout.remat == "full" else 0.0
@@ -220,27 +229,52 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     outside = 0.0
     if vocab_parallel(layout):
         head, outside = 0.0, 3 * head / p
+    if layout.partition == "layers+head" and p > 1:
+        # Megatron-DeepSpeed's type:transformer|embedding: the embedding and the head count as
+        # a layer each when splitting, so the first and last stage hold one layer fewer.
+        units = math.ceil((model.num_layers + 2) / p)
+        per_layer = 3 * (mm + ew) + recompute + 2 * ar + recompute_ar
+        layers, head = ((units, 0.0) if per_layer >= 3 * head
+                        else (units - 1, head))
     f_comp = layers * (mm + ew) + head
     b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
+    n_params = stage_params(model, layout)
+    if layout.grad_accumulation == "separate":  # each microbatch's gradient (compute dtype)
+        # added into the accumulator by its own kernel: read both, write the accumulator
+        b_comp += n_params * (ab + 2 * layout.grad_bytes) / gpu.hbm_achieved / v
     f_ar = layers * ar
     b_ar = layers * (ar + recompute_ar)
     f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
-    busy = m * v * (f + b)
+    p2p = 0.0
     if p > 1:
         bw, lat = cluster.group_bandwidth(p, t)
-        xfer = lat + mb * model.boundary * ab / bw
+        msg = mb * model.boundary * ab
+        xfer = lat + msg / bw
+        if layout.p2p != "async":
+            # Blocking transfers sit on the stage's critical path: each action waits for its
+            # exchange (Megatron-LM 2021: batch_isend_irecv + cuda.synchronize, one send and
+            # one receive batched; DeepSpeed's engine: a blocking receive, then a send). Both
+            # split the message over the tensor ranks and all-gather it over NVLink.
+            one = lat + msg / t / bw + allreduce_seconds(cluster, t, 1, msg) / 2
+            p2p = one * (1 if layout.p2p == "batched" else 2)
+            f, b, xfer = f + p2p, b + p2p, lat
+    busy = m * v * (f + b)
+    if p > 1:
         makespan = _makespan(layout.kind, p, m, v, f, b, xfer, simulate, k) / k
     else:
         makespan = busy
     bubble = max(0.0, makespan - busy)
     pb, gb, ob = state_bytes(layout)
-    n_params = stage_params(model, layout)
     dp = _data_comm(cluster, layout, n_params)
+    # Overlap can hide the reduction only under the last microbatch's backward: gradients are
+    # complete once it has run (Megatron-LM 2021's torch DDP: all-reduce in the last backward).
+    hidden = min(dp * layout.dp_overlap, v * b)
     opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
-    opt = opt_bytes / gpu.hbm_bandwidth
+    opt = opt_bytes / gpu.hbm_achieved
     vocab_ar = vocab_allreduces(model, cluster, layout) if vocab_parallel(layout) else 0.0
     time = StepTime(
         compute=m * (v * (f_comp + b_comp) + outside),
         tensor_comm=m * (v * (f_ar + b_ar) + vocab_ar), bubble=bubble,
-        data_comm=dp, data_comm_exposed=dp * (1.0 - layout.dp_overlap), optimizer=opt)
+        data_comm=dp, data_comm_exposed=dp - hidden, optimizer=opt,
+        pipe_comm=m * v * 2 * p2p)
     return time, (bubble / makespan if makespan else 0.0)
