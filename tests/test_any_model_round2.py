@@ -212,3 +212,29 @@ def test_dropout_masks_equal_on_every_layout_and_new_every_step():
     (a, ga), (b, gb) = results
     assert abs(float(a) - float(b)) <= 1e-5 * abs(float(a))
     assert rel_err(gb, ga) < 1e-5
+
+
+def test_bonsai_gpt_oss_rotary_tables_and_mask_pass_whole():
+    """jax-ml/bonsai's GPT-OSS (``tests/external/bonsai_gpt_oss``, unmodified): its blocks get
+    rotary tables ``(S, d/2)`` and an additive ``(1, 1, S, S)`` mask built in ``__call__``, no
+    batch axis; it failed on every layout with a broadcasting error from inside JAX."""
+    oss = load(Path(__file__).parent / "external" / "bonsai_gpt_oss" / "modeling.py",
+               "bonsai_gpt_oss_modeling")
+    cfg = oss.GptOssConfig(vocab_size=64, hidden_size=16, intermediate_size=8,
+                           num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=4)
+    model = oss.GptOssForCausalLM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)  # its experts start at zero: give them values
+    leaves, tdef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    nnx.update(model, jax.tree.unflatten(tdef, [
+        0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]))
+    batch = {"input_ids": TOKENS["tokens"]}
+
+    def ce(logits, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, b["input_ids"][:, 1:]).mean()
+
+    for layout_ in [(4, 1, 2, None, 1, 1), (2, 2, 2, "1f1b", 2, 1)]:
+        check_exact(model, lambda m: m(batch["input_ids"][:, :-1]),
+                    fj.next_token(ce, "input_ids"), batch, "model.layers", layout_)
