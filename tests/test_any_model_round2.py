@@ -45,7 +45,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 import conftest  # 8 simulated devices
 from test_any_model_round2 import *
-model = nanogpt()
+model = nanogpt(n_layer={n_layer})
 fj.sharding.annotate(model, MEGATRON)
 check_exact(model, lambda m: m(TOKENS["tokens"][:, :-1]), fj.next_token(token_ce), TOKENS,
             "h", {layout!r})
@@ -53,13 +53,15 @@ print("EXACT")
 """
 
 
-@pytest.mark.parametrize("layout_", [(2, 2, 2, "1f1b", 2, 1), (4, 1, 2, None, 1, 1)],
-                         ids=["pipe-tensor-1f1b", "data-tensor"])
+@pytest.mark.parametrize("layout_", [(2, 2, 2, "1f1b", 2, 1), (4, 1, 2, None, 1, 1),
+                                     (2, 2, 2, "interleaved-1f1b", 2, 2)],
+                         ids=["pipe-tensor-1f1b", "data-tensor", "pipe-tensor-interleaved"])
 def test_nanogpt_megatron_names_exact_and_never_hangs(layout_):
     """The hang of issue 37: GSPMD's collective-permutes (the fused q|k|v split) inside a
     stage's layer loop. A subprocess with a timeout, so that a regression fails, never hangs."""
     tests = str(Path(__file__).parent)
-    code = textwrap.dedent(HANG.format(tests=tests, layout=layout_))
+    n_layer = layout_[1] * layout_[5] if layout_[5] > 1 else 2  # a layer a chunk
+    code = textwrap.dedent(HANG.format(tests=tests, layout=layout_, n_layer=n_layer))
     env = {**os.environ, "PYTHONPATH": tests}
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
