@@ -239,6 +239,19 @@ def test_every_published_run_within_10_percent_as_it_ran():
                / published.megatron_flops(1536, 2048, 96, 12288, 51200) - 1) < 1e-12
 
 
+def test_attribution_starts_at_the_old_model_and_ends_at_validate():
+    """Step 0 reproduces the table the planner validated before (microbatch 1, 1F1B, datasheet
+    bandwidths: worst +13.8%); the last step is `plan validate`'s."""
+    from fiddlejax.planner import attribution
+
+    steps = attribution.errors()
+    assert len(steps) == len(attribution.STEPS)
+    before, after = steps[0][1], steps[-1][1]
+    assert [round(e * 1000) for e in before[:10]] == [-33, -11, -8, 49, 123, 138, 119, 99, 56,
+                                                      121]
+    assert after == [r["error"] for r in published.compare()]
+
+
 def test_cli_validate_prints_every_run_and_fails_past_the_bar(capsys, monkeypatch):
     import dataclasses
 

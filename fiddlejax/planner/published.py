@@ -29,8 +29,9 @@ embedding and head (all of these: Megatron's, ``head="last-stage"``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from fiddlejax.planner.cluster import cluster, nodes_for
+from fiddlejax.planner.cluster import ClusterSpec, cluster, nodes_for
 from fiddlejax.planner.predict import predict
 from fiddlejax.planner.space import Layout
 from fiddlejax.planner.workload import ModelSpec, gpt, preset
@@ -95,12 +96,15 @@ RUNS: tuple[Run, ...] = (
 MEGATRON_2021_TABLE1 = tuple(r for r in RUNS if r.source.startswith("Megatron-LM 2021"))
 
 
-def compare(runs: tuple[Run, ...] | None = None) -> list[dict]:
-    """Predicted vs published hardware TFLOP/s per GPU for every run (default: ``RUNS``)."""
+def compare(runs: tuple[Run, ...] | None = None,
+            adjust: Callable[[ClusterSpec], ClusterSpec] | None = None) -> list[dict]:
+    """Predicted vs published hardware TFLOP/s per GPU for every run (default: ``RUNS``);
+    ``adjust`` changes each run's cluster first (``attribution`` turns efficiencies off)."""
     rows = []
     for r in RUNS if runs is None else runs:
         m, lo = r.model, r.layout
-        pr = predict(m, cluster(r.cluster, nodes=nodes_for(lo.gpus)), lo)
+        c = cluster(r.cluster, nodes=nodes_for(lo.gpus))
+        pr = predict(m, adjust(c) if adjust else c, lo)
         flops = megatron_flops(lo.global_batch, m.seq_len, m.num_layers, m.hidden, m.vocab)
         tflops = flops / pr.time.total / lo.gpus / 1e12
         rows.append({

@@ -1,0 +1,74 @@
+"""What each modelled effect moves: the published runs re-predicted one change at a time.
+
+Step 0 is the planner as it validated before (every Megatron row at microbatch 1, 1F1B, no
+overlap, float32 gradients; BLOOM on the Selene preset with its layers split evenly; datasheet
+NVLink and HBM bandwidths, asynchronous transfers, no accumulation pass). Each later step adds
+one thing the runs did or one measured library efficiency, cumulatively, ending at the model
+``fiddlejax plan validate`` uses. Run ``python -m fiddlejax.planner.attribution``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fiddlejax.planner import published
+from fiddlejax.planner.cluster import ClusterSpec
+
+STEPS = (
+    "before (mb 1, 1F1B, Selene for BLOOM, datasheet bandwidths)",
+    "+ each run's own settings (microbatch, interleaving, DDP, fp16 grads; BLOOM's cluster "
+    "and partition)",
+    "+ NCCL reaches 0.7 of A100 NVLink",
+    "+ blocking stage-to-stage transfers, split over the tensor ranks",
+    "+ a gradient-accumulation pass per microbatch",
+    "+ elementwise kernels reach 0.9 of HBM",
+)
+
+
+def _variant(run: published.Run, step: int) -> published.Run:
+    lo, name = run.layout, run.cluster
+    if step < 1:
+        lo = dataclasses.replace(lo, virtual_stages=1, dp_overlap=0.0, grad_bytes=4,
+                                 partition="layers", microbatch_size=(
+                                     1 if run.source.startswith("Megatron") else
+                                     lo.microbatch_size))
+        name = "a100-80gb"
+    if step < 3:
+        lo = dataclasses.replace(lo, p2p="async")
+    if step < 4:
+        lo = dataclasses.replace(lo, grad_accumulation="fused")
+    return dataclasses.replace(run, layout=lo, cluster=name)
+
+
+def _efficiencies(step: int):
+    """The cluster as ``step`` sees it: measured efficiencies from steps 2 and 5 on."""
+
+    def adjust(c: ClusterSpec) -> ClusterSpec:
+        gpu = c.gpu if step >= 5 else dataclasses.replace(c.gpu, hbm_efficiency=1.0)
+        return dataclasses.replace(c, gpu=gpu, nvlink_efficiency=(
+            c.nvlink_efficiency if step >= 2 else 1.0))
+
+    return adjust
+
+
+def errors() -> list[tuple[str, list[float]]]:
+    """Per step, the error of every run (``published.RUNS`` order)."""
+    return [(label, [r["error"] for r in published.compare(
+        tuple(_variant(r, step) for r in published.RUNS), _efficiencies(step))])
+        for step, label in enumerate(STEPS)]
+
+
+def markdown() -> str:
+    """Steps as rows, runs as columns, with the mean absolute and the worst error."""
+    names = [r.name.removeprefix("gpt-") for r in published.RUNS]
+    lines = ["| step | " + " | ".join(names) + " | mean abs | worst |",
+             "|" + "---|" * (len(names) + 3)]
+    for label, errs in errors():
+        worst = max(errs, key=abs)
+        lines.append(f"| {label} | " + " | ".join(f"{e:+.1%}" for e in errs)
+                     + f" | {sum(map(abs, errs)) / len(errs):.1%} | {worst:+.1%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
