@@ -7,6 +7,7 @@ the global batch its devices own on ``data`` (``fiddlejax.distributed.data_shard
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import jax
@@ -37,7 +38,10 @@ def check(batch: dict, plan: Plan, batch_spec: Callable | None, model_name: str)
             f"such as {max(per, b - b % per)}")
     if batch_spec is None:
         return
-    want = batch_spec(b)
+    # A model whose batch_spec takes the batch reads its length from it (the sequence length
+    # belongs to the data: any length up to the model's maximum).
+    takes_batch = "batch" in inspect.signature(batch_spec).parameters
+    want = batch_spec(b, batch) if takes_batch else batch_spec(b)
     # Extra keys are allowed: a loss passed to parallelize may read more (e.g. a mask).
     if not set(want) <= set(batch):
         raise ValueError(f"{model_name} expects batch keys {sorted(want)}, got {sorted(batch)}")

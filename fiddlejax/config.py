@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from . import units
+from . import model_names, units
 
 
 class ConfigError(ValueError):
@@ -114,7 +114,7 @@ MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minute
 # Keys typed beyond their default's type. Choices that other modules own are filled in by
 # :func:`specs` (schedule kinds, remat policies, all-reduce algorithms).
 SPECS: dict[str, Spec] = {
-    "model.name": Spec(str, choices=("gpt", "bert", "cnn", "llama")),
+    "model.name": Spec(str, choices=model_names.NAMES),
     "model.vocab_size": Spec(int, lo=2, words=("auto",)),  # auto: the tokenizer's
     "model.seq_len": POSITIVE, "model.d_model": POSITIVE,
     "model.n_heads": POSITIVE, "model.n_layers": POSITIVE, "model.d_ff": POSITIVE,
@@ -301,6 +301,10 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
     for item in overrides:
         cfg = _merge(cfg, parse_override(item))
     validate(cfg)
+    try:
+        model_names.resolve(cfg["model"])  # auto: gpt, or model.from_pretrained's family
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

@@ -151,6 +151,19 @@ def _llama_build(mcfg: dict, seed: int):
 
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
         return Llama.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
+    if mcfg["name"] != "llama":  # another family from scratch: its config.json defaults
+        from .decoder import FAMILIES
+        from .families import read
+
+        hf = {"model_type": mcfg["name"], "vocab_size": vocab(mcfg),
+              "hidden_size": mcfg["d_model"], "intermediate_size": mcfg["d_ff"],
+              "num_hidden_layers": mcfg["n_layers"], "num_attention_heads": mcfg["n_heads"],
+              "num_key_value_heads": mcfg["n_kv_heads"], "rope_theta": mcfg["rope_theta"],
+              "head_dim": mcfg["d_model"] // mcfg["n_heads"],
+              "tie_word_embeddings": mcfg["tie_embeddings"],
+              "max_position_embeddings": mcfg["seq_len"]}
+        cls = FAMILIES[mcfg["name"]]
+        return cls(cls.config_class(**read(hf, mcfg["seq_len"])), rngs=nnx.Rngs(seed))
     return Llama(LlamaConfig(
         vocab_size=vocab(mcfg), hidden_size=mcfg["d_model"],
         intermediate_size=mcfg["d_ff"], num_hidden_layers=mcfg["n_layers"],
@@ -225,6 +238,10 @@ REGISTRY: dict[str, ModelEntry] = {
                       correct=_cnn_correct),
     "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
 }
+# The other Hugging Face families: the same decoder, job and data (models/decoder.py).
+for _family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"):
+    REGISTRY[_family] = ModelEntry(_family, _llama_build, _gpt_batches, _llama_flops,
+                                   LLAMA_MUON_AXES)
 
 
 def get(name: str) -> ModelEntry:
@@ -258,12 +275,33 @@ def generate_text(model, prompt, max_new_tokens: int, **kw):
     return run(model, prompt, max_new_tokens, **kw)
 
 
-def save_hf(model, directory, *, max_shard_size="5GB", dtype: str = "float32") -> None:
-    """A bundled model as a Hugging Face directory: Llama as ``llama``, GPT as ``gpt2``."""
+def from_pretrained(path, *, seq_len: int | None = None, dtype=None):
+    """The model of a Hugging Face directory, whatever its family (``config.json``'s
+    ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text): a
+    :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`. Weights load as float32
+    masters (or ``dtype``); ``seq_len``: the default batch length (any length up to
+    ``max_position_embeddings`` is accepted). ``model.save_pretrained(dir)`` writes it back."""
+    from .decoder import FAMILIES
+    from .families import SUPPORTED
+    from .hf import read_config
+    from .llama import Llama
+
+    family = read_config(path).get("model_type", "llama")
+    classes = {"llama": Llama, **FAMILIES}
+    if family not in classes:
+        raise ValueError(f"{path}/config.json has model_type={family!r}, which fiddlejax does "
+                         f"not implement; supported: {', '.join(SUPPORTED)}")
+    return classes[family].from_pretrained(path, seq_len=seq_len, dtype=dtype)
+
+
+def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None) -> None:
+    """A bundled model as a Hugging Face directory: a decoder as its family (Llama as
+    ``llama``, ...; ``dtype`` None: its checkpoint's), GPT as ``gpt2``."""
     from .gpt import GPT
 
     if isinstance(model, GPT):
         from .gpt2_hf import save_gpt2
 
-        return save_gpt2(model, directory, max_shard_size=max_shard_size, dtype=dtype)
+        return save_gpt2(model, directory, max_shard_size=max_shard_size,
+                         dtype=dtype or "float32")
     return model.save_pretrained(directory, max_shard_size=max_shard_size, dtype=dtype)

@@ -92,6 +92,7 @@ class DecoderConfig:
     layer_types: tuple | None = None
     local_rope_theta: float | None = None
     checkpoint_dtype: str = "float32"
+    token_ids: tuple = ()  # (key, id) items of config.json's *_token_id keys, written back
 
     def __post_init__(self):
         me = type(self).__name__

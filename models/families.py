@@ -35,6 +35,7 @@ METADATA = {"architectures", "model_type", "torch_dtype", "dtype", "transformers
             "original_max_position_embeddings", "layer_types", "sliding_window",
             "attention_bias", "mlp_bias", "hidden_act", "hidden_activation", "rope_theta",
             "rope_scaling", "rope_parameters", "rope_local_base_freq", "sliding_window_pattern",
+            "_sliding_window_pattern",
             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
             "attention_dropout", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
             "num_hidden_layers", *DIMS}
@@ -107,7 +108,7 @@ def _layers(hf: dict, family: str, n: int) -> dict:
         elif family == "gemma2":
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
         elif family == "gemma3_text":
-            every = hf.get("sliding_window_pattern", 6)
+            every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
             types = ["sliding_attention" if (i + 1) % every else "full_attention"
                      for i in range(n)]
         else:  # mistral, phi3: every layer
@@ -162,7 +163,9 @@ def read(hf: dict, seq_len: int | None = None, *, expect: str | None = None) -> 
     out.update(model_type=family, hidden_act=act, seq_len=seq_len or mpe,
                attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3_text"),
                norm_plus_one=gemma, sandwich_norms=family in ("gemma2", "gemma3_text"),
-               scale_embeddings=gemma, checkpoint_dtype=_dtype(hf))
+               scale_embeddings=gemma, checkpoint_dtype=_dtype(hf),
+               token_ids=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                      for k, v in hf.items() if k.endswith("_token_id"))))
     if family in ("gemma2", "gemma3_text"):
         out["query_pre_attn_scalar"] = float(hf.get("query_pre_attn_scalar", 256))
         for key, default in (("attn_logit_softcapping", 50.0 if family == "gemma2" else None),
@@ -186,13 +189,16 @@ def write(c: Any) -> dict:
            "torch_dtype": c.checkpoint_dtype}
     for key in DIMS:
         out[key] = getattr(c, key)
+    out.update({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+    out.update({k: list(v) if isinstance(v, tuple) else v for k, v in c.token_ids})
     scaling = None if c.rope_scaling is None else dict(c.rope_scaling)
     rope = {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta}
     if family in ("gemma2", "gemma3_text"):
         out["hidden_activation"] = c.hidden_act
-        for key in ("query_pre_attn_scalar", "attn_logit_softcapping",
-                    "final_logit_softcapping"):
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             out[key] = getattr(c, key)
+        q = c.query_pre_attn_scalar
+        out["query_pre_attn_scalar"] = int(q) if float(q).is_integer() else q  # an int field
     else:
         out["hidden_act"] = c.hidden_act
     if family == "llama":

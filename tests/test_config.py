@@ -137,8 +137,9 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_model_names_are_the_registrys():
-    """model.name accepts exactly the models the job can build (models.REGISTRY)."""
-    assert set(config.specs()["model.name"].choices) == set(models.REGISTRY)
+    """model.name accepts exactly the models the job can build (models.REGISTRY), and auto
+    (gpt, or model.from_pretrained's family)."""
+    assert set(config.specs()["model.name"].choices) == {"auto", *models.REGISTRY}
 
 
 def test_precision_zero_and_rules_reach_the_plan():

@@ -191,7 +191,8 @@ def test_cli_builds_llama_from_the_config():
     assert (type(model), c.hidden_size, c.num_key_value_heads, c.num_attention_heads,
             c.vocab_size, c.seq_len) == (Llama, 64, 1, 4, 256, 128)
     with pytest.raises(ValueError, match="model.from_pretrained='x' needs model.name=llama"):
-        build.build_model(config.load(None, ["model.from_pretrained=x"])["model"], 0)
+        build.build_model(config.load(None, ["model.name=gpt", "model.from_pretrained=x"]
+                                      )["model"], 0)
 
 
 def test_export_refuses_a_run_without_a_hugging_face_twin(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fiddlejax import config as config_lib
 from fiddlejax import models
+from fiddlejax.model_names import DECODERS, FAMILIES
 
 
 def setup_devices(cfg: dict) -> dict[str, str]:
@@ -40,7 +41,7 @@ def resolve_data(cfg: dict) -> None:
     from fiddlejax.data import pipeline, tokenizer
 
     m, d = cfg["model"], cfg["data"]
-    if m["name"] not in ("gpt", "llama") and pipeline.wanted(d, m.get("from_pretrained")):
+    if m["name"] not in DECODERS and pipeline.wanted(d, m.get("from_pretrained")):
         raise config_lib.ConfigError(
             f"data.path, data.mixture and data.tokenizer feed the decoders; model.name="
             f"{m['name']} trains on its bundled data: use model.name=gpt or llama, or unset them")
@@ -53,9 +54,10 @@ def build_model(mcfg: dict, seed: int):
     """The model of the config's ``model:`` section, initialized from ``seed``
     (``vocab_size=auto`` without :func:`resolve_data`: the default tokenizer's size)."""
     name = mcfg["name"]
-    if mcfg.get("from_pretrained") and name != "llama":
+    if mcfg.get("from_pretrained") and name not in FAMILIES:
         raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
-                         f"model.name=llama (got {name!r})")
+                         f"model.name=llama, another Hugging Face family ({', '.join(FAMILIES)})"
+                         f" or auto (its config.json's family); got {name!r}")
     try:
         return models.get(name).build(mcfg, seed)
     except Exception as e:  # a damaged Hugging Face file: name it, not the parser's words

@@ -1,11 +1,12 @@
-"""``fiddlejax export RUN_DIR OUT_DIR``: a Llama run's checkpoint as a Hugging Face directory
-(a GPT run's as a Hugging Face ``gpt2`` one, :mod:`fiddlejax.models.gpt2_hf`).
+"""``fiddlejax export RUN_DIR OUT_DIR``: a decoder run's checkpoint (Llama, Mistral, Qwen2/3,
+Phi-3, Gemma 1/2/3) as a Hugging Face directory of its family (a GPT run's as a Hugging Face
+``gpt2`` one, :mod:`fiddlejax.models.gpt2_hf`).
 
 The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``: model, optimizer,
 plan and simulated devices), so the checkpoint restores through the same
 :class:`~fiddlejax.checkpoint.CheckpointManager` path as a resume, verified array by array;
 ``trainer.params(state)`` then gives the canonical parameters, which
-``Llama.save_pretrained`` writes as ``config.json`` + safetensors.
+the model's ``save_pretrained`` writes as ``config.json`` + safetensors.
 """
 
 from __future__ import annotations
@@ -17,23 +18,26 @@ from pathlib import Path
 import yaml
 
 from fiddlejax.config import AUTO_CHECKPOINT_DIR
+from fiddlejax.model_names import DECODERS
 
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
            checkpoint_dir: str | Path | None = None, max_shard_size: int | str = "5GB",
-           dtype: str = "float32") -> int:
+           dtype: str | None = None) -> int:
     """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out_dir``
-    in Hugging Face's Llama layout; returns the step written."""
+    in Hugging Face's layout of the run's family; returns the step written. ``dtype``: None
+    writes the dtype of the checkpoint the run started from (float32 from scratch)."""
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{run_dir} has no config.yaml; pass the run.dir of a "
                                 "`fiddlejax train` run")
     cfg = yaml.safe_load(cfg_path.read_text())
-    if cfg["model"]["name"] not in ("llama", "gpt"):
+    if cfg["model"]["name"] not in DECODERS:
         raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
-                         "Hugging Face twin here; export writes Llama runs as Hugging Face "
-                         "llama and GPT runs as gpt2 directories")
+                         "Hugging Face twin here; export writes the decoder families (llama, "
+                         "mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text) as "
+                         "themselves and GPT runs as gpt2 directories")
     ckpt = checkpoint_dir or cfg["checkpoint"]["dir"]
     if not ckpt:
         raise ValueError(f"{run_dir} saved no checkpoints (checkpoint.dir was null); train with "
@@ -71,15 +75,18 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
 def export_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="fiddlejax export",
-        description="Write a trained Llama (or GPT: gpt2) run's checkpoint as a Hugging Face "
-                    "directory (config.json + safetensors) that transformers loads.")
-    p.add_argument("run_dir", help="the run.dir of a `fiddlejax train` run of llama or gpt")
+        description="Write a trained decoder's (llama, mistral, qwen2, qwen3, phi3, gemma, "
+                    "gemma2, gemma3_text; GPT: gpt2) checkpoint as a Hugging Face directory "
+                    "(config.json + safetensors) that transformers loads.")
+    p.add_argument("run_dir", help="the run.dir of a `fiddlejax train` run of a decoder")
     p.add_argument("out_dir", help="directory to write")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--checkpoint-dir", help="default: the run's checkpoint.dir")
     p.add_argument("--max-shard-size", default="5GB",
                    help="split the weights into files of at most this size (default 5GB)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="default: the dtype of model.from_pretrained's checkpoint (float32 "
+                        "for a model trained from scratch)")
     args = p.parse_args(argv)
     try:
         step = export(args.run_dir, args.out_dir, step=args.step,

@@ -17,6 +17,7 @@ import math
 import sys
 
 from fiddlejax import config as config_lib
+from fiddlejax.model_names import DECODERS
 
 OWN_KEYS = ("run.dir", "resume", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
             "batches")
@@ -58,7 +59,7 @@ def load(own: dict, overrides: list[str], command: str):
         _, model, step = runs.restore(run_dir, step=step)  # cfg keeps the overrides
         what = f"{run_dir} step {step}"
     elif any(o.startswith("model.from_pretrained=") for o in overrides):
-        cfg = config_lib.load(None, ["model.name=llama", "run.cpu_devices=0", *overrides])
+        cfg = config_lib.load(None, ["run.cpu_devices=0", *overrides])  # auto: DIR's family
         build.resolve_data(cfg)
         model = build.build_model(cfg["model"], 0)
         what = cfg["model"]["from_pretrained"]
@@ -107,9 +108,10 @@ def generate_command(argv: list[str]) -> int:
 
     own, overrides = parse(argv, "generate")
     cfg, model, tok, what = load(own, overrides, "generate")
-    if cfg["model"]["name"] not in ("gpt", "llama"):
-        raise config_lib.ConfigError(f"fiddlejax generate runs the decoders (gpt, llama); "
-                                     f"{what} is model.name={cfg['model']['name']}")
+    if cfg["model"]["name"] not in DECODERS:
+        raise config_lib.ConfigError(f"fiddlejax generate runs the decoders "
+                                     f"({', '.join(DECODERS)}); {what} is "
+                                     f"model.name={cfg['model']['name']}")
     prompt = own.get("prompt", "")
     ids = list(tok.encode(prompt))
     if tok.bos_id is not None:

@@ -90,7 +90,7 @@ def init_weights(cfg: dict, model, plan) -> str | None:
     elif is_hf(src):
         from fiddlejax import models
 
-        donor = models.get("llama").build({**cfg["model"], "from_pretrained": str(src)}, 0)
+        donor = models.from_pretrained(src, seq_len=cfg["model"]["seq_len"])  # any family
         what = f"{src} (Hugging Face)"
     else:
         raise ValueError(f"init_from={src} is neither a fiddlejax run directory (config.yaml) "
