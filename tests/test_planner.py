@@ -257,7 +257,8 @@ def test_cli_validate_prints_every_run_and_fails_past_the_bar(capsys, monkeypatc
 
     code, out, err = run_cli(capsys, "validate")
     assert code == 0 and err == ""
-    for run in ("gpt-1.7b", "gpt-1008.0b", "bloom-176b | t4 p12 d8 mb2 1f1b", "| 149.77 |"):
+    for run in ("gpt-1.7b", "gpt-1008.0b", "| 149.77 |",
+                "bloom-176b | Megatron (first/last stage) | t4 p12 d8 mb2 1f1b"):
         assert run in out, out
     # A run whose published figure the prediction misses by more than 10% fails the command.
     first = published.RUNS[0]

@@ -125,14 +125,15 @@ def off(rows: list[dict], bar: float = BAR) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     """The comparison as a markdown table (with the mean absolute and the worst error)."""
-    out = ["| run | layout (as run) | cluster | published TFLOP/s | predicted | error | bubble | "
-           "TP comm | DP comm | PP comm |", "|" + "---|" * 10]
+    out = ["| run | embedding and head | layout (as run) | cluster | published TFLOP/s | "
+           "predicted | error | bubble | TP comm | DP comm | PP comm |", "|" + "---|" * 11]
     for r in rows:
         tm = r["time"]
         share = {k: tm[k] / tm["total"] for k in ("tensor_comm", "data_comm_exposed",
                                                    "pipe_comm")}
         out.append(
-            f"| {r['run']} | {r['layout']} | {r['cluster']} | {r['published_tflops']:g} | "
+            f"| {r['run']} | {r['placement']} | {r['layout']} | {r['cluster']} | "
+            f"{r['published_tflops']:g} | "
             f"{r['predicted_tflops']:.1f} | {r['error']:+.1%} | {r['bubble_fraction']:.1%} | "
             f"{share['tensor_comm']:.1%} | {share['data_comm_exposed']:.1%} | "
             f"{share['pipe_comm']:.1%} |")

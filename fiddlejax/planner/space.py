@@ -137,8 +137,13 @@ class Layout:
             s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             s += f" K{self.steps_per_call}" if self.kind == "2bw" else ""
             s += " head=last-stage" if self.head == "last-stage" else ""
+            s += " partition=layers+head" if self.partition == "layers+head" else ""
+            s += f" p2p={self.p2p}" if self.p2p != "async" else ""
         s += f" remat={self.remat}" + (f" zero{self.zero}" if self.zero else "")
-        return s + (" gather=step" if self.fsdp_gather == "step" else "")
+        s += " gather=step" if self.fsdp_gather == "step" else ""
+        s += f" overlap={self.dp_overlap:g}" if self.dp_overlap else ""
+        s += " grads=fp16" if self.grad_bytes == 2 else ""
+        return s + (" accumulate=separate" if self.grad_accumulation == "separate" else "")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
