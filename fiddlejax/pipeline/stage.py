@@ -98,14 +98,16 @@ def add_at(buf, idx: tuple, x):
     return write_at(buf, idx, read_at(buf, idx) + x.astype(buf.dtype))
 
 
-def _pin(i, *indices):
-    """``(i, *indices)`` through an optimization barrier, so that every read a layer loop makes
-    with them varies with the loop counter ``i``. Without it, in a chunk of one layer (a
-    dimension of size 1 ignores its index) the reads of W's loop do not depend on ``i``, and
-    XLA hoists the layer's whole weight-gradient out of the loop: it then ran every tick,
-    whatever the trip count (zb-v and interleaved-zb at 8 layers on 4 stages: 11 ms of a 15 ms
-    tick on the CPU)."""
-    return jax.lax.optimization_barrier((i, *indices))
+def _loop(one: bool, trips, body: Callable, carry):
+    """``body`` over a chunk's layers ``trips`` times (0 when the row does not ask for it). A
+    chunk of ``one`` layer runs under a conditional instead: in a loop its reads would not
+    depend on the counter (a dimension of size 1 ignores its index), XLA hoists the layer's
+    work out of the loop, and it runs every tick whatever the trip count (zb-v and
+    interleaved-zb at 8 layers on 4 stages ran a whole weight gradient in every tick: 11 of
+    an idle tick's 11.2 ms on the CPU)."""
+    if one:
+        return jax.lax.cond(trips > 0, lambda c: body(jnp.int32(0), c), lambda c: c, carry)
+    return jax.lax.fori_loop(0, trips, body, carry)
 
 
 def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: tuple, x,
@@ -128,20 +130,17 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
     def trips(on, kind):
         return jnp.where(on, n, 0) if lockstep is None else lockstep[kind]
 
+    one = bool(buf.stash) and buf.stash[0].shape[2] == 1  # chunks of one layer: see _loop
+
     def keep(on, k, new, old):  # a lockstep loop keeps its results only where the row acts
         if lockstep is None:
             return new
         live = on & (k < n)
         return jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)
 
-    def res_of(stash, at):  # a layer's residuals (at = pinned(i)), unpacked to their dtypes
-        i, where, _ = at
-        return [_unpack(read_at(s, (*where, i)), r.dtype)
+    def res_of(stash, i):  # a layer's residuals, unpacked to their dtypes
+        return [_unpack(read_at(s, (*slot, i)), r.dtype)
                 for s, r in zip(stash, layers.residuals)]
-
-    def pinned(i):  # (i, stash slot, wdy slot), all varying with the loop counter: see _pin
-        i, at, w = _pin(i, row.stash, row.wdy)
-        return i, (0, at), w
 
     def fwd(i, c):
         h, stash = c
@@ -151,7 +150,7 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
         return (vary(keep(forward, i, out, h)),
                 [write_at(s, (*slot, i), r) for s, r in zip(stash, res)])
 
-    h, stash = jax.lax.fori_loop(0, trips(forward, 0), fwd, (x, buf.stash))
+    h, stash = _loop(one, trips(forward, 0), fwd, (x, buf.stash))
 
     def add_grads(on, k, grad, i, dlp):  # into the accumulator the optimizer reads, in place
         dlp = jax.tree.leaves(dlp)
@@ -164,27 +163,26 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
         def bwd(k, c):  # B: layers in reverse, each layer's weight gradient added in place
             dh, grad = c
             i = jnp.maximum(n - 1 - k, 0)
-            dlp, dh_new = layers.vjp(params(i), res_of(stash, pinned(i)))(dh)
+            dlp, dh_new = layers.vjp(params(i), res_of(stash, i))(dh)
             return vary(keep(whole, k, dh_new, dh)), add_grads(whole, k, grad, i, dlp)
 
-        dx, grad = jax.lax.fori_loop(0, trips(whole, 1), bwd, (x, grad))
+        dx, grad = _loop(one, trips(whole, 1), bwd, (x, grad))
     else:
         def inp(k, c):  # I: the input-gradient chain, keeping each layer's output cotangent
             dh, wdy = c
             i = jnp.maximum(n - 1 - k, 0)
             wdy = write_at(wdy, (0, row.wdy, i),
                            keep(inputs, k, dh, read_at(wdy, (0, row.wdy, i))))
-            dh_new = layers.vjp(params(i), res_of(stash, pinned(i)))(dh)[1]
+            dh_new = layers.vjp(params(i), res_of(stash, i))(dh)[1]
             return vary(keep(inputs, k, dh_new, dh)), wdy
 
-        dx, wdy = jax.lax.fori_loop(0, trips(inputs, 2), inp, (dx, wdy))
+        dx, wdy = _loop(one, trips(inputs, 2), inp, (dx, wdy))
 
         def wgt(i, grad):  # W: each layer's weight gradient from the cotangent I kept
-            at = pinned(i)
-            return add_grads(b == tb.W, i, grad, i, layers.vjp(params(i), res_of(stash, at))(
-                read_at(wdy, (0, at[2], i)))[0])
+            return add_grads(b == tb.W, i, grad, i, layers.vjp(params(i), res_of(stash, i))(
+                read_at(wdy, (0, row.wdy, i)))[0])
 
-        grad = jax.lax.fori_loop(0, trips(b == tb.W, 3), wgt, grad)
+        grad = _loop(one, trips(b == tb.W, 3), wgt, grad)
     return Buffers(stash, grad, wdy), jnp.where(forward, h, dx)
 
 
