@@ -40,14 +40,17 @@ METADATA = {"architectures", "model_type", "torch_dtype", "dtype", "transformers
             "attention_dropout", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
             "num_hidden_layers", *DIMS}
 # Per family: keys that must hold the one value implemented (absent counts as that value).
+NO_BIAS = {"attention_bias": False, "mlp_bias": False}
 FIXED: dict[str, dict[str, Any]] = {
-    "llama": {"attention_bias": False, "mlp_bias": False},
-    "mistral": {}, "qwen2": {}, "phi3": {"partial_rotary_factor": 1.0},
-    "qwen3": {"attention_bias": False},
-    "gemma": {"attention_bias": False},
-    "gemma2": {"attention_bias": False, "use_bidirectional_attention": None},
-    "gemma3_text": {"attention_bias": False, "use_bidirectional_attention": False},
+    "llama": NO_BIAS, "mistral": NO_BIAS, "qwen2": {"attention_bias": True, "mlp_bias": False},
+    "qwen3": NO_BIAS, "phi3": {**NO_BIAS, "partial_rotary_factor": 1.0},
+    "gemma": NO_BIAS, "gemma2": NO_BIAS, "gemma3_text": NO_BIAS,
 }
+# Keys only some families read: set (not null) in another family's config, they are refused.
+OWN = {"rope_local_base_freq": ("gemma3_text",), "sliding_window_pattern": ("gemma3_text",),
+       "_sliding_window_pattern": ("gemma3_text",), "use_sliding_window": ("qwen2", "qwen3"),
+       "max_window_layers": ("qwen2", "qwen3"), "use_bidirectional_attention": (),
+       "hidden_activation": GEMMAS}
 ZERO = ("attention_dropout", "resid_pdrop", "embd_pdrop")  # dropout: fiddlejax trains without
 
 
@@ -131,6 +134,9 @@ def read(hf: dict, seq_len: int | None = None, *, expect: str | None = None) -> 
     if unknown:
         raise ValueError(f"config.json sets {unknown}, which fiddlejax's {family} does not "
                          "implement; remove the keys if they are metadata")
+    for key, owners in OWN.items():
+        if hf.get(key) not in (None, False) and family not in owners:
+            raise refuse(key, hf[key], family)
     for key, ok in FIXED[family].items():
         if hf.get(key, ok) != ok:
             what = "Llama" if family == "llama" else family

@@ -1,0 +1,165 @@
+"""Every Hugging Face decoder family through ``fiddlejax.models.from_pretrained``: logits against
+transformers' own (recorded fixtures, no torch), bit-exact export round trips in the
+checkpoint's dtype, training on (2, 2, 2) equal to one device, and the refusals."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import reference_loss_and_grads, rel_err, tokens
+
+import fiddlejax as fj
+from fiddlejax import models
+from fiddlejax.models.decoder import Decoder, DecoderConfig
+from fiddlejax.models.hf import read_safetensors
+
+FIXTURES = Path(__file__).parent / "fixtures"  # made by fixtures/make_hf_families.py
+FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+CLASSES = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+           "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+# Each family's own feature switched off (qwen3: its q/k norm weights reset): it must matter.
+FEATURES = {"mistral": {"sliding_window": None, "layer_types": None},
+            "qwen2": {"sliding_window": None, "layer_types": None}, "qwen3": {},
+            "phi3": {"sliding_window": None, "layer_types": None},
+            "gemma": {"scale_embeddings": False}, "gemma2": {"attn_logit_softcapping": None},
+            "gemma3_text": {"local_rope_theta": None}}
+
+
+def load(family, **kw):
+    return models.from_pretrained(FIXTURES / f"hf_{family}", **kw)
+
+
+def leaves(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family):
+    ref = np.load(FIXTURES / f"hf_{family}.npz")
+    model = load(family)
+    assert type(model).__name__ == CLASSES[family] and isinstance(model, Decoder)
+    logits = np.asarray(model(ref["tokens"]))
+    assert rel_err(logits, ref["logits"]) < 1e-4  # measured 3.5e-7 .. 5.3e-7
+    assert ref["logits"].std() > 0.5  # far from uniform: the comparison has teeth
+    # The family's own feature (window, bias, qk-norm, soft-cap, ...) changes the logits.
+    cfg = DecoderConfig(**{**vars(model.config), **FEATURES[family]})
+    without = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(without, nnx.state(model, nnx.Param))
+    if family == "qwen3":
+        without.blocks.q_norm.weight[...] = np.ones_like(without.blocks.q_norm.weight[...])
+    assert rel_err(np.asarray(without(ref["tokens"])), ref["logits"]) > 1e-3
+
+
+def test_gemma2_final_softcap_and_sequence_length_is_the_datas():
+    """Gemma 2's final soft-cap matters too; a 9-token batch trains on a 64-position model
+    (batch_spec follows the data), and a 65-token one is refused by name."""
+    model = load("gemma2")
+    ref = np.load(FIXTURES / "hf_gemma2.npz")
+    assert model.config.final_logit_softcapping == 3.0
+    assert np.abs(np.asarray(model(ref["tokens"]))).max() < 3.0
+    trainer = fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(
+        data=1, pipe=1, tensor=1, devices=jax.devices()[:1])))
+    loss, _ = trainer.loss_and_grads(trainer.init(), tokens(0, 2, 9, 83))
+    assert np.isfinite(float(loss))
+    with pytest.raises(ValueError, match="65 positions .* beyond max_position_embeddings=64"):
+        trainer.loss_and_grads(trainer.init(), tokens(0, 2, 65, 83))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip_is_bit_exact(family, tmp_path):
+    """from_pretrained -> save_pretrained writes transformers' own tensor names, bits and dtype
+    (qwen3 is a bf16 checkpoint: float32 masters in memory, bf16 written back)."""
+    src = FIXTURES / f"hf_{family}"
+    model = load(family)
+    model.save_pretrained(tmp_path)
+    theirs, ours = read_safetensors(src), read_safetensors(tmp_path)
+    assert sorted(ours) == sorted(theirs)  # phi3: fused qkv_proj and gate_up_proj again
+    bf16 = family == "qwen3"
+    assert {v.dtype for v in leaves(model)} == {np.dtype(np.float32)}
+    for k, v in ours.items():
+        assert v.dtype == (ml_dtypes.bfloat16 if bf16 else np.float32), k
+        assert np.array_equal(v, theirs[k]), k
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["torch_dtype"] == ("bfloat16" if bf16 else "float32")
+    assert cfg["model_type"] == family
+    again = models.from_pretrained(tmp_path)
+    assert again.config == model.config and type(again) is type(model)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(again), leaves(model)))
+
+
+def plan(data, pipe, tensor, **kw):
+    mesh = fj.make_mesh(data=data, pipe=pipe, tensor=tensor,
+                        devices=jax.devices()[: data * pipe * tensor])
+    return fj.Plan(mesh=mesh, **kw)
+
+
+# Grouped to keep compiles few: window + soft-caps + pre/post norms + mixed layer types
+# (gemma2), fused checkpoint tensors + uniform window (phi3), biases + windows on some layers
+# (qwen2), qk-norm + two RoPE bases (gemma3_text).
+@pytest.mark.parametrize("family", ("gemma2", "phi3", "qwen2", "gemma3_text"))
+def test_222_training_matches_single_device(family):
+    """data=2 x pipe=2 x tensor=2, 1F1B: heads, KV heads, MLP and the odd vocabulary split over
+    tensor, layers over two stages (the layer counter travels with the activation)."""
+    model = load(family, seq_len=12)
+    vocab = model.config.vocab_size
+    batch = tokens(3, 8, 12, vocab)
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    trainer = fj.parallelize(model, optax.adamw(1e-3),
+                             plan(2, 2, 2, schedule="1f1b", microbatches=2))
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+def test_packed_documents_with_layer_types():
+    """Packed rows (segment ids) and the layer counter share the side channels: each document
+    of a packed row gets the logits it gets alone (Gemma 2: windows, soft-caps)."""
+    model = load("gemma2")
+    ids = np.asarray(tokens(4, 1, 11, 83)["tokens"])[:, :12]
+    seg = np.array([[1] * 7 + [2] * 5], np.int32)
+    packed = np.asarray(model(ids, segment_ids=seg))
+    alone = np.concatenate([np.asarray(model(ids[:, :7])), np.asarray(model(ids[:, 7:]))], 1)
+    assert rel_err(packed, alone) < 1e-5
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"model_type": "falcon"}, "model_type='falcon', which fiddlejax does not implement; "
+                               "supported: llama, mistral, qwen2, qwen3, phi3, gemma"),
+    ({"attn_logit_softcapping": 30.0}, "attn_logit_softcapping=30.0, which fiddlejax's mistral"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_scaling type 'yarn' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"sliding_window_pattern": 3}, "sliding_window_pattern=3, which fiddlejax's mistral"),
+    ({"mystery_feature": True}, r"sets \['mystery_feature'\], which fiddlejax's mistral"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'; mistral supports only silu"),
+    ({"attention_bias": True}, "attention_bias=True; mistral supports only"),
+])
+def test_unsupported_features_are_refused_by_name(change, match, tmp_path):
+    for f in (FIXTURES / "hf_mistral").iterdir():
+        shutil.copy(f, tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **change}))
+    with pytest.raises(ValueError, match=match):
+        models.from_pretrained(tmp_path)
+
+
+def test_family_specific_refusals():
+    gemma3 = json.loads((FIXTURES / "hf_gemma3_text" / "config.json").read_text())
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        Decoder.config_from_hf({**gemma3, "use_bidirectional_attention": True})
+    phi3 = json.loads((FIXTURES / "hf_phi3" / "config.json").read_text())
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                "long_factor": [2.0] * 4}
+    with pytest.raises(ValueError, match="longrope"):
+        Decoder.config_from_hf({**phi3, "rope_parameters": longrope})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        Decoder.config_from_hf({**phi3, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="model_type='mistral'; Llama reads"):
+        models.llama.Llama.from_pretrained(FIXTURES / "hf_mistral")
