@@ -294,6 +294,14 @@ def test_blocking_transfers_and_accumulation_cost_what_they_move():
             == pytest.approx(extra))
 
 
+@pytest.mark.parametrize("field,value", [("p2p", "overlapped"), ("grad_bytes", 3),
+                                         ("grad_accumulation", "fp32"), ("partition", "even")])
+def test_execution_settings_refuse_unknown_values(field, value):
+    lo = Layout(pipe=2, data=1, global_batch=4, head="last-stage", **{field: value})
+    with pytest.raises(ValueError, match=f"{field}={value!r} must be one of"):
+        planner.validate(lo, planner.gpt(4, 64, 4, 64, 256))
+
+
 def test_overlap_hides_the_reduction_only_under_the_last_backward():
     spec = planner.gpt(4, 1024, 8, 512, 1000)
     c = planner.cluster("a100-80gb", nodes=4)
