@@ -122,6 +122,7 @@ SPECS: dict[str, Spec] = {
     "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
     "model.from_pretrained": Spec(str, null=True),
     "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
+    "mesh.context": MESH_AXIS,
     "plan.schedule": Spec(str, null=True),  # choices: the schedule registry
     "plan.microbatches": POSITIVE,
     "plan.virtual_stages": Spec(int, lo=1, null=True),
@@ -175,6 +176,8 @@ HINTS = {
     "resume": "resume=auto continues from the latest checkpoint, resume=N from step N",
     "plan.memory_budget": "bytes per device, e.g. plan.memory_budget=2GiB",
     "mesh.data": "a device count, or -1 to use the devices the other axes leave",
+    "mesh.context": "splits every sequence over this many devices (ring attention; "
+                    "seq_len a multiple of 2 x context)",
     "checkpoint.dir": "checkpoint.dir=auto saves under run.dir/checkpoints, checkpoint.dir=DIR "
                       "in DIR, checkpoint.dir=null saves nothing",
     "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={mlp: null, kv_heads: null}",

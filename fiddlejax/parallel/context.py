@@ -1,0 +1,247 @@
+"""The ``context`` axis: every sequence split over devices, attention joining the pieces.
+
+A sequence of ``T`` tokens is cut into ``2C`` chunks of ``n = T / 2C``; context shard ``i``
+holds chunks ``i`` and ``2C-1-i`` (Megatron's causal load balance: an early chunk, which sees
+little, paired with a late one, which sees much, so every shard does the same attention work).
+The split happens on the batch, before the model sees it (:func:`split_batch`): each chunk is
+cut from ``tokens[B, T+1]`` with its one-token overlap, so its next-token targets are shifted
+before the split and the model's own prologue and loss work on it unchanged. Positions (and
+segment ids, when the batch packs documents) are cut the same way and ride in the activation,
+so rotary angles and document masks see global positions. The model then sees
+``[C * B * 2, n]`` rows: shard ``i``'s rows first (``B`` sequences, 2 chunks each), the row
+axis sharded over ``context`` by the GSPMD partitioner (the axis is ``Auto`` like ``tensor``):
+everything token-wise (embeddings, norms, MLPs, the residual stream, the head and loss) runs
+on ``1/C`` of the tokens per device with no communication, and the loss is the model's own
+mean over all rows, which is the mean over the whole sequence.
+
+Attention is the one operation that mixes tokens; :func:`attention` replaces it while a layer
+is traced under :func:`active` (``fiddlejax.models.common.attention`` dispatches here), inside
+``jax.shard_map`` manual over ``context`` only:
+
+- ``"ring"``: K/V blocks travel around the ring with ``ppermute`` while the local blocks
+  compute, softmax merged online in float32 (:mod:`.ring`); only the visible n x n blocks are
+  computed, the same count on every shard.
+- ``"allgather"``: K/V (and key segment ids) all-gathered over ``context``, one masked
+  attention of the local queries against the whole sequence.
+
+:func:`pick` chooses by shape (benchmarks/results/context.md has the measurements). Under a
+pipeline the all-gather is used: a stage's layer loop runs on some stages only, and XLA's CPU
+runtime joins every device of the program in each collective-permute (see
+``fiddlejax.pipeline.lockstep``), while an all-gather joins only its own context group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fiddlejax.mesh import axis_size
+from fiddlejax.parallel import ring
+
+KERNELS = ("auto", "ring", "allgather")
+# The ring wins where the all-gathered K/V and the whole-sequence score block cost more than
+# the ring's extra steps: from this many tokens per shard (benchmarks/results/context.md).
+RING_FROM_TOKENS = 1024
+SEQ_KEYS = ("tokens", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How sequences are split: ``size`` shards, ``seq`` model tokens per sequence."""
+
+    size: int
+    seq: int
+    kernel: str = "auto"
+    mesh: object = None
+    pipelined: bool = False
+
+    @property
+    def chunk(self) -> int:
+        return self.seq // (2 * self.size)
+
+    def chunks(self, shard: int) -> tuple[int, int]:
+        """The two chunks shard ``shard`` holds."""
+        return shard, 2 * self.size - 1 - shard
+
+    def kernel_for(self, tokens_per_shard: int) -> str:
+        return pick(self, tokens_per_shard) if self.kernel == "auto" else self.kernel
+
+
+def pick(split: Split, tokens_per_shard: int) -> str:
+    """The attention kernel for this shape (``kernel="auto"``)."""
+    if split.pipelined:
+        return "allgather"
+    return "ring" if tokens_per_shard >= RING_FROM_TOKENS else "allgather"
+
+
+def check(size: int, seq: int) -> None:
+    """Refuse a sequence the ``context`` split cannot cut, before anything compiles."""
+    if seq % (2 * size):
+        good = (seq // (2 * size) + 1) * 2 * size
+        raise ValueError(
+            f"context={size} cuts each sequence into 2 x {size} = {2 * size} equal chunks (two "
+            f"per shard, for the causal load balance), but the model's sequence length {seq} "
+            f"is not a multiple of {2 * size}; use seq_len={good} or {good - 2 * size}, or "
+            "another context size")
+
+
+def split_batch(batch: dict, split: Split) -> dict:
+    """``batch`` (``tokens[B, T+1]`` and friends) as ``[C * B * 2, n + 1]`` rows: shard ``i``'s
+    ``B`` sequences' chunks ``i`` and ``2C-1-i``, each with its next token (targets shifted
+    before the split). Positions are added when missing: a chunk's tokens keep their place in
+    the whole sequence."""
+    tokens = batch["tokens"]
+    b, t1 = tokens.shape[0], tokens.shape[1]
+    if t1 != split.seq + 1:
+        raise ValueError(f"batch['tokens'] has {t1} tokens per row; with context={split.size} "
+                         f"the model takes seq_len + 1 = {split.seq + 1}")
+    extra = sorted(set(batch) - set(SEQ_KEYS))
+    if extra:
+        raise ValueError(
+            f"with context={split.size} a batch may carry only {list(SEQ_KEYS)} (each "
+            f"[batch, seq_len + 1], split along the sequence); it has {extra}. Fold them "
+            "into the loss, or train with mesh context=1")
+    full = dict(batch)
+    if "positions" not in full:
+        full["positions"] = jnp.broadcast_to(jnp.arange(t1, dtype=jnp.int32), tokens.shape)
+    n, c = split.chunk, split.size
+    starts = np.array([[k * n for k in split.chunks(i)] for i in range(c)])  # [C, 2]
+    index = starts[..., None] + np.arange(n + 1)  # [C, 2, n + 1]
+    out = {}
+    for key, x in full.items():
+        rows = jnp.take(x, jnp.asarray(index.reshape(-1)), axis=1).reshape(b, c, 2, n + 1)
+        rows = jnp.swapaxes(rows, 0, 1).reshape(c * b * 2, n + 1)
+        out[key] = constrain_rows(rows, split)
+    return out
+
+
+def constrain_rows(x: jax.Array, split: Split) -> jax.Array:
+    """``x`` with its leading (row) axis sharded over ``context``."""
+    return _constrain(x, split, P("context"))
+
+
+def _constrain(x: jax.Array, split: Split, spec: P) -> jax.Array:
+    """``x`` split as ``spec`` says over ``context`` (the other axes left to the partitioner:
+    a head dimension stays on ``tensor``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = split.mesh if mesh.empty else mesh
+    spec = P(*spec, *([P.UNCONSTRAINED] * (x.ndim - len(spec))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# -- the attention dispatch ---------------------------------------------------------------------
+_ACTIVE = threading.local()
+
+
+def active() -> Split | None:
+    """The split of the layer being traced, or None (attention runs whole)."""
+    return getattr(_ACTIVE, "split", None)
+
+
+@contextlib.contextmanager
+def tracing(split: Split):
+    """While a layer is traced: its attention joins the shards; counts the calls."""
+    before = getattr(_ACTIVE, "split", None)
+    _ACTIVE.split, _ACTIVE.calls = split, 0
+    try:
+        yield
+    finally:
+        calls = _ACTIVE.calls
+        _ACTIVE.split = before
+    if calls == 0:
+        raise ValueError(
+            f"context={split.size} splits each sequence, but this model's layer computed no "
+            "attention through fiddlejax.models.common.attention, so nothing joins the shards "
+            "and the result would be wrong; call that function (or "
+            "fiddlejax.parallel.context.attention) for attention, or use mesh context=1")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+              segment_ids: jax.Array | None = None, **options) -> jax.Array:
+    """Attention of ``q[R, n, H, Dh]`` over the whole sequences of the split rows (``k, v``
+    ``[R, n, KV, Dh]``; ``R = C * B * 2``, rows sharded over ``context``). ``options`` of the
+    model's attention (a sliding window, soft-capping, a custom scale) are refused by name."""
+    split = active()
+    used = sorted(name for name, value in options.items() if value is not None)
+    if used:
+        raise ValueError(
+            f"context={split.size} joins the shards' attention with the plain scaled softmax; "
+            f"this model's attention sets {used}, which the split does not support yet; "
+            "train it with mesh context=1")
+    _ACTIVE.calls += 1
+    c, n = split.size, split.chunk
+    kernel = split.kernel_for(2 * n)
+    seg = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
+    b = q.shape[0] // (2 * c)
+
+    def keep(x):  # the leading axis (shards) on `context`
+        return _constrain(x, split, P("context"))
+
+    def whole(x):  # every shard's copy (an all-gather over `context`)
+        return _constrain(x, split, P(None))
+
+    q, k, v, seg = (keep(x.reshape(c, b, 2, *x.shape[1:])) for x in (q, k, v, seg))
+    if kernel == "ring":
+        out = ring.ring_attention(q, k, v, seg, causal, keep)
+    else:
+        out = ring.gathered_attention(q, k, v, seg, causal, keep, whole)
+    return constrain_rows(out.reshape(c * b * 2, *out.shape[3:]), split)
+
+
+class ContextModel:
+    """A staged model whose batches are split over ``context`` and whose layers' attention
+    joins the shards. Everything else is the wrapped model's."""
+
+    def __init__(self, inner, split: Split):
+        self._inner, self.split = inner, split
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def prologue(self, params, batch):
+        return self._inner.prologue(params, split_batch(batch, self.split))
+
+    def layer(self, layer_params, x):
+        with tracing(self.split):
+            return self._inner.layer(layer_params, x)
+
+    def weighted_loss(self, params, x, batch):
+        return self._inner.weighted_loss(params, x, split_batch(batch, self.split))
+
+    def epilogue(self, params, x, batch):
+        total, weight = self.weighted_loss(params, x, batch)
+        return total / weight
+
+
+def lay_out(staged, plan, example: dict | None, kernel: str = "auto") -> object:
+    """The ``context`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
+    when ``context`` is 1, else a :class:`ContextModel` (checked against ``example``, the
+    model's ``batch_spec(1)``)."""
+    size = axis_size(plan.mesh, "context")
+    if size == 1:
+        return staged
+    if example is None or "tokens" not in example or len(example["tokens"].shape) != 2:
+        raise ValueError(
+            f"context={size} splits token sequences: the model needs a batch_spec() with "
+            "'tokens' [batch, seq_len + 1] (a next-token language model)")
+    seq = example["tokens"].shape[1] - 1
+    check(size, seq)
+    if kernel not in KERNELS:
+        raise ValueError(f"context kernel {kernel!r} is unknown; use one of {KERNELS}")
+    return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None))
+
+
+def with_kernel(model, kernel: str) -> object:
+    """``model`` (a :class:`ContextModel`) with its attention kernel forced (measurement)."""
+    return ContextModel(model._inner, dataclasses.replace(model.split, kernel=kernel))
+
+
+__all__ = ["KERNELS", "ContextModel", "Split", "active", "attention", "check", "lay_out",
+           "pick", "split_batch", "tracing", "with_kernel"]
