@@ -77,7 +77,7 @@ def main() -> int:
     runs = {name: build(model, batch, forced) for name, forced in
             (("free", False), ("lockstep", True))}
     times = {name: [] for name in runs}
-    for name, (step, state, sb) in runs.items():
+    for step, state, sb in runs.values():
         jax.block_until_ready(step(state, sb))
     for _ in range(repeats):
         for name, (step, state, sb) in runs.items():

@@ -1,4 +1,4 @@
-"""Blocks stacked with ``nnx.vmap`` and applied with ``nnx.scan`` (or ``jax.lax.scan``), as they are.
+"""Blocks stacked with ``nnx.vmap`` and applied with ``nnx.scan`` or ``jax.lax.scan``, as is.
 
 The Flax guides' scan-over-layers pattern keeps one module whose parameters already carry the
 layer axis the pipeline needs (``self.blocks = nnx.vmap(make_block)(rngs)``) and applies it with a
