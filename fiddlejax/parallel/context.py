@@ -46,6 +46,7 @@ from fiddlejax.mesh import axis_size
 from fiddlejax.parallel import ring
 
 KERNELS = ("auto", "ring", "allgather")
+KERNEL = "auto"  # which kernel new layouts use; tests and benchmarks force one
 # The ring wins where the all-gathered K/V and the whole-sequence score block cost more than
 # the ring's extra steps: from this many tokens per shard (benchmarks/results/context.md).
 RING_FROM_TOKENS = 1024
@@ -220,7 +221,7 @@ class ContextModel:
         return total / weight
 
 
-def lay_out(staged, plan, example: dict | None, kernel: str = "auto") -> object:
+def lay_out(staged, plan, example: dict | None, kernel: str | None = None) -> object:
     """The ``context`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
     when ``context`` is 1, else a :class:`ContextModel` (checked against ``example``, the
     model's ``batch_spec(1)``)."""
@@ -233,15 +234,11 @@ def lay_out(staged, plan, example: dict | None, kernel: str = "auto") -> object:
             "'tokens' [batch, seq_len + 1] (a next-token language model)")
     seq = example["tokens"].shape[1] - 1
     check(size, seq)
+    kernel = KERNEL if kernel is None else kernel
     if kernel not in KERNELS:
         raise ValueError(f"context kernel {kernel!r} is unknown; use one of {KERNELS}")
     return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None))
 
 
-def with_kernel(model, kernel: str) -> object:
-    """``model`` (a :class:`ContextModel`) with its attention kernel forced (measurement)."""
-    return ContextModel(model._inner, dataclasses.replace(model.split, kernel=kernel))
-
-
-__all__ = ["KERNELS", "ContextModel", "Split", "active", "attention", "check", "lay_out",
-           "pick", "split_batch", "tracing", "with_kernel"]
+__all__ = ["KERNEL", "KERNELS", "ContextModel", "Split", "active", "attention", "check",
+           "lay_out", "pick", "split_batch", "tracing"]

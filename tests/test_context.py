@@ -1,0 +1,114 @@
+"""Context parallelism (issue 35): sequences split over the ``context`` axis, attention joined by
+ring attention or all-gathered K/V; loss and gradients equal one device's (float32)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import reference_loss_and_grads, rel_err, tokens
+
+import fiddlejax as fj
+from fiddlejax.models.common import positions_of
+from fiddlejax.models.llama import Llama, LlamaConfig
+from fiddlejax.parallel import context
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, seq_len=SEQ)
+    return Llama(cfg, rngs=nnx.Rngs(0))
+
+
+def packed(seed: int, batch: int) -> dict:
+    """Tokens with 2-4 documents per row (and padding, segment 0, at some rows' ends)."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((batch, SEQ + 1), np.int32)
+    for r in range(batch):
+        cuts = np.sort(rng.choice(np.arange(2, SEQ), size=rng.integers(1, 4), replace=False))
+        seg[r] = np.searchsorted(cuts, np.arange(SEQ + 1), side="right") + 1
+        if r % 2:
+            seg[r, -3:] = 0
+    out = tokens(seed, batch, SEQ, 64)
+    out["segment_ids"] = seg
+    out["positions"] = np.asarray(positions_of(seg))
+    return out
+
+
+def assert_exact(model, plan, batch):
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+    loss, grads = trainer.loss_and_grads(trainer.init(), batch)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["ring", "allgather"])
+def test_context4_data2_matches_one_device(llama, kernel, monkeypatch):
+    """The ring on packed documents (segment ids travel with K/V), the all-gather on plain
+    rows."""
+    monkeypatch.setattr(context, "KERNEL", kernel)
+    batch = packed(1, 4) if kernel == "ring" else tokens(1, 4, SEQ, 64)
+    assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=2, context=4)), batch)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_context2_pipe2_tensor2_matches_one_device(llama, schedule):
+    mesh = fj.make_mesh(data=1, pipe=2, context=2, tensor=2)
+    assert_exact(llama, fj.Plan(mesh=mesh, schedule=schedule, microbatches=2),
+                 tokens(2, 4, SEQ, 64))
+
+
+def test_packed_documents_context2_data4(llama):
+    """Segment ids and positions cross the shard boundaries with their tokens."""
+    batch = packed(3, 4)
+    assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=4, context=2)), batch)
+
+
+def test_fsdp_context4_data2(llama):
+    assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=2, context=4), zero=3),
+                 tokens(4, 4, SEQ, 64))
+
+
+def test_split_keeps_targets_and_balances_chunks():
+    """Shard i holds chunks i and 2C-1-i, each with its next token; positions are global."""
+    split = context.Split(size=2, seq=8, mesh=fj.make_mesh(data=4, context=2))
+    batch = {"tokens": np.arange(18, dtype=np.int32).reshape(2, 9)}
+    rows = jax.jit(lambda b: context.split_batch(b, split))(batch)
+    t = np.asarray(rows["tokens"])
+    # rows: (shard, sequence, half); chunks of n = 2 tokens, each with its target
+    assert t.tolist()[:4] == [[0, 1, 2], [6, 7, 8], [9, 10, 11], [15, 16, 17]]
+    assert t.tolist()[4:] == [[2, 3, 4], [4, 5, 6], [11, 12, 13], [13, 14, 15]]
+    assert np.asarray(rows["positions"])[1].tolist() == [6, 7, 8]
+
+
+def test_ring_blocks_balance():
+    """Every shard computes 3 + 2 (C - 1) visible n x n blocks (the ring's causal balance)."""
+    for c in (2, 4, 8):
+        per_shard = []
+        for i in range(c):
+            mine = [i, 2 * c - 1 - i]
+            blocks = 0
+            for step in range(c):
+                j = (i - step) % c
+                theirs = [j, 2 * c - 1 - j]
+                blocks += sum(qc >= kc for qc in mine for kc in theirs)  # visible blocks
+            per_shard.append(blocks)
+        assert per_shard == [3 + 2 * (c - 1)] * c, per_shard
+
+
+def test_refusals(llama):
+    with pytest.raises(ValueError, match="seq_len=24 or 16"):
+        fj.parallelize(Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, seq_len=20),
+                             rngs=nnx.Rngs(0)),
+                       optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=2, context=4)))
+    with pytest.raises(ValueError, match="mesh context=1"):
+        trainer = fj.parallelize(llama, optax.sgd(0.1),
+                                 fj.Plan(mesh=fj.make_mesh(data=4, context=2)))
+        batch = {**tokens(0, 4, SEQ, 64), "weights": np.ones((4,), np.float32)}
+        trainer.loss_and_grads(trainer.init(), batch)
