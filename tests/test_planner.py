@@ -294,8 +294,35 @@ def test_blocking_transfers_and_accumulation_cost_what_they_move():
             == pytest.approx(extra))
 
 
+def test_rank_order_and_the_tied_embedding_all_reduce():
+    """Megatron/DeepSpeed number devices pipe-data-tensor: with tensor 4 two replicas share a
+    node, so the data-parallel all-reduce runs partly on NVLink. A tied embedding on the first
+    and last stage adds one all-reduce of its gradient between them per step."""
+    import dataclasses
+
+    from fiddlejax.planner.predict import allreduce_seconds
+
+    base = Layout(tensor=4, pipe=12, data=8, global_batch=64, head="last-stage",
+                  precision="bf16-mixed")
+    megatron = dataclasses.replace(base, rank_order="pipe-data-tensor")
+    assert (base.data_stride, base.pipe_stride) == (48, 4)
+    assert (megatron.data_stride, megatron.pipe_stride) == (4, 32)
+    c = planner.cluster("a100-80gb", nodes=48)
+    tied, untied = planner.gpt(24, 1024, 8, 512, 8192, tied=True), planner.gpt(24, 1024, 8, 512,
+                                                                               8192)
+    assert tied.tied and not untied.tied
+    n = stage_params(tied, megatron) * 4
+    for lo, stride in ((base, 48), (megatron, 4)):
+        dp = planner.predict(tied, c, lo).time.data_comm
+        tied_ar = allreduce_seconds(c, 2, 11 * lo.pipe_stride, 8192 * 1024 / 4 * 4)
+        assert dp == pytest.approx(allreduce_seconds(c, 8, stride, n) + tied_ar)
+    assert (planner.predict(tied, c, megatron).time.data_comm
+            < planner.predict(tied, c, base).time.data_comm)
+
+
 @pytest.mark.parametrize("field,value", [("p2p", "overlapped"), ("grad_bytes", 3),
-                                         ("grad_accumulation", "fp32"), ("partition", "even")])
+                                         ("grad_accumulation", "fp32"), ("partition", "even"),
+                                         ("rank_order", "tensor-data-pipe")])
 def test_execution_settings_refuse_unknown_values(field, value):
     lo = Layout(pipe=2, data=1, global_batch=4, head="last-stage", **{field: value})
     with pytest.raises(ValueError, match=f"{field}={value!r} must be one of"):
@@ -485,21 +512,23 @@ def test_outer_leaves_split_over_pipe_and_tensor_like_the_runtime():
 
 def test_bloom_176b_fits_its_published_layout(capsys):
     """BLOOM-176B ran on 384 A100-80GB of Jean Zay, TP4 PP12 DP8, microbatch 2, ZeRO-1, full
-    recompute, at 149.77 TFLOP/s per GPU (Megatron-DeepSpeed). As it ran (Megatron's
-    placement, the embedding and head partitioned as layers, blocking transfers, float32
-    accumulation) the prediction is within 10%; fiddlejax's placement fits 80 GB."""
+    recompute, at 149.77 TFLOP/s per GPU (Megatron-DeepSpeed). The CLI with the settings it
+    ran predicts what `plan validate` does (within 10%); fiddlejax's placement fits 80 GB."""
     spec = planner.preset("bloom-176b")
     assert spec.params == pytest.approx(176.247e9, rel=1e-4)  # BigScience's 176,247,271,424
+    assert spec.tied
     flags = ["predict", "--model", "bloom-176b", "--cluster", "jean-zay-a100", "--nodes", "48",
              "--tensor", "4", "--pipe", "12", "--microbatch-size", "2", "--global-batch", "2048",
              "--remat", "full", "--zero", "1", "--p2p", "blocking", "--grad-accumulation",
-             "separate", "--json"]
+             "cast-add", "--rank-order", "pipe-data-tensor", "--json"]
     code, out, _ = run_cli(capsys, *flags)
     r = json.loads(out)
     assert code == 0 and r["fits"] and r["memory"]["total"] < 0.9 * 80 * 2**30
     assert r["layout"]["data"] == 8 and r["layout"]["microbatches"] == 128
     code, out, _ = run_cli(capsys, *flags, "--head", "last-stage", "--partition", "layers+head")
     megatron = json.loads(out)
+    validated = published.compare(published.RUNS[-1:])[0]
+    assert megatron["hardware_tflops_per_gpu"] == pytest.approx(validated["predicted_tflops"])
     assert abs(megatron["hardware_tflops_per_gpu"] / 149.77 - 1) < 0.10
     # Every stage holds 1/48 of the tied embedding instead of the first and last a quarter.
     assert r["memory"]["params"] < megatron["memory"]["params"]

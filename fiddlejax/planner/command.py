@@ -29,6 +29,7 @@ from fiddlejax.planner.space import (
     P2PS,
     PARTITIONS,
     PRECISIONS,
+    RANK_ORDERS,
     ZEROS,
     Layout,
     schedule_kinds,
@@ -105,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="separate: an HBM pass per microbatch adding its gradient")
     g.add_argument("--grad-bytes", type=int, default=4, choices=(2, 4),
                    help="bytes per gradient element reduced over data (2: fp16)")
+    g.add_argument("--rank-order", default="data-pipe-tensor", choices=RANK_ORDERS,
+                   help="device numbering, outermost axis first (Megatron-LM and DeepSpeed: "
+                   "pipe-data-tensor)")
     g.add_argument("--partition", default="layers", choices=PARTITIONS,
                    help="layers+head: the embedding and head count as a layer each "
                    "(Megatron-DeepSpeed's type:transformer|embedding)")
@@ -217,7 +221,8 @@ def plan_command(argv: list[str]) -> int:
                         steps_per_call=a.steps_per_call, remat=a.remat, zero=a.zero,
                         precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap,
                         fsdp_gather=a.fsdp_gather, p2p=a.p2p, grad_bytes=a.grad_bytes,
-                        grad_accumulation=a.grad_accumulation, partition=a.partition)
+                        grad_accumulation=a.grad_accumulation, partition=a.partition,
+                        rank_order=a.rank_order)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))

@@ -17,7 +17,8 @@ PRECISIONS = ("fp32", "bf16-mixed")
 HEADS = ("vocab-parallel", "last-stage")
 P2PS = ("async", "batched", "blocking")  # how stage-to-stage transfers wait (Layout.p2p)
 PARTITIONS = ("layers", "layers+head")
-GRAD_ACCUMULATIONS = ("fused", "separate")
+GRAD_ACCUMULATIONS = ("fused", "separate", "cast-add")
+RANK_ORDERS = ("data-pipe-tensor", "pipe-data-tensor")  # device order, outermost axis first
 ZEROS = (0, 1, 2, 3)
 FSDP_GATHERS = ("layer", "step")  # fj.Plan(fsdp_gather=)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
@@ -75,8 +76,14 @@ class Layout:
       reduction sends (float32 here; 2 for Megatron-LM 2021's fp16 runs). Time only: the
       memory model is fiddlejax's float32 state.
     - ``grad_accumulation``: ``separate`` adds each microbatch's gradient into the
-      accumulator with its own kernel (PyTorch's autograd, Megatron's ``main_grad.add_``,
-      DeepSpeed's BF16_Optimizer), an HBM pass per microbatch; ``fused`` counts none.
+      accumulator with its own kernel (PyTorch's autograd, Megatron's ``main_grad.add_``), an
+      HBM pass per microbatch; ``cast-add`` first casts it to the accumulator's dtype in a
+      kernel of its own (DeepSpeed's BF16_Optimizer: ``hp.add_(lp.grad.to(float32))``);
+      ``fused`` counts none.
+    - ``rank_order``: how devices are numbered, outermost axis first. fiddlejax's mesh is
+      ``data-pipe-tensor`` (a data group strided by tensor x pipe); Megatron-LM and DeepSpeed
+      number ``pipe-data-tensor`` (a data group strided by tensor: with tensor 4, two replicas
+      share a node).
     - ``partition``: ``layers+head`` counts the embedding and the head as a layer each when
       splitting layers over stages (Megatron-DeepSpeed's ``type:transformer|embedding``,
       BLOOM's run); ``layers`` splits the layers evenly and adds the head to the last stage.
@@ -105,6 +112,7 @@ class Layout:
     grad_bytes: int = 4
     grad_accumulation: str = "fused"
     partition: str = "layers"
+    rank_order: str = "data-pipe-tensor"
 
     @property
     def gpus(self) -> int:
@@ -120,6 +128,16 @@ class Layout:
         if self.pipe == 1:
             return None
         return self.schedule or ("interleaved-1f1b" if self.virtual_stages > 1 else "1f1b")
+
+    @property
+    def data_stride(self) -> int:
+        """Device-number distance between data-parallel replicas (``rank_order``)."""
+        return self.tensor * (self.pipe if self.rank_order == "data-pipe-tensor" else 1)
+
+    @property
+    def pipe_stride(self) -> int:
+        """Device-number distance between neighbouring pipeline stages."""
+        return self.tensor * (1 if self.rank_order == "data-pipe-tensor" else self.data)
 
     @property
     def fsdp(self) -> bool:
@@ -143,7 +161,9 @@ class Layout:
         s += " gather=step" if self.fsdp_gather == "step" else ""
         s += f" overlap={self.dp_overlap:g}" if self.dp_overlap else ""
         s += " grads=fp16" if self.grad_bytes == 2 else ""
-        return s + (" accumulate=separate" if self.grad_accumulation == "separate" else "")
+        s += " order=" + self.rank_order if self.rank_order != "data-pipe-tensor" else ""
+        return s + (f" accumulate={self.grad_accumulation}"
+                    if self.grad_accumulation != "fused" else "")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -227,7 +247,8 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
         raise ValueError(f"dp_overlap={lo.dp_overlap} must be in [0, 1]")
     for name, value, allowed in (("p2p", lo.p2p, P2PS), ("grad_bytes", lo.grad_bytes, (2, 4)),
                                  ("grad_accumulation", lo.grad_accumulation,
-                                  GRAD_ACCUMULATIONS), ("partition", lo.partition, PARTITIONS)):
+                                  GRAD_ACCUMULATIONS), ("partition", lo.partition, PARTITIONS),
+                                 ("rank_order", lo.rank_order, RANK_ORDERS)):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
     if lo.partition == "layers+head" and (lo.head != "last-stage" or lo.virtual_stages > 1):

@@ -179,24 +179,30 @@ def _closed_allreduce(cluster: ClusterSpec, size: int, stride: int, nbytes: floa
     return best
 
 
-def _data_comm(cluster: ClusterSpec, layout: Layout, n_params: float) -> float:
-    """Seconds of the data-parallel reduction per step: the gradient all-reduce, ZeRO-1/2's
-    all-gather of the updated shards, or FSDP's gathers and reduce-scatters."""
+def _data_comm(cluster: ClusterSpec, model: ModelSpec, layout: Layout, n_params: float) -> float:
+    """Seconds of the gradient reduction per step: the data-parallel all-reduce, ZeRO-1/2's
+    all-gather of the updated shards, or FSDP's gathers and reduce-scatters; with Megatron's
+    placement of a tied embedding, its all-reduce between the first and last stage."""
     t, p, d, m = layout.tensor, layout.pipe, layout.data, layout.microbatches
     pb, _, _ = state_bytes(layout)
     gb = layout.grad_bytes
     ab = activation_bytes(layout)
-    dp = allreduce_seconds(cluster, d, t * p, n_params * gb)
+    stride = layout.data_stride
+    dp = allreduce_seconds(cluster, d, stride, n_params * gb)
     if layout.zero in (1, 2) and d > 1:  # the updated shards all-gathered (half a ring
         # all-reduce of the parameters); ZeRO-2 reduce-scatters the gradients (the other half)
-        dp = (dp / 2 if layout.zero == 2 else dp) + allreduce_seconds(cluster, d, t * p,
+        dp = (dp / 2 if layout.zero == 2 else dp) + allreduce_seconds(cluster, d, stride,
                                                                         n_params * pb) / 2
     if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
         # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce;
         # gathered once per step: one all-gather and one reduce-scatter
-        gather = allreduce_seconds(cluster, d, t * p, n_params * ab) / 2
-        scatter = allreduce_seconds(cluster, d, t * p, n_params * gb) / 2
+        gather = allreduce_seconds(cluster, d, stride, n_params * ab) / 2
+        scatter = allreduce_seconds(cluster, d, stride, n_params * gb) / 2
         dp = gather + scatter if layout.gathers_once else m * (2 * gather + scatter)
+    if layout.head == "last-stage" and p > 1 and model.tied:  # the first stage's embedding
+        # and the last stage's copy (the head) sum their gradients once per step
+        dp += allreduce_seconds(cluster, 2, (p - 1) * layout.pipe_stride,
+                                model.prologue_params[0] / t * gb)
     return dp
 
 
@@ -239,15 +245,17 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     f_comp = layers * (mm + ew) + head
     b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
     n_params = stage_params(model, layout)
-    if layout.grad_accumulation == "separate":  # each microbatch's gradient (compute dtype)
-        # added into the accumulator by its own kernel: read both, write the accumulator
-        b_comp += n_params * (ab + 2 * layout.grad_bytes) / gpu.hbm_achieved / v
+    if layout.grad_accumulation != "fused":  # each microbatch's gradient (compute dtype)
+        # added into the accumulator by its own kernel: read both, write the accumulator;
+        # cast-add first writes and reads a copy in the accumulator's dtype
+        per = ab + (2 if layout.grad_accumulation == "separate" else 4) * layout.grad_bytes
+        b_comp += n_params * per / gpu.hbm_achieved / v
     f_ar = layers * ar
     b_ar = layers * (ar + recompute_ar)
     f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
     p2p = 0.0
     if p > 1:
-        bw, lat = cluster.group_bandwidth(p, t)
+        bw, lat = cluster.group_bandwidth(p, layout.pipe_stride)
         msg = mb * model.boundary * ab
         xfer = lat + msg / bw
         if layout.p2p != "async":
@@ -265,7 +273,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
         makespan = busy
     bubble = max(0.0, makespan - busy)
     pb, gb, ob = state_bytes(layout)
-    dp = _data_comm(cluster, layout, n_params)
+    dp = _data_comm(cluster, model, layout, n_params)
     # Overlap can hide the reduction only under the last microbatch's backward: gradients are
     # complete once it has run (Megatron-LM 2021's torch DDP: all-reduce in the last backward).
     hidden = min(dp * layout.dp_overlap, v * b)

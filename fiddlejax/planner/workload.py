@@ -88,6 +88,11 @@ class ModelSpec:
         return (self.num_layers * sum(self.layer_params) + sum(self.prologue_params)
                 + sum(self.epilogue_params))
 
+    @property
+    def tied(self) -> bool:
+        """The head multiplies by the embedding (no output matrix of its own)."""
+        return self.epilogue_params[0] == 0 and self.prologue_params[0] > 0
+
     def outer_param_leaves(self) -> tuple[tuple[int, bool], ...]:
         """(elements, split over tensor) of each parameter outside the layer stack."""
         if self.outer_leaves is not None:
