@@ -149,10 +149,12 @@ def _llama_build(mcfg: dict, seed: int):
 
     from .llama import Llama, LlamaConfig
 
+    from .decoder import FAMILIES
+
+    cls = FAMILIES.get(mcfg["name"], Llama)  # model.name: the family (auto resolved to it)
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
-        return Llama.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
+        return cls.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
     if mcfg["name"] != "llama":  # another family from scratch: its config.json defaults
-        from .decoder import FAMILIES
         from .families import read
 
         hf = {"model_type": mcfg["name"], "vocab_size": vocab(mcfg),
@@ -162,7 +164,6 @@ def _llama_build(mcfg: dict, seed: int):
               "head_dim": mcfg["d_model"] // mcfg["n_heads"],
               "tie_word_embeddings": mcfg["tie_embeddings"],
               "max_position_embeddings": mcfg["seq_len"]}
-        cls = FAMILIES[mcfg["name"]]
         return cls(cls.config_class(**read(hf, mcfg["seq_len"])), rngs=nnx.Rngs(seed))
     return Llama(LlamaConfig(
         vocab_size=vocab(mcfg), hidden_size=mcfg["d_model"],
