@@ -528,6 +528,10 @@ def test_bloom_176b_fits_its_published_layout(capsys):
     code, out, _ = run_cli(capsys, *flags, "--head", "last-stage", "--partition", "layers+head")
     megatron = json.loads(out)
     validated = published.compare(published.RUNS[-1:])[0]
+    # type:transformer|embedding: the embedding's stage holds 5 layers and 1/4 of it (the
+    # larger stage), the others 6 layers
+    (ls, lr), lo = spec.layer_params, published.RUNS[-1].layout
+    assert stage_params(spec, lo) == pytest.approx(5 * (ls / 4 + lr) + spec.prologue_params[0] / 4)
     assert megatron["hardware_tflops_per_gpu"] == pytest.approx(validated["predicted_tflops"])
     assert abs(megatron["hardware_tflops_per_gpu"] / 149.77 - 1) < 0.10
     # Every stage holds 1/48 of the tied embedding instead of the first and last a quarter.

@@ -164,12 +164,17 @@ def outer_params(model: ModelSpec, layout: Layout) -> float:
 
 def stage_params(model: ModelSpec, layout: Layout) -> float:
     """Parameters one GPU holds (one weight version): its stage's layers split over tensor
-    (biases and norms whole), and its share of the embedding and head (``outer_params``)."""
+    (biases and norms whole), and its share of the embedding and head (``outer_params``); with
+    ``partition="layers+head"``, the larger of a middle stage and the embedding's."""
     t = layout.tensor
     stage_layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
                     else model.num_layers)
     ls, lr = model.layer_params
-    return stage_layers * (ls / t + lr) + outer_params(model, layout)
+    layer, outer = ls / t + lr, outer_params(model, layout)
+    if layout.partition == "layers+head" and layout.pipe > 1:  # the embedding (head) stage
+        units = math.ceil((model.num_layers + 2) / layout.pipe)  # holds one layer fewer
+        return max(units * layer, (units - 1) * layer + outer)
+    return stage_layers * layer + outer
 
 
 # ----------------------------------------------------------------------------- memory
