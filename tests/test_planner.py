@@ -123,6 +123,11 @@ def test_cli_predict_json(capsys):
     code, out, _ = run_cli(capsys, "predict", *GPT_FLAGS, "--tensor", "2", "--pipe", "2",
                            "--global-batch", "64")
     assert code == 0 and "MFU" in out and "memory per GPU" in out
+    assert "embedding and head: vocabulary-parallel on every stage" in out
+    code, out, _ = run_cli(capsys, "predict", *GPT_FLAGS, "--tensor", "2", "--pipe", "2",
+                           "--global-batch", "64", "--head", "last-stage", "--p2p", "batched")
+    assert code == 0 and "first and last stage (Megatron-LM's placement)" in out
+    assert "pipeline transfers (blocking)" in out
 
 
 def test_cli_search_ranked_and_fitting(capsys):

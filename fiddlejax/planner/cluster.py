@@ -132,8 +132,8 @@ PRESETS = {
 
 def cluster(name: str, nodes: int = 1, gpus_per_node: int = 8, **overrides) -> ClusterSpec:
     """A preset cluster by name (``a100-80gb``, ``jean-zay-a100``, ``h100``, ``h200``,
-    ``cpu-sim``) with ``nodes``
-    nodes; keyword overrides replace any ClusterSpec field (e.g. ``nic_bandwidth=``)."""
+    ``cpu-sim``) with ``nodes`` nodes; keyword overrides replace any ClusterSpec field (e.g.
+    ``nic_bandwidth=``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown cluster {name!r}; presets: {', '.join(PRESETS)}")
     fields = {**PRESETS[name], **overrides}

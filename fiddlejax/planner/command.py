@@ -7,8 +7,10 @@
         [--top 10] [--schedules 1f1b zb-h1 2bw --steps-per-call 4] [--json]
     fiddlejax plan validate [--json]       # every published run: predicted vs published;
                                            # exit 1 when one is off by more than 10%
-    fiddlejax plan predict --model bloom-176b --cluster a100-80gb --nodes 48 --tensor 4 \
-        --pipe 12 --microbatch-size 2 --global-batch 2048 --remat full --zero 1  # BLOOM's run
+    fiddlejax plan predict --model bloom-176b --cluster jean-zay-a100 --nodes 48 --tensor 4 \
+        --pipe 12 --microbatch-size 2 --global-batch 2048 --remat full --zero 1 \
+        --head last-stage --partition layers+head --p2p blocking --grad-accumulation cast-add \
+        --rank-order pipe-data-tensor   # BLOOM-176B as it ran
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="stage-to-stage transfers: async, batched (Megatron-LM 2021) or "
                    "blocking (DeepSpeed's pipeline engine)")
     g.add_argument("--grad-accumulation", default="fused", choices=GRAD_ACCUMULATIONS,
-                   help="separate: an HBM pass per microbatch adding its gradient")
+                   help="separate: an HBM pass per microbatch adding its gradient; cast-add: "
+                   "a cast to the accumulator's dtype first (DeepSpeed's BF16_Optimizer)")
     g.add_argument("--grad-bytes", type=int, default=4, choices=(2, 4),
                    help="bytes per gradient element reduced over data (2: fp16)")
     g.add_argument("--rank-order", default="data-pipe-tensor", choices=RANK_ORDERS,
@@ -141,6 +144,10 @@ def _print_predict(pr: Prediction) -> None:
               f"{pr.cluster.describe()}")
     con.print(f"layout: {lo.short()}  microbatches={lo.microbatches}  "
               f"global_batch={lo.global_batch}  precision={lo.precision}")
+    if lo.pipe > 1:
+        con.print("embedding and head: " + (
+            "first and last stage (Megatron-LM's placement)" if lo.head == "last-stage"
+            else "vocabulary-parallel on every stage (fiddlejax's placement)"))
     per = (f" (per optimizer step; {lo.steps_per_call} per call, one-step-stale gradients)"
            if lo.kind == "2bw" else "")
     t = Table(title="step time" + per)
