@@ -191,9 +191,9 @@ def _kernel_names(p: tuple, s: tuple, vocab: int | None, d: int, fused: set) -> 
             return None  # no vocabulary: a classifier's (d, classes) stays whole
         if s[0] == d and vocab is not None and s[1] == vocab and owner not in _COLUMN:
             return ("embed", "vocab")
-        if s[0] == d and (s[1] != d or owner in _COLUMN):
+        if s[0] == d and (s[1] > d or owner in _COLUMN):  # into a wider dimension
             return ("embed", "mlp")
-        if s[1] == d and (s[0] != d or owner in _ROW):
+        if s[1] == d and (s[0] > d or owner in _ROW):  # back from one
             return ("mlp", "embed")
     elif len(s) == 3 and s[0] == d:
         return ("embed", "heads", "head_dim")

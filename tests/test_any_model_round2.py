@@ -124,8 +124,9 @@ def label_ce(logits, batch):
 
 def test_tokens_key_is_given_whole():
     batch = {**TOKENS, "label": jnp.arange(8) % 3}
-    check_exact(Classifier(nnx.Rngs(0)), lambda m: m(batch["tokens"]), label_ce, batch,
-                "blocks", (8, 1, 1, None, 1, 1))
+    for layout_ in [(4, 1, 2, None, 1, 1), (2, 2, 2, "1f1b", 2, 1)]:
+        check_exact(Classifier(nnx.Rngs(0)), lambda m: m(batch["tokens"]), label_ce, batch,
+                    "blocks", layout_)
 
 
 def test_undeclared_shift_is_refused_by_the_models_own_check():
@@ -240,3 +241,27 @@ def test_bonsai_gpt_oss_rotary_tables_and_mask_pass_whole():
     for layout_ in [(4, 1, 2, None, 1, 1), (2, 2, 2, "1f1b", 2, 1)]:
         check_exact(model, lambda m: m(batch["input_ids"][:, :-1]),
                     fj.next_token(ce, "input_ids"), batch, "model.layers", layout_)
+
+
+def test_bonsai_vit_gets_tensor_parallelism_without_an_embedding():
+    """jax-ml/bonsai's ViT (``tests/external/bonsai_vit``, unmodified) has no vocabulary
+    embedding: its attention and MLP matrices are split over ``tensor`` by their block
+    structure, the log says so, and it is exact (its required ``rngs=`` given as None)."""
+    vit = load(Path(__file__).parent / "external" / "bonsai_vit" / "modeling.py",
+               "bonsai_vit_modeling")
+    cfg = vit.ModelConfig(image_size=(8, 8), patch_size=(4, 4), num_channels=3, hidden_dim=16,
+                          attn_dropout_prob=0.0, dropout_prob=0.0, num_heads=2, mlp_dim=32,
+                          eps=1e-6, num_layers=2, num_labels=10)
+    model = vit.ViTClassificationModel(cfg, rngs=nnx.Rngs(0))
+    batch = {"x": jax.random.normal(jax.random.key(0), (8, 8, 8, 3)), "label": jnp.arange(8) % 10}
+    with pytest.warns(UserWarning, match=r"model width 16\): (\d+) of \d+ parameters split"):
+        named = fj.sharding.infer_names(model)
+    assert named["layers/0/attention/query/kernel"] == ("embed", "heads", "head_dim")
+    assert named["layers/1/linear1/kernel"] == ("embed", "mlp")
+    assert named["layers/1/linear2/kernel"] == ("mlp", "embed")
+
+    def ce(logits, b):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
+
+    for layout_ in [(4, 1, 2, None, 1, 1), (2, 2, 2, "1f1b", 2, 1)]:
+        check_exact(model, lambda m: m(batch["x"], rngs=None), ce, batch, "layers", layout_)
