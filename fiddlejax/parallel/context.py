@@ -47,9 +47,10 @@ from fiddlejax.parallel import ring
 
 KERNELS = ("auto", "ring", "allgather")
 KERNEL = "auto"  # which kernel new layouts use; tests and benchmarks force one
-# The ring wins where the all-gathered K/V and the whole-sequence score block cost more than
-# the ring's extra steps: from this many tokens per shard (benchmarks/results/context.md).
-RING_FROM_TOKENS = 1024
+# From this many tokens per shard the ring wins (benchmarks/results/context.md, context=4):
+# less temp memory at every length (0.79x at 256 tokens per shard, 0.63x at 1024) and a faster
+# step from 256 (0.74x; 0.65x at 512); at 128 the all-gather's one collective is 6% faster.
+RING_FROM_TOKENS = 256
 SEQ_KEYS = ("tokens", "segment_ids", "positions")
 
 
