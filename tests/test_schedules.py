@@ -629,3 +629,55 @@ def test_split_backward_transform():
     assert [a.op for a in cut.actions[3][:4]] == ["F", "I", "W", "F"]
     assert cut.ticks.weighted_bubble_fraction == pytest.approx(0.2)  # 1F1B weighted: 0.4
     assert s.ticks.weighted_bubble_fraction == pytest.approx(0.4)
+
+
+def packed_checks(s: Schedule) -> int:
+    """``packed_ticks`` runs every action once, at most one F/B/I and then one W per tick and
+    stage, in dependency order (a W may follow its own I in a tick), and holds no more
+    activations than the schedule's peak (a stash slot is held from its F's tick through its
+    W's). Returns the tick count."""
+    ticks = schedules.packed_ticks(s)
+    at = {}
+    for t, row in enumerate(ticks):
+        for group in row:
+            assert [a.op == "W" for a in group] in ([], [False], [True], [False, True])
+            for a in group:
+                assert a not in at
+                at[a] = t
+    assert len(at) == s.num_actions
+    for st_, row in enumerate(s.actions):
+        mains = [at[a] for a in row if a.op != "W"]
+        assert mains == sorted(set(mains))  # in list order, one a tick
+        for k, a in enumerate(row):
+            m, c = a.microbatch, a.chunk
+            if a.op == "W":
+                i = Action("I", m, c)
+                assert at[i] <= at[a] and (at[i] < at[a] or ticks[at[a]][st_][0] == i)
+                later_f = [at[b] for b in row[k:] if b.op == "F"]
+                assert all(at[a] < t for t in later_f[:1])  # before the next F's tick
+                continue
+            deps = ([Action("F", m, c - 1)] if a.op == "F" and c > 0 else
+                    [Action("F", m, c)] + [x for op in "BI" if (x := Action(op, m, c + 1)) in at]
+                    if a.op != "F" else [])
+            assert all(at[d] < at[a] for d in deps)
+        live = [0] * (len(ticks) + 1)
+        for a in row:
+            if a.op == "F":
+                end = Action("W" if s.split_backward else "B", a.microbatch, a.chunk)
+                for t in range(at[a], at[end] + 1):
+                    live[t] += 1
+        assert max(live) <= s.held_peak[st_]
+    assert len(ticks) <= s.ticks.num_ticks
+    return len(ticks)
+
+
+def test_packed_ticks_keep_order_dependencies_and_stash():
+    """A W shares a tick with another action: zb-v at p=4, m=16 in 70 ticks, not 99."""
+    for kind in ("zb-h1", "zb-v", "interleaved-zb", "1f1b"):
+        for p, m in ((2, 2), (2, 5), (4, 4), (4, 16), (8, 8)):
+            s = schedules.build(kind, stages=p, microbatches=m)
+            packed_checks(s)
+            packed_checks(schedules.split_backward(s))
+    assert packed_checks(schedules.build("zb-v", stages=4, microbatches=16)) == 70
+    assert packed_checks(schedules.build("zb-h1", stages=4, microbatches=16)) == 38  # 1F1B's
+    assert packed_checks(schedules.build("1f1b", stages=4, microbatches=16)) == 38  # no W
