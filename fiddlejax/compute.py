@@ -174,9 +174,11 @@ def _per_leaf(f: Callable, dims: Any, tree: Any, specs: Any) -> Any:
 class ParamView:
     """Gather (over ``data`` on each leaf's FSDP dimension; -1: none) and cast (to the compute
     dtype; ``None``: keep) parameters. ``dims`` trees are prefixes of the parameter trees;
-    ``specs`` trees (the same prefixes) give each gathered leaf's split over the other axes."""
+    ``specs`` trees (the same prefixes) give each gathered leaf's split over the other axes.
+    ``matmul="fp8"``: each layer's dense matmuls in float8 (:mod:`fiddlejax.fp8`)."""
 
     dtype: Any = None
+    matmul: str | None = None
 
     def leaf(self, x: jax.Array, dim: int, spec: P | None = None) -> jax.Array:
         if dim >= 0:
@@ -201,6 +203,10 @@ class ParamView:
             return False if prim.name in _NOT_SAVED else base(prim, *args, **kwargs)
 
         def viewed(lp, x):
+            if self.matmul == "fp8":
+                from fiddlejax import fp8
+
+                return fp8.layer(layer, self.tree(lp, dims, specs), x)
             return layer(self.tree(lp, dims, specs), x)
 
         return jax.checkpoint(viewed, policy=keep, prevent_cse=prevent_cse)

@@ -69,6 +69,10 @@ class Plan:
     - ``compute_dtype``: the dtype of matmuls, activations, stashes and the messages between
       stages (``"bfloat16"`` for mixed precision; also ``jnp.bfloat16``). Parameters, their
       gradients, the gradient reduction, the optimizer state and the loss stay float32.
+    - ``matmul_dtype``: ``"fp8"`` runs each layer's dense matmuls (a dot against the layer's
+      weights) on per-tensor-scaled float8 operands, e4m3 forward and e5m2 gradients
+      (:mod:`fiddlejax.fp8`); the rest stays in ``compute_dtype``, which must be
+      ``"bfloat16"``. ``None`` (default): matmuls in ``compute_dtype``.
     - ``rules``: logical axis name -> mesh axis (or None), merged over
       ``fiddlejax.sharding.DEFAULT_RULES``, so a model annotated with its own names (``fsdp``,
       ``kv``, ...) is sharded as it is: ``Plan(rules={"kv": "tensor", "fsdp": None})``.
@@ -104,6 +108,7 @@ class Plan:
     check_inputs: bool = False
     split_backward: bool | None = None
     compute_dtype: object = "float32"
+    matmul_dtype: str | None = None
     fsdp_gather: str = "layer"
     rules: object = None
 
@@ -227,6 +232,14 @@ class Plan:
                 f"compute_dtype={self.compute_dtype!r} must be a floating dtype: 'float32' "
                 "(default), 'bfloat16' (mixed precision, float32 master weights) or 'float16'")
         object.__setattr__(self, "compute_dtype", dtype.name)
+        if self.matmul_dtype not in (None, "fp8"):
+            raise ValueError(f"matmul_dtype={self.matmul_dtype!r} must be None (matmuls in "
+                             "compute_dtype) or 'fp8' (float8 dense matmuls)")
+        if self.matmul_dtype == "fp8" and dtype.name != "bfloat16":
+            raise ValueError(
+                f"matmul_dtype='fp8' keeps everything but the dense matmuls in bfloat16; "
+                f"compute_dtype={dtype.name!r} would run them in {dtype.name}: set "
+                "compute_dtype='bfloat16' with it")
         rules = self.rules
         if rules is None:
             rules = ()

@@ -65,7 +65,8 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
     dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
     gather_step = dims is not None and plan.fsdp_gather == "step"
     per_use = dims if not gather_step else None
-    view = compute.ParamView(dtype) if per_use is not None or dtype is not None else None
+    view = (compute.ParamView(dtype, plan.matmul_dtype)
+            if per_use is not None or dtype is not None else None)
     # Whole gradient sums are reduce-scattered after the microbatches: FSDP gathered once per
     # step, or ZeRO-2 (onto the optimizer state's shards).
     scatter_dims = dims if gather_step else None
