@@ -10,6 +10,9 @@ which attention kernel to use where.
 3. The causal balance: the n x n attention blocks each shard computes in the ring, with the
    load-balanced layout (shard i holds chunks i and 2C-1-i) against a contiguous split
    (shard i holds chunk i): counted from the masks, as the kernel does.
+4. Sequence parallelism on ``tensor`` (``Plan(sequence_parallel=True)``): the temp bytes per
+   layer (the slope from 4 to 8 layers) at tensor=4, seq_len 1024: under ``remat="full"`` a
+   layer keeps only its input, the replicated residual stream that SP splits over tensor.
 
     python benchmarks/context.py [--quick]
 """
@@ -79,6 +82,19 @@ def time_ratio(seq: int, c: int, repeats: int) -> float:
     return statistics.median(times["ring"]) / statistics.median(times["allgather"])
 
 
+def sp_slope(sp: bool, remat: str) -> float:
+    """MiB of temp memory per layer (8 layers minus 4, over 4) at tensor=4."""
+    def temp(layers):
+        cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                          num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=4, seq_len=1024)
+        m = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+        plan = fj.Plan(mesh=fj.make_mesh(data=1, tensor=4, devices=jax.devices()[:4]),
+                       remat=remat, sequence_parallel=sp)
+        return fj.parallelize(m, optax.sgd(1e-3), plan).memory(batch_size=1)["temp_bytes"]
+    return (temp(8) - temp(4)) / 4 / MIB
+
+
 def blocks(c: int, balanced: bool) -> list[int]:
     """Visible n x n blocks (n = T / 2C) each shard's ring computes, from chunk order alone."""
     held = [[i, 2 * c - 1 - i] if balanced else [2 * i, 2 * i + 1] for i in range(c)]
@@ -125,6 +141,13 @@ def main() -> int:
         bal, con = blocks(cc, True), blocks(cc, False)
         spread = lambda x: (max(x) - min(x)) / max(x)  # noqa: E731
         lines.append(f"| {cc} | {bal} | {spread(bal):.0%} | {con} | {spread(con):.0%} |")
+    lines += ["", "## Sequence parallelism on tensor=4 (seq_len 1024, hidden 256, float32)", "",
+              "A layer's input, replicated over tensor without SP, is 1 x 1024 x 256 x 4 B = "
+              "1 MiB.", "",
+              "| remat | temp MiB per layer, SP off | SP on | removed |", "|---|---|---|---|"]
+    for remat in ("full", "none"):
+        off, on = sp_slope(False, remat), sp_slope(True, remat)
+        lines.append(f"| {remat} | {off:.3f} | {on:.3f} | {off - on:.3f} |")
     out = ROOT / "benchmarks" / "results" / "context.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -136,7 +136,7 @@ SPECS: dict[str, Spec] = {
     "plan.fsdp_gather": Spec(str, choices=("layer", "step")),
     "plan.rules": Spec(dict, null=True),
     "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
-    "plan.check_inputs": Spec(bool),
+    "plan.check_inputs": Spec(bool), "plan.sequence_parallel": Spec(bool),
     "optimizer.name": Spec(str, choices=("adamw", "muon")),
     "optimizer.lr": Spec(float, lo=0, open_lo=True),
     "optimizer.muon_lr": Spec(float, lo=0, open_lo=True),

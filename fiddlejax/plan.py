@@ -83,6 +83,10 @@ class Plan:
       ``None`` (default): split when that lowers the lockstep bubble and the backend is not the
       CPU (simulated CPU devices share cores, so a bubble costs no wall time there while each
       extra tick costs its fixed overhead).
+    - ``sequence_parallel`` (with ``tensor`` > 1): Megatron's sequence parallelism; between
+      the tensor-parallel matmuls each layer's residual stream, norms and side channels are
+      split over ``tensor`` along the sequence (gathered before, reduce-scattered after)
+      instead of replicated (:mod:`fiddlejax.parallel.sequence`).
     - ``check_inputs``: every ``Trainer.step`` checks the batch's ids against the model's
       vocabulary (or classes) and the loss for NaN/inf, raising an error that names the step.
       Costs a host sync per step: for debugging and for runs that must not train on garbage.
@@ -111,6 +115,7 @@ class Plan:
     matmul_dtype: str | None = None
     fsdp_gather: str = "layer"
     rules: object = None
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         self._check_mesh_and_schedule()
@@ -191,6 +196,11 @@ class Plan:
         if self.remat == "auto" and self.memory_budget is None:
             raise ValueError("remat='auto' needs Plan(memory_budget=<bytes per device>), e.g. "
                              "memory_budget=2 << 30: it picks the cheapest policy that fits")
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence_parallel=True splits the sequence over `tensor`, but the "
+                             "mesh has tensor=1; use a mesh with tensor > 1 or drop it")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs={self.check_inputs!r} must be True or False")
         if self.split_backward is not None and not isinstance(self.split_backward, bool):

@@ -127,3 +127,22 @@ def test_checkpoint_restores_across_context_sizes(llama, tmp_path):
         restored = m.restore()
     assert rel_err(dst.params(restored), src.params(state)) == 0.0
     assert restored.params is not None and restored.step == state.step
+
+
+@pytest.mark.parametrize("axes", [dict(data=4, tensor=2), dict(data=2, context=2, tensor=2)])
+def test_sequence_parallel_matches_one_device(llama, axes):
+    """Megatron-SP: norms and the residual stream split over tensor along the sequence."""
+    plan = fj.Plan(mesh=fj.make_mesh(**axes), sequence_parallel=True)
+    assert_exact(llama, plan, packed(5, 4) if "context" in axes else tokens(5, 4, SEQ, 64))
+
+
+def test_sequence_parallel_refusals(llama):
+    with pytest.raises(ValueError, match="tensor=1"):
+        fj.Plan(mesh=fj.make_mesh(data=8), sequence_parallel=True)
+    odd = nnx.eval_shape(lambda: Llama(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, seq_len=20), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="20 tokens, not a multiple of 8"):
+        fj.parallelize(odd, optax.sgd(0.1),
+                       fj.Plan(mesh=fj.make_mesh(data=1, tensor=8), sequence_parallel=True,
+                               rules={"heads": None, "kv_heads": None}))

@@ -109,7 +109,8 @@ def make_plan(cfg: dict):
                    zero=p["zero"], fsdp_gather=p.get("fsdp_gather", "layer"),
                    partition=p["partition"], memory_budget=budget,
                    check_inputs=bool(p.get("check_inputs", False)),
-                   compute_dtype=compute_dtype(p.get("compute_dtype", "float32")), rules=rules)
+                   compute_dtype=compute_dtype(p.get("compute_dtype", "float32")), rules=rules,
+                   sequence_parallel=bool(p.get("sequence_parallel", False)))
 
 
 def model_layers(model) -> int | None:

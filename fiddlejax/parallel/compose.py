@@ -12,7 +12,9 @@ The order (as torchtitan's ``parallelize_llama`` applies TP, activation checkpoi
 
 Between 1 and 2, ``context`` (:mod:`fiddlejax.parallel.context`): sequences split over the
 ``context`` axis, the model wrapped so its batches are cut and its attention joins the shards
-(it has no parameters of its own). ``expert`` (MoE) joins there too, as a step of its own.
+(it has no parameters of its own); then sequence parallelism over ``tensor``
+(:mod:`fiddlejax.parallel.sequence`, ``Plan(sequence_parallel=True)``). ``expert`` (MoE)
+joins there too, as a step of its own.
 The result, a :class:`~fiddlejax.parallel.layout.Layout`, holds no arrays; the step functions
 read it.
 """
@@ -26,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax import compute, layout
-from fiddlejax.parallel import context, exchange, tensor
+from fiddlejax.parallel import context, exchange, sequence, tensor
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.parallel.layout import Layout, to_internal
 from fiddlejax.plan import Plan
@@ -41,6 +43,7 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
     staged = tensor.with_vocab_pads(staged, canonical, plan)
     staged = context.lay_out(staged, plan, example)
+    staged = sequence.lay_out(staged, plan, example)
     pipeline = None
     if plan.schedule is not None:
         from fiddlejax.pipeline import runtime
