@@ -110,6 +110,7 @@ def make_plan(cfg: dict):
                    partition=p["partition"], memory_budget=budget,
                    check_inputs=bool(p.get("check_inputs", False)),
                    compute_dtype=compute_dtype(p.get("compute_dtype", "float32")), rules=rules,
+                   matmul_dtype=p.get("matmul_dtype"),
                    sequence_parallel=bool(p.get("sequence_parallel", False)))
 
 
