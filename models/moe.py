@@ -1,0 +1,225 @@
+"""A mixture-of-experts MLP: a top-k router, SwiGLU experts with stacked weights, and dispatch.
+
+Routing follows transformers exactly (``modeling_mixtral.py``, ``modeling_qwen3_moe.py``):
+router logits ``x @ W`` in the activation's dtype; scores in float32 (softmax, or sigmoid for
+the DeepSeek-V3 style); the top-k scores become the gates, divided by their sum when
+``norm_topk_prob`` (Mixtral always; Qwen3-MoE as its config says).
+
+Experts are ``E`` SwiGLU MLPs whose weights are stacked: ``w_gate``, ``w_up`` ``[E, d, f]``
+named ``("expert", "embed", "mlp")`` and ``w_down`` ``[E, f, d]`` named ``("expert", "mlp",
+"embed")``, so the ``tensor`` axis splits every expert's matrices Megatron-style (gate and up
+column-parallel, down row-parallel) and an ``expert`` axis can split the experts themselves.
+
+Dispatch (``MoEConfig.dispatch``):
+
+- ``"dropless"`` (default): the ``N * k`` (token, choice) pairs sorted by expert, three grouped
+  matmuls (``jax.lax.ragged_dot``: each expert multiplies only its own rows), unsorted by a
+  scatter-add weighted by the gates. Nothing is dropped, whatever the routing.
+- ``"capacity"``: each expert takes at most ``ceil(capacity_factor * N * k / E)`` pairs into a
+  fixed ``[E, C, d]`` buffer (static shapes, batched matmuls); first choices win over second
+  ones, then earlier tokens; the rest are dropped (they add nothing to the output) and counted.
+- ``"dense"``: every expert computes every token and the gates mask the results (the
+  one-hot baseline of ``benchmarks/moe_dispatch.py``; exact, ``E / k`` times the FLOPs).
+
+The layer returns :class:`MoEOutput`: the output, the router logits (as transformers'
+``output_router_logits``), the chosen experts and the per-token dropped count. How the router
+losses travel through a pipeline is :mod:`.moe_loss`'s concern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from fiddlejax.memory import names
+
+from .common import param
+
+SCORINGS = ("softmax", "sigmoid")
+DISPATCHES = ("dropless", "capacity", "dense")
+ACTIVATIONS = {"silu": jax.nn.silu}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer. Field names follow transformers' configs (``num_experts`` is Mixtral's
+    ``num_local_experts``; ``intermediate_size`` one expert's width, Qwen3-MoE's
+    ``moe_intermediate_size``). ``capacity_factor`` is read only by ``dispatch="capacity"``.
+    ``router_aux_loss_coef`` and ``router_z_loss_coef`` weight the losses of :mod:`.moe_loss`.
+    """
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    dispatch: str = "dropless"
+    capacity_factor: float | None = None
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        me = type(self).__name__
+        for f in ("hidden_size", "intermediate_size", "num_experts", "num_experts_per_tok"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{me}.{f}={v!r} must be a positive int")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{me}.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_experts={self.num_experts}; pick at most {self.num_experts}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"{me}.scoring={self.scoring!r}; use one of {SCORINGS}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"{me}.dispatch={self.dispatch!r}; use one of {DISPATCHES}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"{me}.hidden_act={self.hidden_act!r}; supported: "
+                             f"{tuple(ACTIVATIONS)}")
+        cf = self.capacity_factor
+        if self.dispatch == "capacity" and (not isinstance(cf, int | float) or cf <= 0):
+            raise ValueError(f"{me}.capacity_factor={cf!r}: dispatch='capacity' needs a "
+                             "positive factor, e.g. 1.25")
+        if self.dispatch != "capacity" and cf is not None:
+            raise ValueError(f"{me}.capacity_factor={cf!r} is read only by "
+                             f"dispatch='capacity' (got dispatch={self.dispatch!r}); set "
+                             "dispatch='capacity' or drop the factor")
+        for f in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{me}.{f}={getattr(self, f)!r} must be >= 0")
+
+    def capacity(self, tokens: int) -> int:
+        """Pairs one expert takes under ``dispatch="capacity"``: ``ceil(factor * N * k / E)``,
+        at most ``N`` (an expert never sees a token twice)."""
+        k, e = self.num_experts_per_tok, self.num_experts
+        return max(1, min(tokens, math.ceil(self.capacity_factor * tokens * k / e)))
+
+
+class MoEOutput(NamedTuple):
+    """What an MoE layer returns (unpacks like a tuple)."""
+
+    output: jax.Array         # [..., d], the activation's dtype
+    router_logits: jax.Array  # [..., E], the activation's dtype (transformers' router_logits)
+    experts: jax.Array        # [..., k] int32, the chosen experts, best first
+    dropped: jax.Array        # [...] int32, this token's choices dropped (0 unless capacity)
+
+
+def route(logits: jax.Array, top_k: int, scoring: str = "softmax",
+          norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``(gates, experts)``, ``[..., k]`` float32 and int32, of router ``logits [..., E]``:
+    the top-k float32 scores (softmax or sigmoid), divided by their sum if
+    ``norm_topk_prob``. Gates carry gradients to the router as in transformers."""
+    l32 = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(l32, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(l32)
+    gates, experts = jax.lax.top_k(scores, top_k)
+    if norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return gates, experts.astype(jnp.int32)
+
+
+def _swiglu(h_gate: jax.Array, h_up: jax.Array, act) -> jax.Array:
+    return act(checkpoint_name(h_gate, names.MLP_HIDDEN)) * checkpoint_name(h_up, names.MLP_HIDDEN)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """``(order, sizes)`` of the ``N * k`` pairs of ``experts [N, k]``, numbered choice-major
+    (pair ``j * N + n`` is token ``n``'s ``j``-th choice): ``order`` sorts them by expert,
+    stably (first choices, then earlier tokens first); ``sizes[e]`` counts expert ``e``'s."""
+    flat = experts.T.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return order, sizes
+
+
+def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Array,
+             w_up: jax.Array, w_down: jax.Array, act=jax.nn.silu) -> jax.Array:
+    """``sum_j gates[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, d]``, each expert
+    computing only its own rows (grouped matmuls over the pairs sorted by expert)."""
+    n = x.shape[0]
+    order, sizes = sort_by_expert(experts, w_gate.shape[0])
+    token = order % n
+    xs = x[token]
+    h = _swiglu(jax.lax.ragged_dot(xs, w_gate, sizes), jax.lax.ragged_dot(xs, w_up, sizes), act)
+    ys = jax.lax.ragged_dot(h, w_down, sizes)
+    g = gates.T.reshape(-1)[order].astype(ys.dtype)
+    return jnp.zeros_like(x).at[token].add(ys * g[:, None])
+
+
+def with_capacity(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array, capacity: int, act=jax.nn.silu
+                  ) -> tuple[jax.Array, jax.Array]:
+    """:func:`dropless` with at most ``capacity`` pairs per expert, in a fixed ``[E, C, d]``
+    buffer; pairs past an expert's capacity are dropped. Returns the output and the
+    per-token count of dropped choices ``[N]`` int32."""
+    n, e = x.shape[0], w_gate.shape[0]
+    order, sizes = sort_by_expert(experts, e)
+    token = order % n
+    owner = experts.T.reshape(-1)[order]
+    rank = jnp.arange(order.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[owner]
+    kept = rank < capacity
+    slot = jnp.where(kept, owner * capacity + rank, e * capacity)  # out of range: dropped
+    buf = jnp.zeros((e * capacity, x.shape[1]), x.dtype).at[slot].set(x[token], mode="drop")
+    buf = buf.reshape(e, capacity, -1)
+    h = _swiglu(jnp.einsum("ecd,edf->ecf", buf, w_gate),
+                jnp.einsum("ecd,edf->ecf", buf, w_up), act)
+    y = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(e * capacity, -1)
+    ys = y.at[slot].get(mode="fill", fill_value=0)
+    g = gates.T.reshape(-1)[order].astype(ys.dtype)
+    out = jnp.zeros_like(x).at[token].add(ys * g[:, None])
+    dropped = jnp.zeros((n,), jnp.int32).at[token].add((~kept).astype(jnp.int32))
+    return out, dropped
+
+
+def dense(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Array,
+          w_up: jax.Array, w_down: jax.Array, act=jax.nn.silu) -> jax.Array:
+    """Every expert on every token, the unchosen ones weighted 0 (one-hot dispatch)."""
+    e = w_gate.shape[0]
+    weight = jnp.sum(jax.nn.one_hot(experts, e, dtype=gates.dtype) * gates[..., None], axis=-2)
+    h = _swiglu(jnp.einsum("nd,edf->enf", x, w_gate), jnp.einsum("nd,edf->enf", x, w_up), act)
+    y = jnp.einsum("enf,efd->end", h, w_down)
+    return jnp.einsum("end,ne->nd", y, weight.astype(y.dtype))
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts SwiGLU MLP (see the module docstring); ``[..., d] -> MoEOutput``."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, out_std: float | None = None):
+        c = self.config = config
+        d, f, e = c.hidden_size, c.intermediate_size, c.num_experts
+        normal = jax.nn.initializers.normal
+        std = 0.02
+        out_std = std if out_std is None else out_std
+        self.router = param(rngs, normal(std), (d, e), ("embed", None))
+        self.w_gate = param(rngs, normal(std), (e, d, f), ("expert", "embed", "mlp"))
+        self.w_up = param(rngs, normal(std), (e, d, f), ("expert", "embed", "mlp"))
+        self.w_down = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> MoEOutput:
+        c = self.config
+        if x.shape[-1] != c.hidden_size:
+            raise ValueError(f"MoE expects [..., {c.hidden_size}] activations "
+                             f"(MoEConfig.hidden_size); got {list(x.shape)}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, c.hidden_size)
+        logits = flat @ self.router[...].astype(x.dtype)
+        gates, experts = route(logits, c.num_experts_per_tok, c.scoring, c.norm_topk_prob)
+        ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        act = ACTIVATIONS[c.hidden_act]
+        dropped = jnp.zeros(flat.shape[:1], jnp.int32)
+        if c.dispatch == "dropless":
+            out = dropless(flat, gates, experts, *ws, act=act)
+        elif c.dispatch == "capacity":
+            out, dropped = with_capacity(flat, gates, experts, *ws,
+                                         capacity=c.capacity(flat.shape[0]), act=act)
+        else:
+            out = dense(flat, gates, experts, *ws, act=act)
+        out = checkpoint_name(out, names.MLP_OUT)
+        k = c.num_experts_per_tok
+        return MoEOutput(out.reshape(x.shape), logits.reshape(*lead, -1),
+                         experts.reshape(*lead, k), dropped.reshape(lead))

@@ -1,0 +1,150 @@
+"""Router losses of a mixture of experts, and how they travel from the layers to the loss.
+
+**Load balancing** (Switch Transformer, as transformers' ``load_balancing_loss_func`` computes
+it for Mixtral and Qwen3-MoE): over ``R = layers x tokens`` rows, with ``c_e`` the top-k
+choices of expert ``e`` (from the softmax of the router logits) and ``p_e`` its summed softmax
+probability, ``aux = E * sum_e (c_e / R) * (p_e / R)``; the model adds
+``router_aux_loss_coef * aux`` to the loss.
+
+**Per sequence.** transformers pools ``c`` and ``p`` over the whole batch before the product,
+so its value depends on which sequences share a batch: a microbatch or a data shard would get
+another one. Here both are pooled per sequence (row) and the product taken per sequence:
+``aux_s = E * sum_e c_se * p_se / R_s**2`` with ``R_s = layers x n_s`` (``n_s`` its unmasked
+tokens), then averaged over sequences weighted by their loss targets, ``sum_s w_s aux_s /
+sum_s w_s`` (plain rows: the plain mean). For one sequence it is transformers' value exactly;
+for more it penalises imbalance within each sequence, not only across the batch. It is a sum
+over rows, so microbatches and data shards reduce it exactly (:func:`add_router_losses`).
+
+**Router z-loss** (ST-MoE): ``mean_tokens logsumexp(logits)**2`` per layer, summed over layers,
+per sequence as above, coefficient ``router_z_loss_coef`` (0: off).
+
+**Transport: the tally.** A pipeline moves one array between layers, so every token carries a
+*tally* of ``2E + 2`` channels after the model's channels (and after any other side channels):
+its choice counts per expert, its summed softmax probabilities per expert, its summed
+``logsumexp**2`` and its dropped choices, accumulated over the layers it went through. Each
+MoE layer adds its own (:func:`accumulate`); the head splits the tally off (:func:`split`) and
+the loss reduces it per sequence (:func:`sequence_losses`). Only per-token sums travel, so every
+layout and schedule sees the same numbers; the probability and z channels keep their
+gradients, so the router learns from the aux loss through the pipeline's backward. Counts are
+exact integers in any dtype below 256 layers; under bf16 compute the probability sums carry
+bf16 precision (the loss is a regulariser).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .moe import MoEOutput
+
+
+def width(num_experts: int) -> int:
+    """Channels of the tally: counts ``[E]``, probabilities ``[E]``, z, dropped."""
+    return 2 * num_experts + 2
+
+
+def empty(lead: tuple[int, ...], num_experts: int, dtype) -> jax.Array:
+    """A zero tally ``[*lead, 2E + 2]`` for the prologue to append."""
+    return jnp.zeros((*lead, width(num_experts)), dtype)
+
+
+def split(msg: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """``(rest, tally)``: the tally is the last ``2E + 2`` channels (kept differentiable)."""
+    w = width(num_experts)
+    if msg.shape[-1] <= w:
+        raise ValueError(f"a message of {msg.shape[-1]} channels holds no tally of "
+                         f"{w} (2 * {num_experts} experts + 2) after the activation; append "
+                         "moe_loss.empty(...) in the prologue")
+    return msg[..., :-w], msg[..., -w:]
+
+
+def join(rest: jax.Array, tally: jax.Array) -> jax.Array:
+    """The message: ``rest`` then the tally, in ``rest``'s dtype."""
+    return jnp.concatenate([rest, tally.astype(rest.dtype)], axis=-1)
+
+
+def layer_tally(out: MoEOutput) -> jax.Array:
+    """One layer's float32 contribution ``[..., 2E + 2]`` to each token's tally."""
+    logits = out.router_logits.astype(jnp.float32)
+    e = logits.shape[-1]
+    counts = jnp.sum(jax.nn.one_hot(out.experts, e, dtype=jnp.float32), axis=-2)
+    probs = jax.nn.softmax(logits, axis=-1)
+    z = jnp.square(jax.nn.logsumexp(logits, axis=-1))[..., None]
+    dropped = out.dropped.astype(jnp.float32)[..., None]
+    return jnp.concatenate([jax.lax.stop_gradient(counts), probs, z,
+                            jax.lax.stop_gradient(dropped)], axis=-1)
+
+
+def accumulate(tally: jax.Array, out: MoEOutput) -> jax.Array:
+    """``tally`` plus this layer's contribution (in float32, returned in the tally's dtype)."""
+    return (tally.astype(jnp.float32) + layer_tally(out)).astype(tally.dtype)
+
+
+class RouterLosses(NamedTuple):
+    """Per-sequence router losses ``[B]`` from a tally, and the dropped choices."""
+
+    aux: jax.Array      # load balancing, transformers' formula on each sequence
+    z: jax.Array        # router z-loss: mean over tokens, summed over layers
+    dropped: jax.Array  # choices dropped by capacity, summed over tokens and layers
+
+
+def sequence_losses(tally: jax.Array, top_k: int, mask: jax.Array | None = None
+                    ) -> RouterLosses:
+    """:class:`RouterLosses` of a tally ``[B, T, 2E + 2]``; ``mask [B, T]`` leaves tokens out
+    (padding, as transformers' ``attention_mask``). A row with no token gets zeros."""
+    t = tally.astype(jnp.float32)
+    e = (t.shape[-1] - 2) // 2
+    if mask is not None:
+        t = t * mask.astype(jnp.float32)[..., None]
+    s = jnp.sum(t, axis=-2)                          # [B, 2E + 2]
+    counts, probs, z, dropped = s[:, :e], s[:, e:2 * e], s[:, 2 * e], s[:, 2 * e + 1]
+    rows = jax.lax.stop_gradient(jnp.sum(counts, -1) / top_k)  # layers x tokens
+    n = (jnp.full(rows.shape, t.shape[-2], jnp.float32) if mask is None
+         else jnp.sum(mask.astype(jnp.float32), -1))
+    safe = jnp.maximum(rows, 1.0)
+    aux = jnp.where(rows > 0, e * jnp.sum(counts * probs, -1) / jnp.square(safe), 0.0)
+    zs = jnp.where(n > 0, z / jnp.maximum(n, 1.0), 0.0)
+    return RouterLosses(aux, zs, dropped)
+
+
+def add_router_losses(value, tally: jax.Array, top_k: int, aux_coef: float,
+                      z_coef: float = 0.0, mask: jax.Array | None = None,
+                      weights: jax.Array | None = None):
+    """A language-model loss ``value`` with the router losses added, exactly reducible:
+
+    - a scalar mean (plain rows): ``value + aux_coef * mean_s aux_s + z_coef * mean_s z_s``;
+    - a pair ``(sum, count)`` (packed or padded rows): ``(sum + sum_s w_s (aux_coef * aux_s +
+      z_coef * z_s), count)`` with ``w_s`` = ``weights[s]``, each row's loss targets, whose
+      sum is ``count``: the row losses averaged with the token weights of the pair.
+    """
+    r = sequence_losses(tally, top_k, mask)
+    per_row = aux_coef * r.aux + z_coef * r.z
+    if isinstance(value, tuple | list):
+        total, count = value
+        if weights is None:
+            raise ValueError("a (sum, count) loss needs weights=: each row's count of loss "
+                             "targets (summing to count), to weight its router losses")
+        return total + jnp.sum(per_row * jax.lax.stop_gradient(weights)), count
+    return value + jnp.mean(per_row)
+
+
+def load_balancing_loss(router_logits: Sequence[jax.Array], num_experts: int, top_k: int,
+                        mask: jax.Array | None = None) -> jax.Array:
+    """transformers' ``load_balancing_loss_func``: one value for the whole batch, from each
+    layer's ``[tokens, E]`` logits (``mask``: ``[tokens]``). The reference the per-sequence
+    loss equals on one sequence; not reducible over microbatches."""
+    counts = jnp.zeros((num_experts,), jnp.float32)
+    probs = jnp.zeros((num_experts,), jnp.float32)
+    rows = jnp.zeros((), jnp.float32)
+    m = None if mask is None else mask.reshape(-1).astype(jnp.float32)
+    for logits in router_logits:
+        p = jax.nn.softmax(logits.reshape(-1, num_experts).astype(jnp.float32), axis=-1)
+        hot = jnp.sum(jax.nn.one_hot(jax.lax.top_k(p, top_k)[1], num_experts), axis=-2)
+        w = jnp.ones(p.shape[:1], jnp.float32) if m is None else m
+        counts += jnp.sum(hot * w[:, None], 0)
+        probs += jnp.sum(p * w[:, None], 0)
+        rows += jnp.sum(w)
+    return num_experts * jnp.sum((counts / rows) * (probs / rows))

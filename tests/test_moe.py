@@ -1,0 +1,254 @@
+"""models/moe.py and models/moe_loss.py: routing as transformers routes (Mixtral, Qwen3-MoE),
+dispatch equal to every token through every expert, capacity drops counted, the per-sequence
+load-balancing loss equal to transformers' on one sequence, and a stack of MoE layers on
+data=2 x pipe=2 x tensor=2 with the single-device loss (aux and z included) and gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import reference_loss_and_grads, rel_err, tokens
+
+import fiddlejax as fj
+from fiddlejax.models import moe_loss
+from fiddlejax.models.common import cross_entropy, param, stacked
+from fiddlejax.models.moe import MoE, MoEConfig, route
+
+CFG = MoEConfig(hidden_size=16, intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+
+
+def layer(cfg=CFG, seed=0):
+    return MoE(cfg, rngs=nnx.Rngs(seed))
+
+
+def inputs(n=2, t=24, d=16, seed=1):
+    return jax.random.normal(jax.random.key(seed), (n, t, d), jnp.float32)
+
+
+def hf_route(logits, top_k, norm_topk_prob):
+    """transformers' Mixtral / Qwen3-MoE router in numpy: float32 softmax, top-k, renorm."""
+    z = np.asarray(logits, np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    idx = np.argsort(-p, axis=-1, kind="stable")[..., :top_k]
+    top = np.take_along_axis(p, idx, -1)
+    return (top / top.sum(-1, keepdims=True) if norm_topk_prob else top), idx
+
+
+def hf_layer(moe: MoE, x):
+    """transformers' MixtralExperts loop: each hit expert on its tokens, gates, index_add."""
+    c = moe.config
+    flat = x.reshape(-1, c.hidden_size)
+    logits = flat @ moe.router[...]
+    p = jax.nn.softmax(logits, -1)
+    top, idx = jax.lax.top_k(p, c.num_experts_per_tok)
+    top = top / top.sum(-1, keepdims=True) if c.norm_topk_prob else top
+    out = jnp.zeros_like(flat)
+    for e in range(c.num_experts):
+        h = jax.nn.silu(flat @ moe.w_gate[e]) * (flat @ moe.w_up[e])
+        gate = jnp.sum(jnp.where(idx == e, top, 0.0), -1)
+        out = out + gate[:, None] * (h @ moe.w_down[e])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_transformers(norm):
+    """Mixtral renormalises the top-k softmax; Qwen3-MoE does when norm_topk_prob."""
+    logits = jax.random.normal(jax.random.key(2), (40, 8)) * 2
+    gates, experts = route(logits, 2, "softmax", norm)
+    ref_gates, ref_experts = hf_route(logits, 2, norm)
+    np.testing.assert_array_equal(np.asarray(experts), ref_experts)
+    assert rel_err(gates, ref_gates) < 1e-6
+    assert np.allclose(np.asarray(gates).sum(-1), 1.0) == norm
+
+
+def test_sigmoid_router():
+    logits = jax.random.normal(jax.random.key(3), (10, 6))
+    gates, experts = route(logits, 3, "sigmoid", True)
+    s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
+    idx = np.argsort(-s, -1)[:, :3]
+    top = np.take_along_axis(s, idx, -1)
+    np.testing.assert_array_equal(np.asarray(experts), idx)
+    assert rel_err(gates, top / top.sum(-1, keepdims=True)) < 1e-6
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "dense"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_layer_matches_every_expert_on_every_token(dispatch, norm):
+    """Output and gradients (weights, router, input) equal the dense reference, float32."""
+    moe = layer(dataclasses.replace(CFG, dispatch=dispatch, norm_topk_prob=norm))
+    x = inputs()
+    graphdef, params = nnx.split(moe)
+    target = jax.random.normal(jax.random.key(5), x.shape)
+
+    def loss(p, x, fn):
+        return jnp.sum(fn(nnx.merge(graphdef, p), x) * target)
+
+    ours = lambda m, x: m(x).output  # noqa: E731
+    assert rel_err(ours(moe, x), hf_layer(moe, x)) < 1e-5
+    g = jax.grad(loss, (0, 1))(params, x, ours)
+    ref = jax.grad(loss, (0, 1))(params, x, hf_layer)
+    assert rel_err(g, ref) < 1e-5
+    assert float(jnp.linalg.norm(g[0]["router"][...])) > 0  # the gates train the router
+
+
+def test_capacity_large_enough_equals_dropless():
+    x = inputs()
+    dropless = layer()(x)
+    big = layer(dataclasses.replace(CFG, dispatch="capacity", capacity_factor=4.0))(x)
+    assert rel_err(big.output, dropless.output) < 1e-6
+    assert int(big.dropped.sum()) == 0
+    np.testing.assert_array_equal(np.asarray(big.experts), np.asarray(dropless.experts))
+
+
+def test_capacity_drops_and_counts():
+    """A small factor: each expert keeps its first ``C`` pairs (first choices before second
+    ones, earlier tokens first); the dropped ones add nothing and are counted per token."""
+    cfg = dataclasses.replace(CFG, dispatch="capacity", capacity_factor=0.5)
+    moe, x = layer(cfg), inputs(1, 24)
+    out = moe(x)
+    cap = cfg.capacity(24)
+    assert cap == 6  # ceil(0.5 * 24 * 2 / 4)
+    experts = np.asarray(out.experts).reshape(24, 2)
+    kept, taken = np.zeros((24, 2), bool), np.zeros(4, int)
+    for j in range(2):                      # choice-major priority, as documented
+        for n in range(24):
+            e = experts[n, j]
+            kept[n, j] = taken[e] < cap
+            taken[e] += 1
+    np.testing.assert_array_equal(np.asarray(out.dropped).reshape(24), (~kept).sum(1))
+    assert int(out.dropped.sum()) == int(np.maximum(np.bincount(experts.ravel(), minlength=4)
+                                                    - cap, 0).sum()) > 0
+    # the reference with the dropped choices' gates zeroed
+    flat = x.reshape(24, 16)
+    gates, _ = route(flat @ moe.router[...], 2)
+    gates = jnp.where(jnp.asarray(kept), gates, 0.0)
+    ref = jnp.zeros_like(flat)
+    for e in range(4):
+        h = jax.nn.silu(flat @ moe.w_gate[e]) * (flat @ moe.w_up[e])
+        ref += jnp.sum(jnp.where(experts == e, gates, 0.0), -1)[:, None] * (h @ moe.w_down[e])
+    assert rel_err(out.output.reshape(24, 16), ref) < 1e-5
+
+
+def test_refusals_name_the_value():
+    with pytest.raises(ValueError, match="capacity_factor=None.*1.25"):
+        MoEConfig(dispatch="capacity")
+    with pytest.raises(ValueError, match="capacity_factor=2.0 is read only"):
+        MoEConfig(capacity_factor=2.0)
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 exceeds num_experts=8"):
+        MoEConfig(num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="scoring='relu'"):
+        MoEConfig(scoring="relu")
+    with pytest.raises(ValueError, match=r"MoE expects \[..., 16\]"):
+        layer()(jnp.ones((2, 8)))
+
+
+def test_aux_loss_is_transformers_on_one_sequence():
+    """Three layers' router logits of one sequence: the tally's per-sequence aux equals
+    transformers' load_balancing_loss_func (the sums it pools are the same ones); with a
+    padding mask too. For two sequences the per-sequence mean differs from the pooled one."""
+    e, k, t = 4, 2, 10
+    logits = [jax.random.normal(jax.random.key(i), (2, t, e)) * 2 for i in range(3)]
+    tally = moe_loss.empty((2, t), e, jnp.float32)
+    for lg in logits:
+        _, experts = route(lg, k)
+        tally = moe_loss.accumulate(tally, _out(lg, experts))
+    mask = jnp.arange(t)[None, :] < jnp.array([[7], [10]])
+    aux = moe_loss.sequence_losses(tally, k).aux
+    masked = moe_loss.sequence_losses(tally, k, mask).aux
+    for s in range(2):
+        one = [lg[s] for lg in logits]
+        assert abs(float(aux[s]) / float(_hf_aux(one, e, k)) - 1) < 1e-6
+        assert abs(float(masked[s]) / float(_hf_aux(one, e, k, mask[s])) - 1) < 1e-6
+    pooled = _hf_aux([lg.reshape(-1, e) for lg in logits], e, k)
+    assert abs(float(aux.mean()) - float(pooled)) > 1e-3
+    assert abs(float(moe_loss.load_balancing_loss(logits, e, k)) / float(pooled) - 1) < 1e-6
+
+
+def _out(logits, experts):
+    from fiddlejax.models.moe import MoEOutput
+
+    return MoEOutput(None, logits, experts, jnp.zeros(logits.shape[:-1], jnp.int32))
+
+
+def _hf_aux(logits, e, k, mask=None):
+    """transformers' load_balancing_loss_func, in numpy (its per-layer loop, histc counts)."""
+    counts, probs, rows = np.zeros(e), np.zeros(e), 0.0
+    m = None if mask is None else np.asarray(mask, np.float64).reshape(-1)
+    for lg in logits:
+        z = np.asarray(lg, np.float64).reshape(-1, e)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        sel = np.argsort(-p, -1)[:, :k]
+        w = np.ones(len(p)) if m is None else m
+        np.add.at(counts, sel.reshape(-1), np.repeat(w, k))
+        probs += (p * w[:, None]).sum(0)
+        rows += w.sum()
+    return e * np.sum((counts / rows) * (probs / rows))
+
+
+# -- a tiny MoE language model in the staged protocol, for the layouts ------------------------
+class Block(nnx.Module):
+    """x + MoE(norm(x)), the tally carried after the activation."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.cfg, self.moe = cfg, MoE(cfg, rngs=rngs)
+
+    def __call__(self, msg):
+        x, tally = moe_loss.split(msg, self.cfg.num_experts)
+        h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+        out = self.moe(h)
+        return moe_loss.join(x + out.output, moe_loss.accumulate(tally, out))
+
+
+class TinyMoE(nnx.Module):
+    stack = "blocks"
+
+    def __init__(self, cfg: MoEConfig, vocab: int, layers: int, rngs: nnx.Rngs):
+        self.cfg, self.vocab = cfg, vocab
+        normal = jax.nn.initializers.normal(0.5)
+        self.embed = param(rngs, normal, (vocab, cfg.hidden_size), ("vocab", "embed"))
+        self.blocks = stacked(layers, lambda r: Block(cfg, r), rngs)
+        self.lm_head = param(rngs, normal, (cfg.hidden_size, vocab), ("embed", "vocab"))
+
+    def prologue(self, batch):
+        x = jnp.take(self.embed[...], batch["tokens"][:, :-1], axis=0)
+        return moe_loss.join(x, moe_loss.empty(x.shape[:-1], self.cfg.num_experts, x.dtype))
+
+    def head(self, msg):
+        x, tally = moe_loss.split(msg, self.cfg.num_experts)
+        return x @ self.lm_head[...], tally
+
+    def loss(self, outputs, batch):
+        logits, tally = outputs
+        ce = cross_entropy(logits, batch["tokens"][:, 1:], self.vocab).mean()
+        c = self.cfg
+        return moe_loss.add_router_losses(ce, tally, c.num_experts_per_tok,
+                                          c.router_aux_loss_coef, c.router_z_loss_coef)
+
+
+def test_moe_stack_on_222_pipeline_matches_one_device():
+    """data=2 x pipe=2 x tensor=2, 1F1B: each expert's matrices split over tensor, layers over
+    two stages, the tally in the message; loss and gradients (aux and z included, with large
+    coefficients so they matter) equal one device, float32 rel < 1e-5."""
+    cfg = dataclasses.replace(CFG, router_aux_loss_coef=0.5, router_z_loss_coef=0.1)
+    model = TinyMoE(cfg, vocab=32, layers=4, rngs=nnx.Rngs(0))
+    batch = tokens(3, 8, 8, 32)
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    plain = dataclasses.replace(cfg, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    nnx.update(no_aux := TinyMoE(plain, 32, 4, nnx.Rngs(0)), nnx.state(model))
+    ce_loss, ce_grads = reference_loss_and_grads(no_aux, batch)
+    assert float(ref_loss - ce_loss) > 0.1 and rel_err(ce_grads, ref_grads) > 1e-3
+    mesh = fj.make_mesh(data=2, pipe=2, tensor=2, devices=jax.devices()[:8])
+    plan = fj.Plan(mesh=mesh, schedule="1f1b", microbatches=2, rules={"expert": None})
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) / float(ref_loss) - 1) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
