@@ -269,3 +269,29 @@ def test_bad_precision_and_indivisible_zero3_fail_before_compiling():
     cfg = GPTConfig(vocab_size=257, seq_len=8, d_model=256, n_heads=4, n_layers=1, d_ff=48)
     with pytest.raises(ValueError, match=r"no free dimension of \[.*\] \(shape .* divisible by 3"):
         fj.parallelize(abstract_gpt(cfg), OPT, fj.Plan(mesh=mesh(3), zero=3))
+
+
+def test_llama_fsdp_tensor_pipeline_exact():
+    """Llama with zero=3 on data=2 x pipe=2 x tensor=2 (1F1B) equals one device. Its RMSNorm
+    weights are sharded over data: the pipeline's lockstep probe, which compiles one layer
+    as the model wrote it, must see them whole (it met a (8,) shard and a (2, 8, 16)
+    activation before)."""
+    from fiddlejax.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, seq_len=8,
+                      max_position_embeddings=16)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    batch = {"tokens": jax.random.randint(jax.random.key(0), (8, 9), 0, 64)}
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def ref(p):
+        m = nnx.merge(graphdef, p)
+        return m.loss(m(batch["tokens"][:, :-1]), batch)
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref))(params)
+    plan = fj.Plan(mesh=mesh(2, 2, 2), schedule="1f1b", microbatches=2, zero=3)
+    trainer = fj.parallelize(model, OPT, plan)
+    loss, grads = trainer.loss_and_grads(trainer.init(), batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_err(grads, ref_grads) < 1e-5

@@ -72,17 +72,22 @@ def _probe(pipeline, layer: Callable, params: nnx.State, act: Any) -> str:
     lp = params[stack]  # the structure the executor hands its layers
     specs = pipeline.param_specs(params)[stack]
 
-    def one(v, s):  # [p, v, lmax, *rest] -> one layer per stage [p, *rest]
+    def one(v, s, d):  # [p, v, lmax, *rest] -> one layer per stage [p, *rest], whole
         value = v.get_value() if isinstance(v, nnx.Variable) else v
         spec = s.get_value() if isinstance(s, nnx.Variable) else s
         rest = (tuple(spec)[3:] + (None,) * value.ndim)[: value.ndim - 3]
-        return jax.ShapeDtypeStruct((p, *value.shape[3:]), value.dtype,
+        shape = list(value.shape)
+        if d >= 0:  # FSDP: inside the step `data` is manual and this is one replica's shard
+            shape[d] *= pipeline.plan.data
+        return jax.ShapeDtypeStruct((p, *shape[3:]), value.dtype,
                                     sharding=NamedSharding(mesh, P("pipe", *rest)))
 
     # Variables stay nodes of the structure (a parameter view's prefix trees have them)
     flat_lp, lp_def = jax.tree.flatten(lp)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    abstract = [one(v, s) for v, s in zip(flat_lp, flat_specs, strict=True)]
+    dims = ([-1] * len(flat_lp) if pipeline.data_dims is None
+            else [int(d) for d in jax.tree.leaves(pipeline.data_dims[stack])])
+    abstract = [one(v, s, d) for v, s, d in zip(flat_lp, flat_specs, dims, strict=True)]
     x = jax.ShapeDtypeStruct((p, *act.shape), act.dtype, sharding=NamedSharding(mesh, P("pipe")))
 
     def stage(leaves, h):
