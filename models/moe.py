@@ -13,8 +13,11 @@ column-parallel, down row-parallel) and an ``expert`` axis can split the experts
 Dispatch (``MoEConfig.dispatch``):
 
 - ``"dropless"`` (default): the ``N * k`` (token, choice) pairs sorted by expert, three grouped
-  matmuls (``jax.lax.ragged_dot``: each expert multiplies only its own rows), unsorted by a
-  scatter-add weighted by the gates. Nothing is dropped, whatever the routing.
+  matmuls (each expert multiplies only its own rows), unsorted by a scatter-add weighted by the
+  gates. Nothing is dropped, whatever the routing. ``grouped_matmul``: ``"ragged_dot"``
+  (``jax.lax.ragged_dot``: a grouped-matmul kernel on GPU and TPU, but a dense masked matmul
+  over every expert elsewhere), ``"blocked"`` (a loop over row blocks of one expert each, any
+  backend) or ``"auto"`` (the first on GPU and TPU, the second elsewhere).
 - ``"capacity"``: each expert takes at most ``ceil(capacity_factor * N * k / E)`` pairs into a
   fixed ``[E, C, d]`` buffer (static shapes, batched matmuls); first choices win over second
   ones, then earlier tokens; the rest are dropped (they add nothing to the output) and counted.
@@ -43,7 +46,9 @@ from .common import param
 
 SCORINGS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity", "dense")
+GROUPED = ("auto", "ragged_dot", "blocked")
 ACTIVATIONS = {"silu": jax.nn.silu}
+BLOCK = 128  # rows per block of the blocked grouped matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,7 @@ class MoEConfig:
     norm_topk_prob: bool = True
     dispatch: str = "dropless"
     capacity_factor: float | None = None
+    grouped_matmul: str = "auto"
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
     hidden_act: str = "silu"
@@ -79,6 +85,8 @@ class MoEConfig:
             raise ValueError(f"{me}.scoring={self.scoring!r}; use one of {SCORINGS}")
         if self.dispatch not in DISPATCHES:
             raise ValueError(f"{me}.dispatch={self.dispatch!r}; use one of {DISPATCHES}")
+        if self.grouped_matmul not in GROUPED:
+            raise ValueError(f"{me}.grouped_matmul={self.grouped_matmul!r}; use one of {GROUPED}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{me}.hidden_act={self.hidden_act!r}; supported: "
                              f"{tuple(ACTIVATIONS)}")
@@ -137,16 +145,50 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, sizes
 
 
+def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int = BLOCK
+                    ) -> jax.Array:
+    """The SwiGLU experts on rows ``xs`` sorted by expert (``sizes`` rows each), as a loop over
+    blocks of ``block`` rows: each expert's rows start a new block, so a block belongs to one
+    expert and multiplies its weights alone. FLOPs: the rows' own, plus at most ``E * (block -
+    1)`` padding rows; what ``ragged_dot`` does on a GPU or TPU, written for any backend."""
+    w_gate, w_up, w_down = ws
+    m, e = xs.shape[0], w_gate.shape[0]
+    blocks = -(-(m + e * (block - 1)) // block)  # static bound on the padded rows' blocks
+    padded = -(-sizes // block) * block
+    ends = jnp.cumsum(padded)
+    owner = jnp.repeat(jnp.arange(e, dtype=jnp.int32), sizes, total_repeat_length=m)
+    shift = (ends - padded) - (jnp.cumsum(sizes) - sizes)  # a group's padded start - start
+    dest = jnp.arange(m, dtype=jnp.int32) + shift[owner]
+    # A block's expert: groups ending at or before its first row (not jnp.searchsorted, whose
+    # hijax primitive fails inside a shard_map on jax 0.10).
+    starts = jnp.arange(blocks, dtype=jnp.int32)[:, None] * block
+    which = jnp.minimum(jnp.sum(ends[None, :] <= starts, axis=1), e - 1)
+    xb = jnp.zeros((blocks * block, xs.shape[1]), xs.dtype).at[dest].set(xs)
+
+    def one(args):
+        xb, i = args
+        return _swiglu(xb @ w_gate[i], xb @ w_up[i], act) @ w_down[i]
+
+    yb = jax.lax.map(one, (xb.reshape(blocks, block, -1), which))
+    return yb.reshape(blocks * block, -1)[dest]
+
+
 def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Array,
-             w_up: jax.Array, w_down: jax.Array, act=jax.nn.silu) -> jax.Array:
+             w_up: jax.Array, w_down: jax.Array, act=jax.nn.silu, grouped: str = "ragged_dot"
+             ) -> jax.Array:
     """``sum_j gates[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, d]``, each expert
-    computing only its own rows (grouped matmuls over the pairs sorted by expert)."""
+    computing only its own rows (grouped matmuls over the pairs sorted by expert):
+    ``grouped="ragged_dot"`` or ``"blocked"`` (:func:`blocked_matmuls`)."""
     n = x.shape[0]
     order, sizes = sort_by_expert(experts, w_gate.shape[0])
     token = order % n
     xs = x[token]
-    h = _swiglu(jax.lax.ragged_dot(xs, w_gate, sizes), jax.lax.ragged_dot(xs, w_up, sizes), act)
-    ys = jax.lax.ragged_dot(h, w_down, sizes)
+    if grouped == "blocked":
+        ys = blocked_matmuls(xs, sizes, (w_gate, w_up, w_down), act)
+    else:
+        h = _swiglu(jax.lax.ragged_dot(xs, w_gate, sizes), jax.lax.ragged_dot(xs, w_up, sizes),
+                    act)
+        ys = jax.lax.ragged_dot(h, w_down, sizes)
     g = gates.T.reshape(-1)[order].astype(ys.dtype)
     return jnp.zeros_like(x).at[token].add(ys * g[:, None])
 
@@ -213,7 +255,10 @@ class MoE(nnx.Module):
         act = ACTIVATIONS[c.hidden_act]
         dropped = jnp.zeros(flat.shape[:1], jnp.int32)
         if c.dispatch == "dropless":
-            out = dropless(flat, gates, experts, *ws, act=act)
+            grouped = c.grouped_matmul
+            if grouped == "auto":  # ragged_dot is a dense masked matmul off GPU and TPU
+                grouped = "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
+            out = dropless(flat, gates, experts, *ws, act=act, grouped=grouped)
         elif c.dispatch == "capacity":
             out, dropped = with_capacity(flat, gates, experts, *ws,
                                          capacity=c.capacity(flat.shape[0]), act=act)

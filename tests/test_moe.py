@@ -78,11 +78,13 @@ def test_sigmoid_router():
     assert rel_err(gates, top / top.sum(-1, keepdims=True)) < 1e-6
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "dense"])
-@pytest.mark.parametrize("norm", [True, False])
-def test_layer_matches_every_expert_on_every_token(dispatch, norm):
+@pytest.mark.parametrize("dispatch,grouped,norm", [
+    ("dropless", "ragged_dot", True), ("dropless", "blocked", True),
+    ("dropless", "blocked", False), ("dense", "auto", True)])
+def test_layer_matches_every_expert_on_every_token(dispatch, grouped, norm):
     """Output and gradients (weights, router, input) equal the dense reference, float32."""
-    moe = layer(dataclasses.replace(CFG, dispatch=dispatch, norm_topk_prob=norm))
+    moe = layer(dataclasses.replace(CFG, dispatch=dispatch, grouped_matmul=grouped,
+                                    norm_topk_prob=norm))
     x = inputs()
     graphdef, params = nnx.split(moe)
     target = jax.random.normal(jax.random.key(5), x.shape)
@@ -169,6 +171,27 @@ def test_aux_loss_is_transformers_on_one_sequence():
     pooled = _hf_aux([lg.reshape(-1, e) for lg in logits], e, k)
     assert abs(float(aux.mean()) - float(pooled)) > 1e-3
     assert abs(float(moe_loss.load_balancing_loss(logits, e, k)) / float(pooled) - 1) < 1e-6
+
+
+def test_router_losses_reduce_exactly_over_row_splits():
+    """Both loss forms are sums over rows: two halves of a batch, reduced as fiddlejax reduces
+    microbatches (means averaged; pairs summed then divided), give the whole batch's value."""
+    e, k = 4, 2
+    lg = jax.random.normal(jax.random.key(7), (4, 6, e)) * 2
+    tally = moe_loss.accumulate(moe_loss.empty((4, 6), e, jnp.float32), _out(lg, route(lg, k)[1]))
+    mask = jnp.arange(6)[None, :] < jnp.array([[6], [3], [5], [0]])
+    w = mask.sum(-1).astype(jnp.float32)
+    whole = moe_loss.add_router_losses(1.0, tally, k, 0.3, 0.2)
+    halves = [moe_loss.add_router_losses(1.0, tally[i:i + 2], k, 0.3, 0.2) for i in (0, 2)]
+    assert abs(float(whole) - float(sum(halves)) / 2) < 1e-6
+    total, count = moe_loss.add_router_losses((2.0, w.sum()), tally, k, 0.3, 0.2, mask, w)
+    parts = [moe_loss.add_router_losses((1.0, w[i:i + 2].sum()), tally[i:i + 2], k, 0.3, 0.2,
+                                        mask[i:i + 2], w[i:i + 2]) for i in (0, 2)]
+    assert abs(float(total / count) - float(sum(p[0] for p in parts) / count)) < 1e-6
+    r = moe_loss.sequence_losses(tally, k, mask)
+    assert float(r.aux[3]) == float(r.z[3]) == 0.0 and float(r.aux[1]) > 0  # an empty row: 0
+    with pytest.raises(ValueError, match="weights="):
+        moe_loss.add_router_losses((2.0, 3.0), tally, k, 0.3)
 
 
 def _out(logits, experts):
