@@ -43,9 +43,12 @@ def _init(qh: jax.Array, kv: int) -> tuple:
             jnp.zeros((c, b, n, kv, g, d), F32))
 
 
+@jax.checkpoint
 def _block(acc: tuple, qh, kh, vh, mask) -> tuple:
     """Merge one block of keys into the running (max, sum, output) of queries ``qh``.
-    ``mask[C, B, nq, nk]``: which query may see which key."""
+    ``mask[C, B, nq, nk]``: which query may see which key. Rematerialized: the backward
+    recomputes a block's scores rather than keeping every block's (the memory of flash
+    attention: one n x n block live at a time, for one more pass over the blocks)."""
     m, s_, o = acc
     c, b, nq, h, d = qh.shape
     kv = kh.shape[3]
