@@ -32,9 +32,12 @@ def resolve(model: dict) -> None:
     except FileNotFoundError:
         raise ValueError(f"model.from_pretrained={src} has no config.json; pass a Hugging Face "
                          "model directory (config.json + *.safetensors)") from None
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"model.from_pretrained={src}: cannot read {path} ({e}); restore or "
-                         "re-download it") from None
+    except (ValueError, AttributeError) as e:  # cut off, not UTF-8, not a JSON object
+        raise ValueError(f"model.from_pretrained={src}: config.json is damaged ({e}); restore "
+                         "or re-download it") from None
+    except OSError as e:
+        raise ValueError(f"model.from_pretrained={src}: cannot read {path} ({e.strerror or e})"
+                         ) from None
     if family not in FAMILIES:
         raise ValueError(f"model.from_pretrained={src} holds model_type={family!r}, which "
                          f"fiddlejax does not implement; supported: {', '.join(FAMILIES)}")
