@@ -146,3 +146,23 @@ def test_sequence_parallel_refusals(llama):
         fj.parallelize(odd, optax.sgd(0.1),
                        fj.Plan(mesh=fj.make_mesh(data=1, tensor=8), sequence_parallel=True,
                                rules={"heads": None, "kv_heads": None}))
+
+
+def test_planner_models_context_and_sequence_parallelism():
+    """The planner divides activations by context (the ring keeps no whole-sequence scores),
+    splits the replicated ones over tensor with sequence parallelism, and its search splits
+    long sequences: Llama-3-8B at 32k tokens on one 8 x H100 node."""
+    from fiddlejax.planner import Layout, cluster, memory, preset, search
+
+    m = preset("llama3-8b", seq=32768)
+    base = dict(tensor=4, global_batch=1, precision="bf16-mixed", remat="full")
+    one, four = memory(m, Layout(**base)), memory(m, Layout(**base, context=4))
+    assert four.activations == pytest.approx(one.activations / 4)
+    sp = memory(m, Layout(**base, sequence_parallel=True))
+    # remat=full keeps each layer's input, 2 bytes x hidden per token, replicated over tensor
+    removed = m.num_layers * m.seq_len * m.hidden * 2 * (1 - 1 / 4)
+    assert one.activations - sp.activations == pytest.approx(removed)
+    best = search(m, cluster("h100", nodes=1), 1, precision="bf16-mixed",
+                  microbatch_sizes=(1,), top=3)
+    assert best[0].layout.context > 1 and best[0].layout.sequence_parallel
+    assert best[0].memory.total < cluster("h100").memory_budget

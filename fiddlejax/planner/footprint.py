@@ -91,6 +91,33 @@ def activation_bytes(layout: Layout) -> int:
     return 4 if layout.precision == "fp32" else 2
 
 
+SCORE_COPIES = {"none": 4, "dots": 1}  # s x s arrays a layer keeps per head (workload.llama)
+
+
+def layer_activations(model: ModelSpec, layout: Layout, policy: str,
+                      stashed: bool = False, live: bool = False) -> float:
+    """Bytes one layer keeps per sample on one rank (``stashed``: as a pipeline stashes them):
+    the model's figure over ``tensor``, its replicated part split over ``tensor`` too under
+    sequence parallelism. Split over ``context``, each device holds 1/C of every token-wise
+    activation, and the ring keeps no score block for the backward (each is recomputed);
+    ``live`` (the working set of a backward) adds the one n x n block (n = seq / 2C) it
+    recomputes at a time."""
+    t, c, ab = layout.tensor, layout.context, activation_bytes(layout)
+    raw = (model.stash_bytes if stashed else model.act_bytes)(policy, t, ab)
+    if layout.sequence_parallel:
+        rep = (model.act_stashed if stashed and policy == "none" and model.act_stashed
+               else model.act[policy])[1]
+        raw -= rep * (1 - 1 / t) * ab
+    if c == 1 or model.heads is None:
+        return raw / c
+    square = model.heads / t * float(model.seq_len) ** 2
+    scores = SCORE_COPIES.get(policy, 0) * square
+    f32 = model.act_f32.get(policy, 0.0) / t
+    raw -= (scores - f32) * ab + f32 * 4  # XLA's whole-sequence scores: not in the ring
+    block = 4 * 4 * square / (2 * c) ** 2 if live else 0.0  # float32 scores, mask, exp, p
+    return raw / c + block
+
+
 def schedule_steps(layout: Layout) -> int:
     """Optimizer steps one schedule spans (K for ``2bw``, else 1)."""
     return layout.steps_per_call if layout.kind == "2bw" else 1
@@ -211,8 +238,8 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
 
 def _stash(model: ModelSpec, layout: Layout) -> float:
     """Bytes of the activations kept from forward to backward (the schedule's held chunks)."""
-    t, p, ab, mb = layout.tensor, layout.pipe, activation_bytes(layout), layout.microbatch_size
-    per_layer = (model.stash_bytes if p > 1 else model.act_bytes)(layout.remat, t, ab) * mb
+    p, ab, mb = layout.pipe, activation_bytes(layout), layout.microbatch_size
+    per_layer = layer_activations(model, layout, layout.remat, stashed=p > 1) * mb
     if p == 1:
         return model.num_layers * per_layer
     # The stash buffer's ``held`` slots, a carry of the layer loops: each layer reads and
@@ -220,7 +247,7 @@ def _stash(model: ModelSpec, layout: Layout) -> float:
     held, lmax = held_microbatches(layout), chunk_layers(model, layout)
     stash = held * lmax * per_layer
     if layout.kind == "zb-h1":  # I keeps each layer's output cotangent until W
-        stash += held * lmax * mb * model.boundary * ab
+        stash += held * lmax * mb * model.boundary * ab / layout.context
     return stash
 
 
@@ -236,18 +263,19 @@ def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
     pb, gb, ob = state_bytes(layout)
     ab = activation_bytes(layout)
     vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
-    layer = mb * model.act_bytes("none", t, ab) + _weights_in_use(model, layout)
+    layer = (mb * layer_activations(model, layout, "none", live=True)
+             + _weights_in_use(model, layout))
     if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
         # gradient is live beside the recomputed residuals until it is added in place
         ls, lr = model.layer_params
         layer += (ls / t + lr) * gb
-    head = 2 * mb * model.logits / vocab_shards * 4
+    head = 2 * mb * model.logits / vocab_shards * 4 / layout.context
     if vocab_parallel(layout) and (not layout.fsdp or layout.gathers_once):
         outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())
         head += outer * (gb + (ab if ab < 4 else 0))
     working = max(layer, head) if vocab_parallel(layout) else layer + head
     if p > 1:
-        working += inbox_slots(layout) * mb * model.boundary * ab
+        working += inbox_slots(layout) * mb * model.boundary * ab / layout.context
     if layout.kind == "2bw":  # the update, computed inside the pipeline program; XLA keeps
         # each further step's optimizer state (measured)
         working += n * pb + (schedule_steps(layout) - 1) * n * ob

@@ -26,8 +26,25 @@ from fiddlejax.planner.workload import ModelSpec
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
 
 
+LONG = 16_384  # tokens per sequence from which the search also splits sequences
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _sequence_splits(model: ModelSpec, n: int, t: int) -> Iterator[tuple[int, bool, int]]:
+    """(context, sequence_parallel, pipe) to try: splitting the sequence (over ``context``,
+    and over ``tensor`` with sequence parallelism) only for sequences of ``LONG`` tokens or
+    more, where activations, not weights, fill a GPU."""
+    long = model.seq_len >= LONG
+    for c in _divisors(n // t) if long else [1]:
+        if model.seq_len % (2 * c):
+            continue
+        for sp in ((False, True) if long and t > 1 else (False,)):
+            for p in _divisors(n // (t * c)):
+                if p <= model.num_layers:
+                    yield c, sp, p
 
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
@@ -43,10 +60,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
     for t in _divisors(n):
         if t > max_tensor or (model.heads is not None and model.heads % t):
             continue
-        for p in _divisors(n // t):
-            if p > model.num_layers:
-                continue
-            d = n // (t * p)
+        for c, sp, p in _sequence_splits(model, n, t):
+            d = n // (t * c * p)
             if global_batch % d:
                 continue
             for mb in microbatch_sizes:
@@ -62,7 +77,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                         for z in zero if d > 1 and sched != "2bw" else (0,):
                             m = global_batch // (d * mb)
                             for g in fsdp_gathers if z == 3 and m > 1 else ("layer",):
-                                yield Layout(tensor=t, pipe=p, data=d, virtual_stages=v,
+                                yield Layout(tensor=t, pipe=p, data=d, context=c,
+                                             sequence_parallel=sp, virtual_stages=v,
                                              microbatch_size=mb, global_batch=global_batch,
                                              schedule=sched, remat=remat, zero=z,
                                              precision=precision, steps_per_call=k,

@@ -91,6 +91,12 @@ class Layout:
     ``steps_per_call`` (K, ``2bw`` only): optimizer steps one ``trainer.steps`` call runs
     without a pipeline flush; the fill and drain are paid once per K steps. Predictions stay
     per optimizer step.
+
+    ``context``: devices each sequence is split over (``fj.make_mesh(context=)``, between
+    ``pipe`` and ``tensor`` in device order): activations and per-device FLOPs divided by it,
+    the ring's K/V transfers overlapped with the layer's compute, the gradients reduced over
+    ``data`` x ``context``. ``sequence_parallel`` (``Plan(sequence_parallel=True)``): the
+    replicated activations split over ``tensor`` too.
     """
 
     tensor: int = 1
@@ -113,10 +119,12 @@ class Layout:
     grad_accumulation: str = "fused"
     partition: str = "layers"
     rank_order: str = "data-pipe-tensor"
+    context: int = 1
+    sequence_parallel: bool = False
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipe * self.data
+        return self.tensor * self.pipe * self.data * self.context
 
     @property
     def microbatches(self) -> int:
@@ -132,12 +140,14 @@ class Layout:
     @property
     def data_stride(self) -> int:
         """Device-number distance between data-parallel replicas (``rank_order``)."""
-        return self.tensor * (self.pipe if self.rank_order == "data-pipe-tensor" else 1)
+        return self.tensor * self.context * (self.pipe if self.rank_order == "data-pipe-tensor"
+                                             else 1)
 
     @property
     def pipe_stride(self) -> int:
         """Device-number distance between neighbouring pipeline stages."""
-        return self.tensor * (1 if self.rank_order == "data-pipe-tensor" else self.data)
+        return self.tensor * self.context * (1 if self.rank_order == "data-pipe-tensor"
+                                             else self.data)
 
     @property
     def fsdp(self) -> bool:
@@ -151,6 +161,8 @@ class Layout:
 
     def short(self) -> str:
         s = f"t{self.tensor} p{self.pipe} d{self.data} mb{self.microbatch_size}"
+        s += f" c{self.context}" if self.context > 1 else ""
+        s += " sp" if self.sequence_parallel else ""
         if self.pipe > 1:
             s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             s += f" K{self.steps_per_call}" if self.kind == "2bw" else ""
@@ -182,11 +194,19 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
     """Raise ``ValueError`` naming the first thing that cannot run, and how to fix it."""
     lo = layout
     for f in ("tensor", "pipe", "data", "virtual_stages", "microbatch_size", "global_batch",
-              "steps_per_call"):
+              "steps_per_call", "context"):
         _positive(f, getattr(lo, f))
+    if model.seq_len % (2 * lo.context):
+        raise ValueError(f"context={lo.context} cuts each sequence into {2 * lo.context} equal "
+                         f"chunks, but seq_len={model.seq_len} is not a multiple of "
+                         f"{2 * lo.context}; use a context size that divides seq_len / 2")
+    if lo.sequence_parallel and lo.tensor == 1:
+        raise ValueError("sequence_parallel=True splits activations over tensor, but "
+                         "tensor=1; set tensor > 1 or drop it")
     if cluster is not None and lo.gpus != cluster.num_gpus:
+        cx = f" x context {lo.context}" if lo.context > 1 else ""
         raise ValueError(
-            f"tensor x pipe x data = {lo.tensor} x {lo.pipe} x {lo.data} = {lo.gpus} but the "
+            f"tensor x pipe x data{cx} = {lo.tensor} x {lo.pipe} x {lo.data} = {lo.gpus} but the "
             f"cluster has {cluster.num_gpus} GPUs ({cluster.nodes} nodes x "
             f"{cluster.gpus_per_node}); make the product {cluster.num_gpus} or use "
             f"--nodes {max(1, lo.gpus // cluster.gpus_per_node)}")

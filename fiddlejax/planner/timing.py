@@ -154,8 +154,8 @@ def vocab_allreduces(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> 
     gradient over pipe x tensor; activation-sized. The softmax statistics ([rows, seq],
     float32) add three small ones over pipe x tensor."""
     t, p, mb = layout.tensor, layout.pipe, layout.microbatch_size
-    act = mb * model.boundary * activation_bytes(layout)
-    stats = mb * model.seq_len * 4
+    act = mb * model.boundary * activation_bytes(layout) / layout.context
+    stats = mb * model.seq_len * 4 / layout.context
     return (2 * _closed_allreduce(cluster, p * t, 1, act)
             + 2 * _closed_allreduce(cluster, p, t, act)
             + 3 * _closed_allreduce(cluster, p * t, 1, stats))
@@ -179,6 +179,19 @@ def _closed_allreduce(cluster: ClusterSpec, size: int, stride: int, nbytes: floa
     return best
 
 
+def ring_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> float:
+    """Seconds one layer's forward spends passing K/V around the ``context`` ring, per
+    microbatch: ``C - 1`` steps of one shard's keys and values (``2 x tokens / C x hidden``
+    elements, split over ``tensor``; grouped-query attention sends less, so this is an upper
+    bound) between neighbours ``tensor`` devices apart."""
+    c = layout.context
+    if c == 1:
+        return 0.0
+    bw, lat = cluster.group_bandwidth(c, layout.tensor)
+    kv = 2 * layout.microbatch_size * model.seq_len / c * model.hidden / layout.tensor
+    return (c - 1) * (lat + kv * activation_bytes(layout) / bw)
+
+
 def _data_comm(cluster: ClusterSpec, model: ModelSpec, layout: Layout, n_params: float) -> float:
     """Seconds of the gradient reduction per step: the data-parallel all-reduce, ZeRO-1/2's
     all-gather of the updated shards, or FSDP's gathers and reduce-scatters; with Megatron's
@@ -199,6 +212,9 @@ def _data_comm(cluster: ClusterSpec, model: ModelSpec, layout: Layout, n_params:
         gather = allreduce_seconds(cluster, d, stride, n_params * ab) / 2
         scatter = allreduce_seconds(cluster, d, stride, n_params * gb) / 2
         dp = gather + scatter if layout.gathers_once else m * (2 * gather + scatter)
+    if layout.context > 1:  # parameters are replicated over context: their gradients too
+        sharded = d if layout.zero >= 2 and d > 1 else 1
+        dp += allreduce_seconds(cluster, layout.context, t, n_params * gb / sharded)
     if layout.head == "last-stage" and p > 1 and model.tied:  # the first stage's embedding
         # and the last stage's copy (the head) sum their gradients once per step
         dp += allreduce_seconds(cluster, 2, (p - 1) * layout.pipe_stride,
@@ -220,18 +236,21 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     ab = activation_bytes(layout)
     flop_rate = gpu.peak_flops * gpu.gemm_efficiency
     layers = _chunk_cost_scale(model, layout)
-    # One layer, one microbatch, one tensor rank.
-    mm = mb * model.layer_flops / t / flop_rate
+    # One layer, one microbatch, one tensor rank (and 1/context of each sequence).
+    c = layout.context
+    mm = mb * model.layer_flops / t / c / flop_rate
     split, rep = model.act["none"]
-    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved
-    ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab) * model.tp_allreduces
+    rep = rep / t if layout.sequence_parallel else rep
+    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved / c
+    ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab / c) * model.tp_allreduces
+    ring = ring_seconds(model, cluster, layout)
     recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
     recompute_ar = ar if layout.remat == "full" else 0.0
     # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)
     # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
     # outside the stages' switch on every device of pipe x tensor (serial with the ticks: all
     # devices take part), plus their activation-sized all-reduces (``vocab_allreduces``).
-    head = mb * (model.epilogue_flops + model.prologue_flops) / t / flop_rate
+    head = mb * (model.epilogue_flops + model.prologue_flops) / t / c / flop_rate
     outside = 0.0
     if vocab_parallel(layout):
         head, outside = 0.0, 3 * head / p
@@ -250,8 +269,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
         # cast-add first writes and reads a copy in the accumulator's dtype
         per = ab + (2 if layout.grad_accumulation == "separate" else 4) * layout.grad_bytes
         b_comp += n_params * per / gpu.hbm_achieved / v
-    f_ar = layers * ar
-    b_ar = layers * (ar + recompute_ar)
+    # The ring's transfers overlap the layer's compute: only what outlasts it is exposed
+    # (forward: K/V; backward: K/V and their gradients, beside twice the compute).
+    f_ar = layers * (ar + max(0.0, ring - mm))
+    b_ar = layers * (ar + recompute_ar + max(0.0, 2 * ring - 2 * mm))
     f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
     p2p = 0.0
     if p > 1:
