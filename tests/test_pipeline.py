@@ -286,17 +286,14 @@ def test_tick_traffic_does_not_grow_with_microbatches():
     assert tick_bytes(8) == tick_bytes(2)  # GPipe's stash is 4x larger at m=8
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
-def test_zb_v_packed_and_unpacked_ticks_equal_single_device(pack, monkeypatch):
-    """On the CPU a W shares its tick with another action (fewer ticks); elsewhere each
-    action has its own tick. Both exact, the stash at the schedule's peak."""
-    monkeypatch.setattr(runtime, "packs", lambda: pack)
-    p = plan(1, 2, 1, schedule="zb-v", microbatches=4, virtual_stages=2)
+
+@pytest.mark.parametrize("split", [None, True], ids=["joined-on-cpu", "split"])
+def test_zb_v_joined_and_split_equal_single_device(split):
+    """On the CPU zb-v runs each I with its W as one whole backward (fewer ticks, one VJP);
+    split_backward=True runs it as written, as on a GPU. Both exact."""
+    p = plan(1, 2, 1, schedule="zb-v", microbatches=4, virtual_stages=2, split_backward=split)
     trainer = check(gpt(4), p, tokens(3, 8, 16, 256))
     pl = trainer.pipeline
+    assert pl.schedule_run.split_backward == bool(split) and pl.schedule.split_backward
     assert pl.tables.num_stash == max(pl.schedule_run.held_peak)
-    assert pl.tables.num_actions == pl.schedule_run.num_actions
-    run = pl.schedule_run
-    assert pl.tables.num_ticks == (len(schedules.packed_ticks(run)) if pack else
-                                   run.ticks.num_ticks)
-    assert (pl.tables.num_ticks < pl.schedule_run.ticks.num_ticks) == pack
+    assert (pl.tables.num_ticks < pl.schedule.ticks.num_ticks) == (split is None)

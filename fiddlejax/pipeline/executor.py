@@ -123,8 +123,7 @@ def idle_row(tables: tb.Tables) -> np.ndarray:
     trash = tables.trash
     return np.array(tb.Row(branch=tb.IDLE, microbatch=0, chunk=0, layers=0, version=0, step=0,
                            read=trash, stash=0, wdy=0, from_prev=trash, from_next=trash,
-                           from_self=trash, w_chunk=0, w_layers=0, w_version=0, w_stash=0,
-                           w_wdy=0), np.int32)
+                           from_self=trash), np.int32)
 
 
 class Ends:
@@ -265,13 +264,14 @@ def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage
     first = (row.branch == tb.F_FIRST) | (row.branch == tb.F_ONLY)
     x = jnp.where(first, x0.astype(inbox.dtype), read_at(inbox, (0, row.read)))
 
-    def params(at, i):  # layer i of a chunk and version (at: their index), read in place
+    at = shard.at(row.version, row.chunk)
+
+    def params(i):  # layer i of the row's chunk and version, read in place
         return jax.tree.unflatten(shard.stack_def, [vary(read_at(a, (*at, i))) for a in local])
 
     bufs, msg = stage_lib.tick(layers, params, stage_lib.Buffers(buf.stash, buf.g_local,
-                                                                 buf.wdy), row,
-                               shard.at(row.version, row.chunk),
-                               shard.at(row.w_version, row.w_chunk), x, split, vary, lockstep)
+                                                                 buf.wdy), row, at, x, split, vary,
+                                 lockstep)
     msg = msg.astype(inbox.dtype)
     if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
         inbox = write_at(inbox, (0, row.from_prev),

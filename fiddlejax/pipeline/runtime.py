@@ -52,7 +52,7 @@ class Pipeline:
         self.schedule = schedules.build(kind, stages=p, microbatches=m,
                                         virtual_stages=v if schedules.interleaves(kind) else None)
         self.schedule_run = executed(self.schedule, plan.split_backward)
-        self.tables = build_tables(self.schedule_run, self.counts, pack=packs())
+        self.tables = build_tables(self.schedule_run, self.counts)
         self.lmax = max(self.counts)
         # Internal stack index [p, v, lmax] -> canonical layer (or L: a zero pad layer).
         starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
@@ -343,22 +343,20 @@ def executed(schedule: schedules.Schedule, split: bool | None = None) -> schedul
     as written (``False``). ``None``: split when that lowers the lockstep bubble (a tick lasts
     as long as its slowest action; split, all cost one unit), except on the CPU, where
     simulated devices share cores, a bubble costs no wall time and each extra tick costs its
-    fixed overhead (measured: benchmarks/results/pipeline_efficiency.md)."""
-    if schedule.split_backward or split is False:
+    fixed overhead (measured: benchmarks/results/pipeline_efficiency.md). There a split
+    schedule (zb-h1, zb-v, interleaved-zb) runs each I with its W as one whole backward, in
+    the I's place (``schedules.join_backward``): one tick and one VJP instead of two (a W
+    recomputes the layer's inner cotangents), the order and held peak otherwise its own."""
+    cpu = jax.default_backend() == "cpu"
+    if schedule.split_backward:
+        return schedules.join_backward(schedule) if split is None and cpu else schedule
+    if split is False:
         return schedule
     cut = schedules.split_backward(schedule)
     if split:
         return cut
     lower = cut.ticks.weighted_bubble_fraction < schedule.ticks.weighted_bubble_fraction - 1e-9
-    return cut if lower and jax.default_backend() != "cpu" else schedule
-
-
-def packs() -> bool:
-    """Whether a W shares its tick with another action (``schedules.packed_ticks``): on the
-    CPU, where each tick has a fixed cost and a lockstep bubble none (simulated devices share
-    the cores: zb-v at p=4, m=16 in 71 ticks, not 99). Elsewhere a packed tick lasts as long
-    as its two actions, which would raise the lockstep bubble."""
-    return jax.default_backend() == "cpu"
+    return cut if lower and not cpu else schedule
 
 
 def build(staged, plan, canonical_template: nnx.State, example: dict | None = None) -> Pipeline:
@@ -369,4 +367,4 @@ def build(staged, plan, canonical_template: nnx.State, example: dict | None = No
     return Pipeline(staged, plan, canonical_template, example)
 
 
-__all__ = ["Pipeline", "Row", "Tables", "build", "build_tables", "executed", "packs"]
+__all__ = ["Pipeline", "Row", "Tables", "build", "build_tables", "executed"]

@@ -110,14 +110,12 @@ def _loop(one: bool, trips, body: Callable, carry):
     return jax.lax.fori_loop(0, trips, body, carry)
 
 
-def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, at: tuple, w_at: tuple,
-         x, split: bool, vary: Callable, lockstep: Any = None) -> tuple[Buffers, jax.Array]:
-    """One stage's tick for ``row``: its action on input ``x`` (an activation for F, a
-    cotangent for B and I), then its W if any (last: it reads the buffers the action updated
-    in place, so XLA orders the two without copying them). ``params(at, i)`` is layer ``i`` of
-    the chunk and version at index ``at`` (``at`` for the action, ``w_at`` for the W), which
-    also index the gradient accumulators. Returns the updated buffers and the tick's message
-    (F's output or the input cotangent of B and I).
+def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: tuple, x,
+         split: bool, vary: Callable, lockstep: Any = None) -> tuple[Buffers, jax.Array]:
+    """One stage's action for ``row`` on input ``x`` (an activation for F, a cotangent for
+    B and I). ``params(i)`` is layer ``i`` of the row's chunk and version, ``grad_at`` that
+    chunk's index in the accumulators. Returns the updated buffers and the tick's message (F's
+    output or the input cotangent of B and I).
 
     ``lockstep``: None, or the tick's trip counts per loop ``[forward, whole, input, weight]``,
     the same on every stage (:mod:`fiddlejax.pipeline.lockstep`): every stage then runs every
@@ -127,49 +125,46 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, at: tuple,
     forward = (b == tb.F_MID) | (b == tb.F_FIRST) | (b == tb.F_LAST) | (b == tb.F_ONLY)
     whole = (b == tb.B_MID) | (b == tb.B_FIRST)
     inputs = (b == tb.I_MID) | (b == tb.I_FIRST)
-    weight = row.w_layers > 0
+    slot = (0, row.stash)
 
-    def trips(on, kind, layers=n):
-        return jnp.where(on, layers, 0) if lockstep is None else lockstep[kind]
+    def trips(on, kind):
+        return jnp.where(on, n, 0) if lockstep is None else lockstep[kind]
 
     one = bool(buf.stash) and buf.stash[0].shape[2] == 1  # chunks of one layer: see _loop
 
-    def keep(on, k, new, old, layers=n):  # a lockstep loop keeps its results where it acts
+    def keep(on, k, new, old):  # a lockstep loop keeps its results only where the row acts
         if lockstep is None:
             return new
-        live = on & (k < layers)
+        live = on & (k < n)
         return jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)
 
-    def res_of(stash, slot, i):  # a layer's residuals, unpacked to their dtypes
-        return [_unpack(read_at(s, (0, slot, i)), r.dtype)
+    def res_of(stash, i):  # a layer's residuals, unpacked to their dtypes
+        return [_unpack(read_at(s, (*slot, i)), r.dtype)
                 for s, r in zip(stash, layers.residuals)]
-
-    def add_grads(on, k, grad, where, i, dlp, layers=n):  # into the optimizer's accumulator
-        dlp = jax.tree.leaves(dlp)
-        if lockstep is not None:
-            dlp = keep(on, k, dlp, [jnp.zeros_like(d) for d in dlp], layers)
-        return [add_at(g, (*where, i), d) for g, d in zip(grad, dlp)]
-
-    grad, wdy = buf.grad, buf.wdy
 
     def fwd(i, c):
         h, stash = c
-        out, res = layers.forward(params(at, i), h)
+        out, res = layers.forward(params(i), h)
         res = keep(forward, i, [_pack(r) for r in res],
-                   [read_at(s, (0, row.stash, i)) for s in stash] if lockstep is not None
-                   else None)
+                   [read_at(s, (*slot, i)) for s in stash] if lockstep is not None else None)
         return (vary(keep(forward, i, out, h)),
-                [write_at(s, (0, row.stash, i), r) for s, r in zip(stash, res)])
+                [write_at(s, (*slot, i), r) for s, r in zip(stash, res)])
 
     h, stash = _loop(one, trips(forward, 0), fwd, (x, buf.stash))
 
-    dx = x
+    def add_grads(on, k, grad, i, dlp):  # into the accumulator the optimizer reads, in place
+        dlp = jax.tree.leaves(dlp)
+        if lockstep is not None:
+            dlp = keep(on, k, dlp, [jnp.zeros_like(d) for d in dlp])
+        return [add_at(g, (*grad_at, i), d) for g, d in zip(grad, dlp)]
+
+    dx, grad, wdy = x, buf.grad, buf.wdy
     if not split:
         def bwd(k, c):  # B: layers in reverse, each layer's weight gradient added in place
             dh, grad = c
             i = jnp.maximum(n - 1 - k, 0)
-            dlp, dh_new = layers.vjp(params(at, i), res_of(stash, row.stash, i))(dh)
-            return vary(keep(whole, k, dh_new, dh)), add_grads(whole, k, grad, at, i, dlp)
+            dlp, dh_new = layers.vjp(params(i), res_of(stash, i))(dh)
+            return vary(keep(whole, k, dh_new, dh)), add_grads(whole, k, grad, i, dlp)
 
         dx, grad = _loop(one, trips(whole, 1), bwd, (x, grad))
     else:
@@ -178,17 +173,16 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, at: tuple,
             i = jnp.maximum(n - 1 - k, 0)
             wdy = write_at(wdy, (0, row.wdy, i),
                            keep(inputs, k, dh, read_at(wdy, (0, row.wdy, i))))
-            dh_new = layers.vjp(params(at, i), res_of(stash, row.stash, i))(dh)[1]
+            dh_new = layers.vjp(params(i), res_of(stash, i))(dh)[1]
             return vary(keep(inputs, k, dh_new, dh)), wdy
 
         dx, wdy = _loop(one, trips(inputs, 2), inp, (dx, wdy))
 
         def wgt(i, grad):  # W: each layer's weight gradient from the cotangent I kept
-            dy = read_at(wdy, (0, row.w_wdy, i))
-            dlp = layers.vjp(params(w_at, i), res_of(stash, row.w_stash, i))(dy)[0]
-            return add_grads(weight, i, grad, w_at, i, dlp, row.w_layers)
+            return add_grads(b == tb.W, i, grad, i, layers.vjp(params(i), res_of(stash, i))(
+                read_at(wdy, (0, row.wdy, i)))[0])
 
-        grad = _loop(one, trips(weight, 3, row.w_layers), wgt, grad)
+        grad = _loop(one, trips(b == tb.W, 3), wgt, grad)
     return Buffers(stash, grad, wdy), jnp.where(forward, h, dx)
 
 
@@ -198,9 +192,9 @@ def lockstep_trips(rows) -> jax.Array:
     r = tb.Row(*(rows[:, k] for k in range(rows.shape[1])))
     b = r.branch
     kinds = [(b == tb.F_MID) | (b == tb.F_FIRST) | (b == tb.F_LAST) | (b == tb.F_ONLY),
-             (b == tb.B_MID) | (b == tb.B_FIRST), (b == tb.I_MID) | (b == tb.I_FIRST)]
-    return jnp.stack([*(jnp.max(jnp.where(on, r.layers, 0)) for on in kinds),
-                      jnp.max(r.w_layers)])
+             (b == tb.B_MID) | (b == tb.B_FIRST), (b == tb.I_MID) | (b == tb.I_FIRST),
+             b == tb.W]
+    return jnp.stack([jnp.max(jnp.where(on, r.layers, 0)) for on in kinds])
 
 
 __all__ = ["Buffers", "Layers", "add_at", "lockstep_trips", "read_at", "storage_dtype", "tick",

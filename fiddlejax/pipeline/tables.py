@@ -12,10 +12,6 @@ memory is decided:
   trash slot that ticks without a message write into, so no write is ever masked.
 - **wdy**: split backwards only: the cotangent at every layer's output, from I until its W.
 
-A W has columns of its own (``w_*``): with ``pack`` a tick may run a W after another action
-of its stage (``schedules.packed_ticks``), its own I included; its stash and wdy slots are
-free from the next tick.
-
 A message made at tick t is delivered at the end of tick t and is usable from tick t+1. A chunk
 hands its output to the stage of the next chunk, which must be the same stage (a V-shaped
 placement's turn: a local hand-off), the next stage or the previous one (cyclically).
@@ -31,10 +27,9 @@ import numpy as np
 from fiddlejax.pipeline import schedules
 from fiddlejax.pipeline.schedules import Action
 
-# Action kinds (a row's ``branch``): which of a stage's layer loops run this tick (a W runs
-# when ``w_layers`` > 0, beside any of them).
-IDLE, F_MID, F_FIRST, F_LAST, F_ONLY, B_MID, B_FIRST, I_MID, I_FIRST = range(9)
-NUM_BRANCHES = 9
+# Action kinds (a row's ``branch``): which of a stage's layer loops run this tick.
+IDLE, F_MID, F_FIRST, F_LAST, F_ONLY, B_MID, B_FIRST, I_MID, I_FIRST, W = range(10)
+NUM_BRANCHES = 10
 
 
 class Row(NamedTuple):
@@ -48,15 +43,10 @@ class Row(NamedTuple):
     step: Any        # optimizer step the action belongs to (its loss slot)
     read: Any        # inbox slot the action reads (its input activation or cotangent)
     stash: Any       # stash slot the action writes (F) or reads (B, I, W)
-    wdy: Any         # wdy slot I writes
+    wdy: Any         # wdy slot I writes and W reads
     from_prev: Any   # inbox slot for what the previous stage sends this tick (trash if none)
     from_next: Any   # inbox slot for what the next stage sends this tick
     from_self: Any   # inbox slot for what this stage's own action sends to itself
-    w_chunk: Any     # the tick's W (run first): its chunk among the stage's own,
-    w_layers: Any    # its layers (0: no W this tick),
-    w_version: Any   # the weight version it uses,
-    w_stash: Any     # the stash slot it reads and frees,
-    w_wdy: Any       # the wdy slot it reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +71,6 @@ class Tables:
     def stacked(self) -> np.ndarray:
         """``[T, p, len(Row._fields)]`` int32: what the scan walks over."""
         return np.stack(self.columns, axis=-1).astype(np.int32)
-
-    @property
-    def num_actions(self) -> int:
-        """Actions in the table (a packed tick counts its W and its other action)."""
-        return int((self.columns.branch != IDLE).sum() + (self.columns.w_layers > 0).sum())
 
     def row(self, tick: int, stage: int) -> Row:
         return Row(*(int(col[tick, stage]) for col in self.columns))
@@ -132,15 +117,14 @@ def direction(schedule: schedules.Schedule, src: int, dst: int) -> str:
         "placement where consecutive chunks sit on the same or adjacent stages")
 
 
-def allocate(intervals: list[tuple[int, int, Any]], after: int = 0) -> tuple[dict[Any, int], int]:
-    """Slots for [write tick, read tick] intervals; a slot read at t is free for writes at
-    t + ``after`` (0 for the inbox: its writes land at the end of a tick, after its reads; 1
-    for wdy, which a tick's I writes before its W reads)."""
+def allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Slots for [write tick, read tick] intervals; a slot read at t is free for writes at t
+    (writes land at the end of a tick, after its reads)."""
     ends: list[int] = []
     slots = {}
     for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
         for i, e in enumerate(ends):
-            if e + after <= start:
+            if e <= start:
                 ends[i] = end
                 slots[key] = i
                 break
@@ -150,23 +134,18 @@ def allocate(intervals: list[tuple[int, int, Any]], after: int = 0) -> tuple[dic
     return slots, max(len(ends), 1)
 
 
-def build_tables(s: schedules.Schedule, counts: list[int], pack: bool = False) -> Tables:
-    """Turn a validated schedule into the integer tables the executor runs; ``pack``: a W may
-    share a tick with another action (``schedules.packed_ticks``; one optimizer step only)."""
-    if pack and s.steps == 1:
-        ticks = schedules.packed_ticks(s)
-    else:
-        ticks = tuple(tuple(() if a is None else (a,) for a in row)
-                      for row in schedules.tick_table(s).ticks)
+def build_tables(s: schedules.Schedule, counts: list[int]) -> Tables:
+    """Turn a validated schedule into the integer tables the executor runs."""
+    table = schedules.tick_table(s)
     p, n_chunks, place = s.stages, s.num_chunks, s.placement
     last = n_chunks - 1
     local = {c: s.chunks_of(place[c]).index(c) for c in range(n_chunks)}
     for c in range(last):  # refuse unsupported hand-offs up front
         direction(s, place[c], place[c + 1])
     tick: dict[tuple[str, int, int], int] = {}
-    for t, row in enumerate(ticks):
-        for group in row:
-            for a in group:
+    for t, row in enumerate(table.ticks):
+        for a in row:
+            if a is not None:
                 tick[(a.op, a.microbatch, a.chunk)] = t
     bwd = "I" if s.split_backward else "B"
     # Messages (arrival tick, use tick, key) per receiving stage; key = (kind, microbatch, chunk).
@@ -182,12 +161,12 @@ def build_tables(s: schedules.Schedule, counts: list[int], pack: bool = False) -
         if op == "I":
             wdy_iv[st].append((t, tick[("W", m, c)], (m, c)))
     inbox = [allocate(iv) for iv in inbox_iv]
-    wdy = [allocate(iv, after=1) for iv in wdy_iv]
+    wdy = [allocate(iv) for iv in wdy_iv]
     num_inbox = max(n for _, n in inbox) + 1  # + the trash slot
     num_wdy = max(n for _, n in wdy)
     trash = num_inbox - 1
     stash = schedules.stash_slots(s)
-    T = len(ticks)
+    T = table.num_ticks
     col = {f: np.zeros((T, p), np.int64) for f in Row._fields}
     for f in ("read", "from_prev", "from_next", "from_self"):
         col[f][:] = trash
@@ -199,13 +178,6 @@ def build_tables(s: schedules.Schedule, counts: list[int], pack: bool = False) -
 
     for (op, m, c), t in tick.items():
         st = place[c]
-        if op == "W":
-            col["w_chunk"][t, st] = local[c]
-            col["w_layers"][t, st] = counts[c]
-            col["w_version"][t, st] = s.step_of(Action(op, m, c)) % 2
-            col["w_stash"][t, st] = stash[st][(m, c)]
-            col["w_wdy"][t, st] = wdy[st][0][(m, c)]
-            continue
         col["microbatch"][t, st] = m
         col["chunk"][t, st] = local[c]
         col["layers"][t, st] = counts[c]
@@ -221,7 +193,7 @@ def build_tables(s: schedules.Schedule, counts: list[int], pack: bool = False) -
                 deliver(st, place[c + 1], t, ("x", m, c + 1))
             else:  # the loss cotangent seeds this chunk's own backward
                 deliver(st, st, t, ("dy", m, c))
-        else:  # B or I
+        elif op in ("B", "I"):
             first, mid = (B_FIRST, B_MID) if op == "B" else (I_FIRST, I_MID)
             col["branch"][t, st] = first if c == 0 else mid
             col["read"][t, st] = inbox[st][0][("dy", m, c)]
@@ -229,10 +201,14 @@ def build_tables(s: schedules.Schedule, counts: list[int], pack: bool = False) -
                 col["wdy"][t, st] = wdy[st][0][(m, c)]
             if c > 0:
                 deliver(st, place[c - 1], t, ("dy", m, c - 1))
+        else:  # W
+            col["branch"][t, st] = W
+            col["wdy"][t, st] = wdy[st][0][(m, c)]
     ends = tuple(schedules.weight_updates(s)) if s.steps > 1 else (T,)
     return Tables(Row(**col), num_stash=max(s.held_peak), num_inbox=num_inbox,
                   num_wdy=num_wdy, step_ends=ends, split=s.split_backward)
 
 
 __all__ = ["Edge", "Row", "Tables", "allocate", "build_tables", "direction", "IDLE", "F_MID",
-           "F_FIRST", "F_LAST", "F_ONLY", "B_MID", "B_FIRST", "I_MID", "I_FIRST", "NUM_BRANCHES"]
+           "F_FIRST", "F_LAST", "F_ONLY", "B_MID", "B_FIRST", "I_MID", "I_FIRST", "W",
+           "NUM_BRANCHES"]

@@ -20,9 +20,9 @@ op (B or I) of (m, c+1); W(m, c) needs I(m, c). Each stage runs its own list str
 Modules, each importing only those above it: ``ir`` (ops, costs, ``Action``, ``ScheduleError``
 and ``ScheduleLike``, the view of a schedule the next two read), ``validation``, ``timeline``
 (simulation, tick table, stash slots), ``schedule`` (``Schedule``, JSON), ``generators``
-(GPipe, 1F1B, interleaved, 2BW), ``zero_bubble`` (ZB-H1, ZB-V, interleaved ZB),
-``registry`` (``register``, ``build``) and ``packing`` (a W sharing a tick with another
-action: the runtime's fewer ticks on the CPU). Import names from this package, not from the modules.
+(GPipe, 1F1B, interleaved, 2BW), ``zero_bubble`` (ZB-H1, ZB-V, interleaved ZB, splitting
+and joining backwards) and ``registry`` (``register``, ``build``). Import names from this
+package, not from the modules.
 """
 
 # Names outside ``__all__`` are re-exported as before the split (``X as X`` marks them).
@@ -34,7 +34,6 @@ from fiddlejax.pipeline.schedules.generators import (
     weight_updates,
 )
 from fiddlejax.pipeline.schedules.ir import DEFAULT_COSTS, OPS, Action, ScheduleError
-from fiddlejax.pipeline.schedules.packing import PackedTicks, packed_ticks
 from fiddlejax.pipeline.schedules.registry import _REGISTRY as _REGISTRY
 from fiddlejax.pipeline.schedules.registry import Generator as Generator
 from fiddlejax.pipeline.schedules.registry import MinMicrobatches as MinMicrobatches
@@ -50,7 +49,13 @@ from fiddlejax.pipeline.schedules.timeline import (
 )
 from fiddlejax.pipeline.schedules.validation import Position as Position
 from fiddlejax.pipeline.schedules.validation import validate
-from fiddlejax.pipeline.schedules.zero_bubble import interleaved_zb, split_backward, zb_h1, zb_v
+from fiddlejax.pipeline.schedules.zero_bubble import (
+    interleaved_zb,
+    join_backward,
+    split_backward,
+    zb_h1,
+    zb_v,
+)
 
 __all__ = [
     "OPS",
@@ -70,8 +75,6 @@ __all__ = [
     "validate",
     "simulate",
     "tick_table",
-    "packed_ticks",
-    "PackedTicks",
     "stash_slots",
     "gpipe",
     "one_f_one_b",
@@ -80,6 +83,7 @@ __all__ = [
     "zb_v",
     "interleaved_zb",
     "split_backward",
+    "join_backward",
     "two_bw",
     "weight_updates",
 ]

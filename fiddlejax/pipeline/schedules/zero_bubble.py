@@ -52,6 +52,18 @@ def split_backward(schedule: Schedule) -> Schedule:
                     schedule.virtual_stages, schedule.placement, rows, steps=schedule.steps)
 
 
+def join_backward(schedule: Schedule) -> Schedule:
+    """``schedule`` with every I run as a whole backward B in its place and its W dropped: the
+    inverse of ``split_backward``. Dependencies are the I's; each stage holds at most what it
+    held (a B releases at the I's place, before the W's). Where a bubble costs nothing (a CPU
+    whose cores the simulated devices share), this runs a zero-bubble order in fewer ticks,
+    each backward one VJP: ZB-V at p=4, m=16 in 70 ticks instead of 99."""
+    rows = [[Action("B", *a[1:]) if a.op == "I" else a for a in row if a.op != "W"]
+            for row in schedule.actions]
+    return Schedule(schedule.kind, schedule.stages, schedule.microbatches,
+                    schedule.virtual_stages, schedule.placement, rows, steps=schedule.steps)
+
+
 def _greedy_zero_bubble(kind: str, p: int, m: int, v: int, placement: tuple[int, ...],
                         caps: tuple[float, ...],
                         rank: Callable[[Action, int], tuple[int, ...]]) -> Schedule:
