@@ -82,7 +82,8 @@ class Plan:
       lockstep tick costs one unit and 1F1B-style schedules reach their timeline bubble.
       ``None`` (default): split when that lowers the lockstep bubble and the backend is not the
       CPU (simulated CPU devices share cores, so a bubble costs no wall time there while each
-      extra tick costs its fixed overhead).
+      extra tick costs its fixed overhead); there, for the same reason, a zero-bubble kind runs
+      each I with its W as one B. ``False``: every schedule as written.
     - ``sequence_parallel`` (with ``tensor`` > 1): Megatron's sequence parallelism; between
       the tensor-parallel matmuls each layer's residual stream, norms and side channels are
       split over ``tensor`` along the sequence (gathered before, reduce-scattered after)
