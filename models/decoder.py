@@ -18,8 +18,10 @@ of packed documents, and each block reads it, picks its type's branch with ``lax
 branch one attention call with static options, so the fused kernel stays available) and adds
 one. Pipelines carry it with the activation, so every layout sees the same layer types.
 
-Tensor parallelism: query heads, KV heads, MLP units and the vocabulary split over ``tensor``
-as in :mod:`.llama`; norms, biases and the counter follow their tensors' axes.
+Tensor parallelism: query heads (``heads``) and KV heads (``kv_heads``) split over ``tensor`` in
+contiguous blocks (every query head on the device of the KV head it reads), as do the MLP units
+(``mlp``) and the vocabulary (padded when it does not divide); Q/K/V biases follow their heads,
+q/k norms act per head, and the counter rides with the (replicated) hidden state.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def test_222_training_matches_single_device(family):
     state = trainer.init()
     loss, grads = trainer.loss_and_grads(state, batch)
     assert abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5  # measured 5.8e-7 (phi3) .. 1.6e-6 (gemma3_text)
 
 
 def test_packed_documents_with_layer_types():
