@@ -18,9 +18,11 @@ Dispatch (``MoEConfig.dispatch``):
   (``jax.lax.ragged_dot``: a grouped-matmul kernel on GPU and TPU, but a dense masked matmul
   over every expert elsewhere), ``"blocked"`` (a loop over row blocks of one expert each, any
   backend) or ``"auto"`` (the first on GPU and TPU, the second elsewhere).
-- ``"capacity"``: each expert takes at most ``ceil(capacity_factor * N * k / E)`` pairs into a
-  fixed ``[E, C, d]`` buffer (static shapes, batched matmuls); first choices win over second
-  ones, then earlier tokens; the rest are dropped (they add nothing to the output) and counted.
+- ``"capacity"``: in each sequence (the ``T`` axis of ``[..., T, d]``), each expert takes at
+  most ``ceil(capacity_factor * T * k / E)`` pairs into a fixed ``[E, C, d]`` buffer (static
+  shapes, batched matmuls); first choices win over second ones, then earlier tokens; the rest
+  are dropped (they add nothing to the output) and counted. Per sequence, so the same tokens
+  drop however a layout splits the batch into microbatches and shards.
 - ``"dense"``: every expert computes every token and the gates mask the results (the
   one-hot baseline of ``benchmarks/moe_dispatch.py``; exact, ``E / k`` times the FLOPs).
 
@@ -103,8 +105,8 @@ class MoEConfig:
                 raise ValueError(f"{me}.{f}={getattr(self, f)!r} must be >= 0")
 
     def capacity(self, tokens: int) -> int:
-        """Pairs one expert takes under ``dispatch="capacity"``: ``ceil(factor * N * k / E)``,
-        at most ``N`` (an expert never sees a token twice)."""
+        """Pairs one expert takes from a sequence of ``tokens`` under ``dispatch="capacity"``:
+        ``ceil(factor * tokens * k / E)``, at most ``tokens`` (one pair per token)."""
         k, e = self.num_experts_per_tok, self.num_experts
         return max(1, min(tokens, math.ceil(self.capacity_factor * tokens * k / e)))
 
@@ -169,6 +171,9 @@ def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int 
         xb, i = args
         return _swiglu(xb @ w_gate[i], xb @ w_up[i], act) @ w_down[i]
 
+    # The loop would keep each block's weight slices for the backward (blocks x 3 matrices):
+    # keep only its matmul outputs and slice the weights again.
+    one = jax.checkpoint(one, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     yb = jax.lax.map(one, (xb.reshape(blocks, block, -1), which))
     return yb.reshape(blocks * block, -1)[dest]
 
@@ -259,9 +264,12 @@ class MoE(nnx.Module):
             if grouped == "auto":  # ragged_dot is a dense masked matmul off GPU and TPU
                 grouped = "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
             out = dropless(flat, gates, experts, *ws, act=act, grouped=grouped)
-        elif c.dispatch == "capacity":
-            out, dropped = with_capacity(flat, gates, experts, *ws,
-                                         capacity=c.capacity(flat.shape[0]), act=act)
+        elif c.dispatch == "capacity":  # per sequence: the drops are the same on any layout
+            t = x.shape[-2] if x.ndim > 1 else 1
+            rows = lambda a: a.reshape(-1, t, *a.shape[1:])  # noqa: E731
+            out, dropped = jax.vmap(lambda *a: with_capacity(
+                *a, *ws, capacity=c.capacity(t), act=act))(rows(flat), rows(gates), rows(experts))
+            out, dropped = out.reshape(flat.shape), dropped.reshape(-1)
         else:
             out = dense(flat, gates, experts, *ws, act=act)
         out = checkpoint_name(out, names.MLP_OUT)

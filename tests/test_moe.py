@@ -136,6 +136,10 @@ def test_capacity_drops_and_counts():
         h = jax.nn.silu(flat @ moe.w_gate[e]) * (flat @ moe.w_up[e])
         ref += jnp.sum(jnp.where(experts == e, gates, 0.0), -1)[:, None] * (h @ moe.w_down[e])
     assert rel_err(out.output.reshape(24, 16), ref) < 1e-5
+    # per sequence: another row beside it changes nothing (the layouts' microbatches differ)
+    two = moe(jnp.concatenate([x, inputs(1, 24, seed=9)]))
+    assert rel_err(two.output[:1], out.output) < 1e-6
+    np.testing.assert_array_equal(np.asarray(two.dropped[:1]), np.asarray(out.dropped))
 
 
 def test_refusals_name_the_value():
@@ -256,11 +260,14 @@ class TinyMoE(nnx.Module):
                                           c.router_aux_loss_coef, c.router_z_loss_coef)
 
 
-def test_moe_stack_on_222_pipeline_matches_one_device():
+@pytest.mark.parametrize("dispatch", [{"dispatch": "dropless"},
+                                      {"dispatch": "capacity", "capacity_factor": 0.75}])
+def test_moe_stack_on_222_pipeline_matches_one_device(dispatch):
     """data=2 x pipe=2 x tensor=2, 1F1B: each expert's matrices split over tensor, layers over
     two stages, the tally in the message; loss and gradients (aux and z included, with large
-    coefficients so they matter) equal one device, float32 rel < 1e-5."""
-    cfg = dataclasses.replace(CFG, router_aux_loss_coef=0.5, router_z_loss_coef=0.1)
+    coefficients so they matter) equal one device, float32 rel < 1e-5; with a capacity that
+    drops, the same tokens drop (capacity is per sequence)."""
+    cfg = dataclasses.replace(CFG, router_aux_loss_coef=0.5, router_z_loss_coef=0.1, **dispatch)
     model = TinyMoE(cfg, vocab=32, layers=4, rngs=nnx.Rngs(0))
     batch = tokens(3, 8, 8, 32)
     ref_loss, ref_grads = reference_loss_and_grads(model, batch)
