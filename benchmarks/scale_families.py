@@ -14,6 +14,7 @@ or its extra norms, which is where Gemma's larger gap comes from. Writes
 ``benchmarks/results/scale_families.md``.
 
     python benchmarks/scale_families.py [--layers N] [--seq 4096] [--only qwen3-32b|gemma2-27b]
+                                        [--pipelined]
 
 ``--layers N`` compiles N and 2N layers and extrapolates per layer, as scale.py.
 """
@@ -67,13 +68,15 @@ def spec(name: str, seq: int, layers: int | None = None) -> planner.ModelSpec:
 
 
 def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec,
-                global_batch: int) -> planner.Prediction:
+                global_batch: int, pipelined: bool = False) -> planner.Prediction:
     """The planner's fastest bf16 layout that fits and shards over ``data`` with zero=3
-    (its faster d=1 picks hold whole replicas per pipeline, where zero=3 is moot)."""
+    (its faster d=1 picks hold whole replicas per pipeline, where zero=3 is moot); with
+    ``pipelined`` the fastest such layout with pipe > 1 (scale.py's rule)."""
     ranked = planner.search(model, cluster, global_batch, zero=(3,), precision="bf16-mixed",
                             remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
                             fsdp_gathers=("layer",))
-    sharded = [pr for pr in ranked if pr.layout.zero == 3 and pr.layout.data > 1]
+    sharded = [pr for pr in ranked if pr.layout.zero == 3 and pr.layout.data > 1
+               and (pr.layout.pipe > 1 or not pipelined)]
     if not sharded:
         raise ValueError(f"no zero=3 layout of {model.name} fits {cluster.describe()}")
     return sharded[0]
@@ -91,9 +94,9 @@ def compiled_memory(name: str, layout: planner.Layout, seq: int, layers: int) ->
     return fj.parallelize(model, optax.adamw(1e-4), plan).memory(layout.global_batch)
 
 
-def measure(name: str, seq: int, layers: int | None) -> dict:
+def measure(name: str, seq: int, layers: int | None, pipelined: bool = False) -> dict:
     cluster = planner.cluster("h100", nodes=GPUS // 8)
-    pr = pick_layout(spec(name, seq), cluster, GLOBAL_BATCH)
+    pr = pick_layout(spec(name, seq), cluster, GLOBAL_BATCH, pipelined)
     lo, total = pr.layout, CONFIGS[name]["num_hidden_layers"]
     t0 = time.perf_counter()
     if layers is None or layers >= total:
@@ -115,6 +118,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, help="compile N and 2N layers and extrapolate")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--only", choices=sorted(CONFIGS))
+    ap.add_argument("--pipelined", action="store_true",
+                    help="also the fastest pipelined zero=3 pick (pipe > 1) of each model")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                          "scale_families.md"))
     a = ap.parse_args()
@@ -122,11 +127,13 @@ def main() -> int:
     for name in CONFIGS:
         if a.only and name != a.only:
             continue
-        rows.append(measure(name, a.seq, a.layers))
-        print(markdown(rows[-1:]).splitlines()[-1], f"({rows[-1]['compile_s']:.0f} s)",
-              flush=True)
+        for piped in (False, True) if a.pipelined else (False,):
+            rows.append(measure(name, a.seq, a.layers, piped))
+            print(markdown(rows[-1:]).splitlines()[-1], f"({rows[-1]['compile_s']:.0f} s)",
+                  flush=True)
     cmd = "python benchmarks/scale_families.py" + "".join(
-        f" --{k} {v}" for k, v in (("layers", a.layers), ("only", a.only)) if v)
+        f" --{k} {v}" for k, v in (("layers", a.layers), ("only", a.only)) if v) + (
+        " --pipelined" if a.pipelined else "")
     Path(a.out).write_text(
         "# Scale: Qwen3-32B and Gemma-2-27B in bf16 with zero=3 on 16 x 80 GB, compile only\n\n"
         f"`{cmd}`: the planner's fastest zero=3 bf16 layout (data > 1) of two 8 x H100 nodes "
