@@ -226,3 +226,11 @@ def test_generation_with_a_kv_cache_matches_full_recompute():
     step, _ = generate._forward(model, ref["tokens"][:, 9:16], cache, 9)
     full = np.concatenate([np.asarray(logits), np.asarray(step)], axis=1)
     assert rel_err(full, ref["logits"]) < 1e-4
+
+
+def test_dtype_asked_at_load():
+    """dtype="bfloat16" keeps the weights in bf16 (no float32 masters); the logits stay close."""
+    model = load("qwen3", dtype="bfloat16")
+    assert {v.dtype for v in leaves(model)} == {np.dtype(ml_dtypes.bfloat16)}
+    ref = np.load(FIXTURES / "hf_qwen3.npz")
+    assert rel_err(np.asarray(model(ref["tokens"]), np.float32), ref["logits"]) < 3e-2
