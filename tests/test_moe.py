@@ -94,8 +94,8 @@ def test_layer_matches_every_expert_on_every_token(dispatch, grouped, norm):
 
     ours = lambda m, x: m(x).output  # noqa: E731
     assert rel_err(ours(moe, x), hf_layer(moe, x)) < 1e-5
-    g = jax.grad(loss, (0, 1))(params, x, ours)
-    ref = jax.grad(loss, (0, 1))(params, x, hf_layer)
+    grad = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)  # jitted: eager ops compile one by one
+    g, ref = grad(params, x, ours), grad(params, x, hf_layer)
     assert rel_err(g, ref) < 1e-5
     assert float(jnp.linalg.norm(g[0]["router"][...])) > 0  # the gates train the router
 
@@ -161,13 +161,17 @@ def test_aux_loss_is_transformers_on_one_sequence():
     padding mask too. For two sequences the per-sequence mean differs from the pooled one."""
     e, k, t = 4, 2, 10
     logits = [jax.random.normal(jax.random.key(i), (2, t, e)) * 2 for i in range(3)]
-    tally = moe_loss.empty((2, t), e, jnp.float32)
-    for lg in logits:
-        _, experts = route(lg, k)
-        tally = moe_loss.accumulate(tally, _out(lg, experts))
     mask = jnp.arange(t)[None, :] < jnp.array([[7], [10]])
-    aux = moe_loss.sequence_losses(tally, k).aux
-    masked = moe_loss.sequence_losses(tally, k, mask).aux
+
+    @jax.jit
+    def aux_of(logits, mask):
+        tally = moe_loss.empty((2, t), e, jnp.float32)
+        for lg in logits:
+            tally = moe_loss.accumulate(tally, _out(lg, route(lg, k)[1]))
+        return (moe_loss.sequence_losses(tally, k).aux,
+                moe_loss.sequence_losses(tally, k, mask).aux)
+
+    aux, masked = aux_of(logits, mask)
     for s in range(2):
         one = [lg[s] for lg in logits]
         assert abs(float(aux[s]) / float(_hf_aux(one, e, k)) - 1) < 1e-6
@@ -183,14 +187,15 @@ def test_router_losses_reduce_exactly_over_row_splits():
     e, k = 4, 2
     lg = jax.random.normal(jax.random.key(7), (4, 6, e)) * 2
     tally = moe_loss.accumulate(moe_loss.empty((4, 6), e, jnp.float32), _out(lg, route(lg, k)[1]))
+    add = jax.jit(moe_loss.add_router_losses, static_argnums=(2, 3, 4))
     mask = jnp.arange(6)[None, :] < jnp.array([[6], [3], [5], [0]])
     w = mask.sum(-1).astype(jnp.float32)
-    whole = moe_loss.add_router_losses(1.0, tally, k, 0.3, 0.2)
-    halves = [moe_loss.add_router_losses(1.0, tally[i:i + 2], k, 0.3, 0.2) for i in (0, 2)]
+    whole = add(1.0, tally, k, 0.3, 0.2)
+    halves = [add(1.0, tally[i:i + 2], k, 0.3, 0.2) for i in (0, 2)]
     assert abs(float(whole) - float(sum(halves)) / 2) < 1e-6
-    total, count = moe_loss.add_router_losses((2.0, w.sum()), tally, k, 0.3, 0.2, mask, w)
-    parts = [moe_loss.add_router_losses((1.0, w[i:i + 2].sum()), tally[i:i + 2], k, 0.3, 0.2,
-                                        mask[i:i + 2], w[i:i + 2]) for i in (0, 2)]
+    total, count = add((2.0, w.sum()), tally, k, 0.3, 0.2, mask, w)
+    parts = [add((1.0, w[i:i + 2].sum()), tally[i:i + 2], k, 0.3, 0.2, mask[i:i + 2],
+                 w[i:i + 2]) for i in (0, 2)]
     assert abs(float(total / count) - float(sum(p[0] for p in parts) / count)) < 1e-6
     r = moe_loss.sequence_losses(tally, k, mask)
     assert float(r.aux[3]) == float(r.z[3]) == 0.0 and float(r.aux[1]) > 0  # an empty row: 0
