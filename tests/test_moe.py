@@ -284,6 +284,11 @@ def test_moe_stack_on_222_pipeline_matches_one_device(dispatch):
     plan = fj.Plan(mesh=mesh, schedule="1f1b", microbatches=2, rules={"expert": None})
     trainer = fj.parallelize(model, optax.sgd(0.1), plan)
     state = trainer.init()
+    specs = {jax.tree_util.keystr(p): v.sharding.spec
+             for p, v in jax.tree_util.tree_leaves_with_path(state.params)}
+    spec = lambda name: next(v for k, v in specs.items() if f"'{name}'" in k)  # noqa: E731
+    # Megatron inside each expert: gate and up split by columns, down by rows
+    assert spec("w_gate")[-1] == spec("w_up")[-1] == spec("w_down")[-2] == "tensor"
     loss, grads = trainer.loss_and_grads(state, batch)
     assert abs(float(loss) / float(ref_loss) - 1) < 1e-5
     assert rel_err(grads, ref_grads) < 1e-5
