@@ -149,6 +149,8 @@ def test_refusals_name_the_value():
         MoEConfig(capacity_factor=2.0)
     with pytest.raises(ValueError, match="num_experts_per_tok=9 exceeds num_experts=8"):
         MoEConfig(num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="grouped_matmul='gmm'"):
+        MoEConfig(grouped_matmul="gmm")
     with pytest.raises(ValueError, match="scoring='relu'"):
         MoEConfig(scoring="relu")
     with pytest.raises(ValueError, match=r"MoE expects \[..., 16\]"):
