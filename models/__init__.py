@@ -147,9 +147,8 @@ def _gpt_flops(model, batch_size: int) -> float:
 def _llama_build(mcfg: dict, seed: int):
     from flax import nnx
 
-    from .llama import Llama, LlamaConfig
-
     from .decoder import FAMILIES
+    from .llama import Llama, LlamaConfig
 
     cls = FAMILIES.get(mcfg["name"], Llama)  # model.name: the family (auto resolved to it)
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
