@@ -166,3 +166,13 @@ def test_planner_models_context_and_sequence_parallelism():
                   microbatch_sizes=(1,), top=3)
     assert best[0].layout.context > 1 and best[0].layout.sequence_parallel
     assert best[0].memory.total < cluster("h100").memory_budget
+
+
+def test_gpt_learned_positions_context2_tensor2():
+    """GPT's learned position embeddings read the global positions the split carries."""
+    from fiddlejax.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=SEQ, d_model=32, n_heads=4, n_layers=2,
+                          d_ff=64), rngs=nnx.Rngs(0))
+    assert_exact(model, fj.Plan(mesh=fj.make_mesh(data=2, context=2, tensor=2)),
+                 tokens(6, 4, SEQ, 64))
