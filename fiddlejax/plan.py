@@ -249,7 +249,7 @@ class Plan:
         if self.matmul_dtype == "fp8" and dtype.name != "bfloat16":
             raise ValueError(
                 f"matmul_dtype='fp8' keeps everything but the dense matmuls in bfloat16; "
-                f"compute_dtype={dtype.name!r} would run them in {dtype.name}: set "
+                f"compute_dtype={dtype.name!r} would run the rest in {dtype.name}: set "
                 "compute_dtype='bfloat16' with it")
         rules = self.rules
         if rules is None:

@@ -125,10 +125,13 @@ def test_bad_combinations_are_refused_before_compiling():
 
 
 def test_job_key(tmp_path):
-    cfg = config_lib.load(None, ["plan.matmul_dtype=fp8", "plan.compute_dtype=bfloat16",
-                                 "mesh.data=-1", "mesh.pipe=1", "mesh.tensor=1",
-                                 "plan.schedule=null"])
-    assert build.make_plan(cfg).matmul_dtype == "fp8"
+    cfg = config_lib.load(None, ["plan.matmul_dtype=fp8", "mesh.data=-1", "mesh.pipe=1",
+                                 "mesh.tensor=1", "plan.schedule=null"])
+    plan = build.make_plan(cfg)  # compute_dtype=auto: bfloat16 with fp8, even on the CPU
+    assert (plan.matmul_dtype, plan.compute_dtype) == ("fp8", "bfloat16")
+    cfg["plan"]["compute_dtype"] = "float32"
+    with pytest.raises(ValueError, match="set compute_dtype='bfloat16'"):
+        build.make_plan(cfg)
     with pytest.raises(config_lib.ConfigError, match="plan.matmul_dtype='fp9'"):
         config_lib.load(None, ["plan.matmul_dtype=fp9"])
 

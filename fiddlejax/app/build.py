@@ -76,11 +76,14 @@ def build_data(cfg: dict, model, process_index: int = 0,
     return entry(cfg).batches(cfg, model, process_index, process_count)
 
 
-def compute_dtype(name: str) -> str:
+def compute_dtype(name: str, matmul: str | None = None) -> str:
     """``plan.compute_dtype``: ``auto`` is bfloat16 on accelerators, float32 on the CPU (whose
-    XLA upcasts bf16 matmuls, so it would only lose precision)."""
+    XLA upcasts bf16 matmuls, so it would only lose precision); bfloat16 with fp8 matmuls,
+    the only compute dtype they run with."""
     if name != "auto":
         return name
+    if matmul == "fp8":
+        return "bfloat16"
     import jax
 
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -109,8 +112,9 @@ def make_plan(cfg: dict):
                    zero=p["zero"], fsdp_gather=p.get("fsdp_gather", "layer"),
                    partition=p["partition"], memory_budget=budget,
                    check_inputs=bool(p.get("check_inputs", False)),
-                   compute_dtype=compute_dtype(p.get("compute_dtype", "float32")), rules=rules,
-                   matmul_dtype=p.get("matmul_dtype"),
+                   compute_dtype=compute_dtype(p.get("compute_dtype", "float32"),
+                                               p.get("matmul_dtype")),
+                   rules=rules, matmul_dtype=p.get("matmul_dtype"),
                    sequence_parallel=bool(p.get("sequence_parallel", False)))
 
 
