@@ -15,12 +15,13 @@ on ``1/C`` of the tokens per device with no communication, and the loss is the m
 mean over all rows, which is the mean over the whole sequence.
 
 Attention is the one operation that mixes tokens; :func:`attention` replaces it while a layer
-is traced under :func:`active` (``fiddlejax.models.common.attention`` dispatches here), inside
-``jax.shard_map`` manual over ``context`` only:
+is traced under :func:`active` (``fiddlejax.models.common.attention`` dispatches here). Both
+kernels (:mod:`.ring`) are written for the partitioner, each array's leading axis (the shards)
+pinned to ``context``:
 
-- ``"ring"``: K/V blocks travel around the ring with ``ppermute`` while the local blocks
-  compute, softmax merged online in float32 (:mod:`.ring`); only the visible n x n blocks are
-  computed, the same count on every shard.
+- ``"ring"``: K/V blocks travel around the ring (one collective-permute a step) while the
+  local blocks compute, softmax merged online in float32; only the visible n x n blocks are
+  computed, the same count on every shard, each rematerialized in the backward.
 - ``"allgather"``: K/V (and key segment ids) all-gathered over ``context``, one masked
   attention of the local queries against the whole sequence.
 
