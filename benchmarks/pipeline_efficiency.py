@@ -12,7 +12,11 @@ microbatch), written to benchmarks/results/pipeline_efficiency.md:
    by (the stage's peak held microbatches) x (one layer's residual bytes under plain
    ``jax.value_and_grad`` on one device, same policy, same microbatch).
 3. **Step time** of the pipelined step against a single-device ``jax.value_and_grad`` + SGD
-   step on the same global batch, alternating, median of several, at m = p, 2p, 4p.
+   step on the same global batch, alternating, median of several, at m = p, 2p, 4p; then every
+   kind against 1F1B at m = 4p, all of them alternating in one loop.
+
+Tables 1 and 2 run each schedule as written (split backwards as on a GPU); table 3 as the
+runtime runs it here (on the CPU a split schedule runs each I with its W as one backward).
 
     python benchmarks/pipeline_efficiency.py [--quick] [--only bytes,stash,time]
 """
@@ -55,10 +59,14 @@ def batch(m: int, seed: int = 0) -> dict:
     return {"tokens": rng.integers(0, 256, (m * MB, SEQ + 1)).astype(np.int32)}
 
 
-def pipelined(kind: str, v: int, m: int, cfg: GPTConfig, remat: str = "none"):
+def pipelined(kind: str, v: int, m: int, cfg: GPTConfig, remat: str = "none",
+              split: bool | None = False):
+    """``split``: the plan's ``split_backward`` (False: as written; None: the runtime's
+    choice for this backend)."""
     model = GPT(cfg, rngs=nnx.Rngs(0))
     mesh = fj.make_mesh(data=1, pipe=P_STAGES, tensor=1, devices=jax.devices()[:P_STAGES])
-    plan = fj.Plan(mesh=mesh, schedule=kind, microbatches=m, virtual_stages=v, remat=remat)
+    plan = fj.Plan(mesh=mesh, schedule=kind, microbatches=m, virtual_stages=v, remat=remat,
+                   split_backward=split)
     return fj.parallelize(model, optax.sgd(1e-3), plan)
 
 
@@ -136,19 +144,12 @@ def step_time(kind: str, v: int, m: int, d: int, repeats: int) -> float:
     one = jax.devices()[0]
     b = batch(m)
     p1, b1 = jax.device_put(params, one), jax.device_put(b, one)
-    trainer = pipelined(kind, v, m, cfg)
-    state = trainer.init()
-    sb = trainer.shard_batch(b)
-    step = trainer.step_function()
+    run_pipe = runner(kind, v, m, cfg)
 
     def run_single():
         jax.block_until_ready(single(p1, b1))
 
-    def run_pipe():
-        jax.block_until_ready(step(state, sb))
-
     run_single()
-    run_pipe()
     ts, tp = [], []
     for _ in range(repeats):
         for fn, acc in ((run_pipe, tp), (run_single, ts)):
@@ -156,6 +157,35 @@ def step_time(kind: str, v: int, m: int, d: int, repeats: int) -> float:
             fn()
             acc.append(time.perf_counter() - t0)
     return statistics.median(tp) / statistics.median(ts)
+
+
+def runner(kind: str, v: int, m: int, cfg: GPTConfig):
+    """One compiled, warmed-up pipelined step as the runtime runs it here: a function to time
+    (its ``ticks`` attribute: the tick count)."""
+    trainer = pipelined(kind, v, m, cfg, split=None)
+    state, sb = trainer.init(), trainer.shard_batch(batch(m))
+    step = trainer.step_function()
+
+    def run():
+        jax.block_until_ready(step(state, sb))
+
+    run()
+    run.ticks = trainer.pipeline.tables.num_ticks
+    return run
+
+
+def against_1f1b(m: int, d: int, repeats: int) -> list[tuple[str, int, float]]:
+    """(kind, ticks, median step / 1F1B's median step), every kind's step timed in turn in
+    one loop, so that a machine's load weighs on all alike."""
+    runs = [(kind, runner(kind, v, m, config(d))) for kind, v in KINDS]
+    times: dict[str, list[float]] = {kind: [] for kind, _ in runs}
+    for _ in range(repeats):
+        for kind, run in runs:
+            t0 = time.perf_counter()
+            run()
+            times[kind].append(time.perf_counter() - t0)
+    base = statistics.median(times["1f1b"])
+    return [(kind, run.ticks, statistics.median(times[kind]) / base) for kind, run in runs]
 
 
 def main() -> int:
@@ -218,6 +248,12 @@ def main() -> int:
                 f"{step_time(kind, v, m, d, repeats):.2f}" for m in ms) + " |"
             out.append(row)
             print(row, flush=True)
+        m = 4 * P_STAGES
+        out += ["", f"Against 1F1B at m={m}: every kind's step in turn in one loop, median of "
+                f"{2 * repeats + 1}.", "", "| schedule | ticks | step / 1F1B's |", "|---|---|---|"]
+        for kind, ticks, ratio in against_1f1b(m, d, 2 * repeats + 1):
+            out.append(f"| {kind} | {ticks} | {ratio:.2f} |")
+            print(out[-1], flush=True)
     path = Path(__file__).parent / "results" / "pipeline_efficiency.md"
     path.parent.mkdir(exist_ok=True)
     text = merge_sections(path.read_text() if path.exists() else "", "\n".join(out) + "\n")
