@@ -4,7 +4,8 @@ Every ``dot_general`` of a layer with exactly one operand computed from the laye
 (a dense matmul: ``x @ W``, an ``nnx.Linear``, an ``einsum`` against a kernel) runs on float8
 operands: e4m3 forward, the incoming gradient e5m2 in the backward (more range, less precision,
 as gradients need), each output in the compute dtype. Dots between activations (attention's
-``q k^T`` and ``p v``) stay bf16, as Transformer Engine keeps them by default.
+``q k^T`` and ``p v``) stay bf16, as Transformer Engine keeps them by default, and so does a
+MoE router's (:func:`_routing`).
 
 Scaling is per tensor and *current*: each operand is scaled by its own absmax at that step, one
 reduction per operand, no state. Delayed scaling (an amax history carried between steps) saves
@@ -91,13 +92,41 @@ def count(f: Callable, params: Any, *args: Any) -> tuple[int, int]:
 
 _COUNTER: list[list[int]] = []
 _INLINED = ("jit", "pjit", "closed_call")
+_CHOICES = ("top_k", "approx_top_k", "argmax", "argmin")  # a router's decision
 
 
-def _eval(jaxpr, consts, weights, args) -> tuple[list, list[bool]]:
+def _inner(eqn):
+    return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+
+
+def _routing(jaxpr, outs_routed) -> set:
+    """The values that reach a discrete choice (a MoE router's ``top_k``) through no dot: the
+    dot that makes them (the router's logits) stays bf16, as Megatron keeps its router out of
+    fp8, so that rounding cannot flip which experts a token goes to."""
+    marked = {v for v, r in zip(jaxpr.outvars, outs_routed, strict=True)
+              if r and not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name in _INLINED:
+            inner = _inner(eqn).jaxpr
+            inside = _routing(inner, [v in marked for v in eqn.outvars])
+            hit = [v for v, w in zip(eqn.invars, inner.invars, strict=True) if w in inside]
+        elif name in _CHOICES or (name != "dot_general" and any(v in marked
+                                                                 for v in eqn.outvars)):
+            hit = eqn.invars
+        else:
+            continue
+        marked.update(v for v in hit if not isinstance(v, Literal))
+    return marked
+
+
+def _eval(jaxpr, consts, weights, args, outs_routed=None) -> tuple[list, list[bool]]:
     """Evaluate ``jaxpr`` as ``jax.core.eval_jaxpr`` does, tracking which values derive from
-    weights (``weights``: one flag per input) and replacing weight x activation dots."""
+    weights (``weights``: one flag per input) and replacing weight x activation dots (not a
+    router's: :func:`_routing`)."""
     env: dict = {}
     is_w: dict = {}
+    routed = _routing(jaxpr, outs_routed or [False] * len(jaxpr.outvars))
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
@@ -113,14 +142,15 @@ def _eval(jaxpr, consts, weights, args) -> tuple[list, list[bool]]:
         vals = [read(v) for v in eqn.invars]
         flags = [weight(v) for v in eqn.invars]
         name = eqn.primitive.name
-        if name == "dot_general" and _dense(eqn, flags):
+        if name == "dot_general" and _dense(eqn, flags) and eqn.outvars[0] not in routed:
             outs, out_w = [dot(*vals, eqn.params["dimension_numbers"],
                                eqn.outvars[0].aval.dtype)], [False]
             _tally(0)
         elif name in _INLINED:
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = _inner(eqn)
             with eqn.ctx.manager:
-                outs, out_w = _eval(inner.jaxpr, inner.consts, flags, vals)
+                outs, out_w = _eval(inner.jaxpr, inner.consts, flags, vals,
+                                    [v in routed for v in eqn.outvars])
         else:
             if name == "dot_general":
                 _tally(1)

@@ -69,6 +69,17 @@ def test_only_dots_against_the_weights_are_rewritten():
     assert jnp.allclose(fp8.layer(layer, params, x), layer(params, x), rtol=1e-2)
 
 
+def test_a_routers_logits_stay_bf16():
+    """A dot whose result reaches a top_k through no other dot (a MoE router) is left alone:
+    rounding its logits to fp8 could change which experts a token goes to."""
+    def layer(p, x):
+        gates, experts = jax.lax.top_k(jax.nn.softmax(jnp.tanh(x) @ p["router"]), 2)
+        return (x @ p["w"]) * gates.sum(-1, keepdims=True) + experts.sum()
+
+    params = {"router": jnp.ones((4, 8)), "w": jnp.ones((4, 4))}
+    assert fp8.count(layer, params, jnp.ones((3, 4))) == (1, 1)
+
+
 @pytest.fixture(scope="module")
 def model():
     return GPT(CFG, rngs=nnx.Rngs(0))
