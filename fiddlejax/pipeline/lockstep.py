@@ -85,8 +85,9 @@ def _probe(pipeline, layer: Callable, params: nnx.State, act: Any) -> str:
     # Variables stay nodes of the structure (a parameter view's prefix trees have them)
     flat_lp, lp_def = jax.tree.flatten(lp)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    dims = ([-1] * len(flat_lp) if pipeline.data_dims is None
-            else [int(d) for d in jax.tree.leaves(pipeline.data_dims[stack])])
+    sharded = pipeline.data_dims is not None and pipeline.plan.fsdp_gather == "layer"
+    dims = ([int(d) for d in jax.tree.leaves(pipeline.data_dims[stack])] if sharded
+            else [-1] * len(flat_lp))  # fsdp_gather="step": the step gathered them already
     abstract = [one(v, s, d) for v, s, d in zip(flat_lp, flat_specs, dims, strict=True)]
     x = jax.ShapeDtypeStruct((p, *act.shape), act.dtype, sharding=NamedSharding(mesh, P("pipe")))
 
