@@ -346,7 +346,7 @@ def executed(schedule: schedules.Schedule, split: bool | None = None) -> schedul
     fixed overhead (measured: benchmarks/results/pipeline_efficiency.md). There a split
     schedule (zb-h1, zb-v, interleaved-zb) runs each I with its W as one whole backward, in
     the I's place (``schedules.join_backward``): one tick and one VJP instead of two (a W
-    recomputes the layer's inner cotangents), the order and held peak otherwise its own."""
+    recomputes the layer's inner cotangents), in its order, holding no more."""
     cpu = jax.default_backend() == "cpu"
     if schedule.split_backward:
         return schedules.join_backward(schedule) if split is None and cpu else schedule

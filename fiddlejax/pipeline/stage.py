@@ -1,7 +1,8 @@
 """What one pipeline stage does in one tick: forward, backward, or the split input/weight halves.
 
 A tick has no ``switch``: each kind of action is a loop over the chunk's layers whose trip count
-is the chunk's layer count when the device's row asks for that action and 0 otherwise. The big
+is the chunk's layer count when the device's row asks for that action and 0 otherwise (for
+chunks of one layer, a conditional: see ``_loop``). The big
 buffers (stash, gradient accumulators, the cotangents I keeps for W) are the loops' carries, and
 each layer reads and writes only its own slice of them with ``dynamic_slice`` /
 ``dynamic_update_slice``, so XLA updates them in place: no slot is copied out and back, no
