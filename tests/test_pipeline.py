@@ -287,13 +287,15 @@ def test_tick_traffic_does_not_grow_with_microbatches():
 
 
 
-@pytest.mark.parametrize("split", [None, True], ids=["joined-on-cpu", "split"])
-def test_zb_v_joined_and_split_equal_single_device(split):
-    """On the CPU zb-v runs each I with its W as one whole backward (fewer ticks, one VJP);
-    split_backward=True runs it as written, as on a GPU. Both exact."""
-    p = plan(1, 2, 1, schedule="zb-v", microbatches=4, virtual_stages=2, split_backward=split)
+
+def test_zb_v_as_written_equals_single_device():
+    """split_backward=False runs zb-v split, as a GPU does (on the CPU the default joins each I
+    with its W: test_gpt_loss_and_grads covers that path)."""
+    p = plan(1, 2, 1, schedule="zb-v", microbatches=4, virtual_stages=2, split_backward=False)
     trainer = check(gpt(4), p, tokens(3, 8, 16, 256))
     pl = trainer.pipeline
-    assert pl.schedule_run.split_backward == bool(split) and pl.schedule.split_backward
-    assert pl.tables.num_stash == max(pl.schedule_run.held_peak)
-    assert (pl.tables.num_ticks < pl.schedule.ticks.num_ticks) == (split is None)
+    assert pl.schedule_run is pl.schedule and pl.tables.split
+    assert pl.tables.num_stash == max(pl.schedule.held_peak)
+    joined = runtime.executed(pl.schedule)  # the CPU's default: one B per I and its W
+    assert not joined.split_backward and joined.ticks.num_ticks < pl.schedule.ticks.num_ticks
+    assert runtime.executed(pl.schedule, True) is pl.schedule
