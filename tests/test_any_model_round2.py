@@ -200,16 +200,22 @@ def test_side_inputs_without_a_batch_axis_pass_whole():
 
 # -- 5: dropout ---------------------------------------------------------------------------------
 def test_dropout_masks_equal_on_every_layout_and_new_every_step():
-    model, loss = nanogpt(dropout=0.2, n_layer=2), fj.next_token(token_ce)
+    check_dropout(nanogpt(dropout=0.2, n_layer=2), fj.next_token(token_ce), TOKENS, "h")
+
+
+def check_dropout(model, loss, batch, layers):
+    """From one key the loss is deterministic, differs from eval mode and after a step, and
+    two layouts that split the batch differently agree (loss and gradients)."""
     results = []
     for layout_ in [(4, 1, 2, None, 2, 1), (2, 2, 2, "1f1b", 4, 1)]:
-        trainer = fj.parallelize(model, optax.sgd(0.1), plan_for(layout_), loss=loss, layers="h")
+        trainer = fj.parallelize(model, optax.sgd(0.1), plan_for(layout_), loss=loss,
+                                 layers=layers)
         state = trainer.init()
-        loss1, grads = trainer.loss_and_grads(state, TOKENS)
-        again, _ = trainer.loss_and_grads(state, TOKENS)
+        loss1, grads = trainer.loss_and_grads(state, batch)
+        again, _ = trainer.loss_and_grads(state, batch)
         assert float(again) == float(loss1)  # the same key: deterministic
-        assert abs(float(trainer.loss(state, TOKENS)) - float(loss1)) > 1e-4  # eval: no dropout
-        later, _ = trainer.loss_and_grads(dataclasses.replace(state, step=state.step + 1), TOKENS)
+        assert abs(float(trainer.loss(state, batch)) - float(loss1)) > 1e-4  # eval: no dropout
+        later, _ = trainer.loss_and_grads(dataclasses.replace(state, step=state.step + 1), batch)
         assert abs(float(later) - float(loss1)) > 1e-4  # a new mask after a step
         results.append((loss1, grads))
     (a, ga), (b, gb) = results
