@@ -192,7 +192,14 @@ def _positive(name: str, v: object) -> None:
 
 def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> Layout:
     """Raise ``ValueError`` naming the first thing that cannot run, and how to fix it."""
-    lo = layout
+    _check_sizes(layout, model, cluster)
+    _check_schedule(layout)
+    _check_options(layout, model)
+    return layout
+
+
+def _check_sizes(lo: Layout, model: ModelSpec, cluster: ClusterSpec | None) -> None:
+    """The mesh, the model and the batch divide as the layout says."""
     for f in ("tensor", "pipe", "data", "virtual_stages", "microbatch_size", "global_batch",
               "steps_per_call", "context"):
         _positive(f, getattr(lo, f))
@@ -224,6 +231,10 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
             f"global_batch={lo.global_batch} is not a multiple of data x microbatch_size = "
             f"{lo.data} x {lo.microbatch_size} = {per}; use e.g. "
             f"{max(per, lo.global_batch // per * per)}")
+
+
+def _check_schedule(lo: Layout) -> None:
+    """The schedule exists and builds with these sizes (the registry is the one rulebook)."""
     kinds = schedule_kinds()
     if lo.schedule is not None and lo.schedule not in kinds:
         raise ValueError(f"schedule={lo.schedule!r} is unknown; use one of {kinds}")
@@ -245,6 +256,10 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
         # build, have enough microbatches for every generator's minimum.
         if lo.pipe * lo.microbatches * lo.virtual_stages * k <= MAX_BUILT_ACTIONS:
             schedule_for(lo.kind, lo.pipe, lo.microbatches, lo.virtual_stages, k)
+
+
+def _check_options(lo: Layout, model: ModelSpec) -> None:
+    """Every named option is one the planner models."""
     if lo.remat not in model.act:
         raise ValueError(f"remat={lo.remat!r} is not described for {model.name}; use one of "
                          f"{sorted(model.act)}")
@@ -275,4 +290,3 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
         raise ValueError(f"partition='layers+head' splits Megatron's placement of the head "
                          f"(head='last-stage', got {lo.head!r}) without interleaving (got "
                          f"virtual_stages={lo.virtual_stages}); set partition='layers'")
-    return lo

@@ -225,6 +225,23 @@ def _data_comm(cluster: ClusterSpec, model: ModelSpec, layout: Layout, n_params:
 # ----------------------------------------------------------------------------- step time
 
 
+def _stage_transfer(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+                    ab: float) -> tuple[float, float]:
+    """(seconds a blocking exchange adds to each action, the transfer time the schedule's
+    simulation waits between stages) for one microbatch's boundary activation."""
+    bw, lat = cluster.group_bandwidth(layout.pipe, layout.pipe_stride)
+    msg = layout.microbatch_size * model.boundary * ab
+    if layout.p2p == "async":
+        return 0.0, lat + msg / bw
+    # Blocking transfers sit on the stage's critical path: each action waits for its exchange
+    # (Megatron-LM 2021: batch_isend_irecv + cuda.synchronize, one send and one receive
+    # batched; DeepSpeed's engine: a blocking receive, then a send). Both split the message
+    # over the tensor ranks and all-gather it over NVLink.
+    t = layout.tensor
+    one = lat + msg / t / bw + allreduce_seconds(cluster, t, 1, msg) / 2
+    return one * (1 if layout.p2p == "batched" else 2), lat
+
+
 def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
               simulate: bool = True) -> tuple[StepTime, float]:
     """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
@@ -274,19 +291,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     f_ar = layers * (ar + max(0.0, ring - mm))
     b_ar = layers * (ar + recompute_ar + max(0.0, 2 * ring - 2 * mm))
     f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
-    p2p = 0.0
+    p2p = xfer = 0.0
     if p > 1:
-        bw, lat = cluster.group_bandwidth(p, layout.pipe_stride)
-        msg = mb * model.boundary * ab
-        xfer = lat + msg / bw
-        if layout.p2p != "async":
-            # Blocking transfers sit on the stage's critical path: each action waits for its
-            # exchange (Megatron-LM 2021: batch_isend_irecv + cuda.synchronize, one send and
-            # one receive batched; DeepSpeed's engine: a blocking receive, then a send). Both
-            # split the message over the tensor ranks and all-gather it over NVLink.
-            one = lat + msg / t / bw + allreduce_seconds(cluster, t, 1, msg) / 2
-            p2p = one * (1 if layout.p2p == "batched" else 2)
-            f, b, xfer = f + p2p, b + p2p, lat
+        p2p, xfer = _stage_transfer(model, cluster, layout, ab)
+        f, b = f + p2p, b + p2p
     busy = m * v * (f + b)
     if p > 1:
         makespan = _makespan(layout.kind, p, m, v, f, b, xfer, simulate, k) / k
