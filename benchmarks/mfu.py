@@ -3,9 +3,13 @@
 1. One device: fiddlejax's step (``Plan(compute_dtype="bfloat16")``, float32 masters, AdamW)
    against a plain ``jax.jit`` of ``value_and_grad`` + the same optax update on the same model,
    timed alternately in one run; the ratio is fiddlejax's overhead (goal <= 1.05).
-2. Every layout that fits one 8-device node: data, FSDP (zero=3), tensor x data, and pipe x data
-   with 1f1b, interleaved 1f1b and zb-v. Model FLOPs are the job's formula (6 N per token for
-   the matmul parameters + 12 L T d for attention scores, ``fiddlejax.models`` ``flops_per_step``);
+   The same device then runs fiddlejax's step with fp8 matmuls (``Plan(matmul_dtype="fp8")``),
+   so the one-device table shows MFU for the hand-written step, fiddlejax bf16 and fiddlejax fp8.
+2. Every layout that fits one 8-device node (when 8 devices are there): data, FSDP (zero=3),
+   tensor x data, and pipe x data with 1f1b, interleaved 1f1b and zb-v.
+
+Model FLOPs are the job's formula (6 N per token for the matmul parameters + 12 L T d for
+attention scores, ``fiddlejax.models`` ``flops_per_step``);
    MFU = model FLOP/s / (devices x the device's dense bf16 peak).
 
 Writes a Markdown table (default ``benchmarks/results/mfu.md``) naming the device. On a CPU
@@ -29,10 +33,10 @@ if "--smoke" in sys.argv:  # 8 simulated CPU devices, before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-else:
+elif "--no-xla-flags" not in sys.argv:  # fiddlejax's GPU flags, as the job sets them
     from fiddlejax import xla_flags
 
-    xla_flags.apply()
+    print(xla_flags.describe(xla_flags.apply()), flush=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -126,12 +130,15 @@ def one_device_ratio(config, batch_size: int, rounds: int, steps: int) -> dict:
         ours_t += a
         theirs_t += b
     return {"ratio": statistics.median(ratios), "ours_s": statistics.median(ours_t),
-            "theirs_s": statistics.median(theirs_t)}
+            "theirs_s": statistics.median(theirs_t), "batch_size": batch_size,
+            "seq_len": config.seq_len}
 
 
 def layout_row(config, name: str, kw: dict, batch_size: int, steps: int, peak) -> dict:
     model = Llama(config, rngs=nnx.Rngs(0))
-    mesh = fj.make_mesh(data=kw.pop("data"), pipe=kw.pop("pipe", 1), tensor=kw.pop("tensor", 1))
+    devices = jax.devices()[:kw["data"] * kw.get("pipe", 1) * kw.get("tensor", 1)]
+    mesh = fj.make_mesh(data=kw.pop("data"), pipe=kw.pop("pipe", 1), tensor=kw.pop("tensor", 1),
+                        devices=devices)
     plan = fj.Plan(mesh=mesh, compute_dtype="bfloat16", **kw)
     trainer = fj.parallelize(model, optax.adamw(1e-4), plan)
     batch = trainer.shard_batch({"tokens": np.random.default_rng(0).integers(
@@ -142,13 +149,43 @@ def layout_row(config, name: str, kw: dict, batch_size: int, steps: int, peak) -
     seconds = statistics.median(times)
     flops = models.get("llama").flops_per_step(model, batch_size)
     n = mesh.devices.size
-    return {"layout": name, "step_s": seconds,
-            "tokens_s": batch_size * config.seq_len / seconds,
+    return row(name, seconds, flops, batch_size * config.seq_len, n, peak)
+
+
+def row(name: str, seconds: float, flops: float, tokens: int, n: int, peak) -> dict:
+    return {"layout": name, "step_s": seconds, "tokens_s": tokens / seconds,
             "tflops": flops / seconds / n / 1e12,
             "mfu": None if peak is None else flops / seconds / (n * peak)}
 
 
-def report(device, params: int, ratio: dict, rows: list[dict], smoke: bool) -> str:
+def one_device_rows(config, ratio: dict, steps: int, peak) -> list[dict]:
+    """MFU on one device: the two steps of the ratio, then fiddlejax's step with fp8 matmuls."""
+    b = ratio["batch_size"]
+    flops = models.get("llama").flops_per_step(
+        nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))), b)
+    rows = [row("hand-written jit(value_and_grad), bf16", ratio["theirs_s"], flops,
+                b * config.seq_len, 1, peak),
+            row("fiddlejax, bf16", ratio["ours_s"], flops, b * config.seq_len, 1, peak)]
+    try:
+        rows.append(layout_row(config, "fiddlejax, fp8 matmuls (e4m3/e5m2, current scaling)",
+                               dict(data=1, matmul_dtype="fp8"), b, steps, peak))
+    except Exception as e:  # noqa: BLE001 (reported in the table, the rest still runs)
+        print(f"fp8 row failed: {type(e).__name__}: {e}", file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict], first: str = "layout") -> list[str]:
+    lines = [f"| {first} | s/step | tokens/s | model TFLOP/s per device | MFU |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        mfu = "n/a (peak unknown)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {r['layout']} | {r['step_s']:.4f} | {r['tokens_s']:,.0f} | "
+                     f"{r['tflops']:.3f} | {mfu} |")
+    return lines
+
+
+def report(device, params: int, ratio: dict, single: list[dict], rows: list[dict],
+           smoke: bool) -> str:
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     lines = [f"# MFU: {'smoke run, ' if smoke else ''}Llama, {size} parameters, bf16",
              "", f"Device: {device.device_kind} ({device.platform}), "
@@ -160,34 +197,41 @@ def report(device, params: int, ratio: dict, rows: list[dict], smoke: bool) -> s
              "| fiddlejax s/step | hand-written s/step | ratio (median of rounds) |",
              "|---|---|---|",
              f"| {ratio['ours_s']:.4f} | {ratio['theirs_s']:.4f} | {ratio['ratio']:.3f} |", "",
-             "## Layouts on one node", "",
-             "| layout | s/step | tokens/s | model TFLOP/s per device | MFU |",
-             "|---|---|---|---|---|"]
-    for r in rows:
-        mfu = "n/a (peak unknown)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"| {r['layout']} | {r['step_s']:.4f} | {r['tokens_s']:,.0f} | "
-                     f"{r['tflops']:.3f} | {mfu} |")
+             f"## One device, batch {ratio['batch_size']} x {ratio['seq_len']} tokens", "",
+             *table(single, "step"), ""]
+    if rows:
+        lines += ["## Layouts on one node", "", *table(rows)]
+    else:
+        lines.append(f"Layouts on one node: not run ({len(jax.devices())} device(s); they "
+                     "need 8).")
     return "\n".join(lines) + "\n"
+
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 8 simulated CPU devices")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement")
+    ap.add_argument("--rounds", type=int, default=None, help="alternated rounds of the ratio")
+    ap.add_argument("--no-xla-flags", action="store_true",
+                    help="leave XLA_FLAGS as given (fiddlejax.xla_flags sets none)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "mfu.md"))
     args = ap.parse_args(argv)
     config = SMOKE_CONFIG if args.smoke else GPU_CONFIG
     steps = args.steps or (2 if args.smoke else 10)
     device = jax.devices()[0]
     peak = peak_flops(device)
-    ratio = one_device_ratio(config, 2 if args.smoke else 4, 2 if args.smoke else 5, steps)
+    ratio = one_device_ratio(config, 2 if args.smoke else 4,
+                             args.rounds or (2 if args.smoke else 5), steps)
+    single = one_device_rows(config, ratio, steps, peak)
+    print(table(single, "step"), flush=True)
     rows = []
     if len(jax.devices()) >= 8:
         for name, kw in LAYOUTS:
             rows.append(layout_row(config, name, dict(kw), 16 if args.smoke else 32, steps, peak))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(
         nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))), nnx.Param)))
-    text = report(device, params, ratio, rows, args.smoke)
+    text = report(device, params, ratio, single, rows, args.smoke)
     Path(args.out).write_text(text)
     print(text)
     return 0
