@@ -33,10 +33,12 @@ if "--smoke" in sys.argv:  # 8 simulated CPU devices, before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-elif "--no-xla-flags" not in sys.argv:  # fiddlejax's GPU flags, as the job sets them
-    from fiddlejax import xla_flags
+ADDED: dict = {}
+if "--smoke" not in sys.argv and "--no-xla-flags" not in sys.argv:
+    from fiddlejax import xla_flags  # fiddlejax's GPU flags, as the job sets them for bf16
 
-    print(xla_flags.describe(xla_flags.apply()), flush=True)
+    ADDED = xla_flags.apply()
+    print(xla_flags.describe(ADDED), flush=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -116,7 +118,7 @@ def one_device_ratio(config, batch_size: int, rounds: int, steps: int) -> dict:
     plan = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=[device]),
                    compute_dtype="bfloat16")
     trainer = fj.parallelize(model, optimizer, plan)
-    ours, ours_state = trainer.step_function(), trainer.init()
+    ours, ours_state = trainer.step_function(donate=True), trainer.init()
     placed = trainer.shard_batch(batch)
     theirs, theirs_state = hand_written(model, optimizer, device)
     plain = jax.device_put(batch, device)
@@ -143,7 +145,7 @@ def layout_row(config, name: str, kw: dict, batch_size: int, steps: int, peak) -
     trainer = fj.parallelize(model, optax.adamw(1e-4), plan)
     batch = trainer.shard_batch({"tokens": np.random.default_rng(0).integers(
         0, config.vocab_size, (batch_size, config.seq_len + 1), dtype=np.int32)})
-    step, state = trainer.step_function(), trainer.init()
+    step, state = trainer.step_function(donate=True), trainer.init()
     state, _ = timed(step, state, batch, 2)
     _, times = timed(step, state, batch, steps)
     seconds = statistics.median(times)
@@ -189,8 +191,10 @@ def report(device, params: int, ratio: dict, single: list[dict], rows: list[dict
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     lines = [f"# MFU: {'smoke run, ' if smoke else ''}Llama, {size} parameters, bf16",
              "", f"Device: {device.device_kind} ({device.platform}), "
-             f"{len(jax.devices())} devices; `python benchmarks/mfu.py"
-             f"{' --smoke' if smoke else ''}`."
+             f"{len(jax.devices())} devices; jax {jax.__version__}; `python benchmarks/mfu.py"
+             f"{' --smoke' if smoke else ''}`. XLA flags added: "
+             f"{' '.join(f'--{k}={v}' for k, v in ADDED.items()) or 'none'}; XLA_FLAGS as run: "
+             f"`{os.environ.get('XLA_FLAGS', '').strip() or 'empty'}`."
              + (" A CPU smoke run: it shows the script works, not how fast a GPU is; the GPU "
                 "table is still to be measured." if smoke else ""), "",
              "## One device: fiddlejax step / hand-written jit(value_and_grad) step", "",

@@ -138,6 +138,7 @@ SPECS: dict[str, Spec] = {
     "plan.rules": Spec(dict, null=True),
     "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
     "plan.check_inputs": Spec(bool), "plan.sequence_parallel": Spec(bool),
+    "plan.unroll_layers": Spec(bool, null=True),
     "optimizer.name": Spec(str, choices=("adamw", "muon")),
     "optimizer.lr": Spec(float, lo=0, open_lo=True),
     "optimizer.muon_lr": Spec(float, lo=0, open_lo=True),

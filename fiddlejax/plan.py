@@ -88,6 +88,13 @@ class Plan:
       the tensor-parallel matmuls each layer's residual stream, norms and side channels are
       split over ``tensor`` along the sequence (gathered before, reduce-scattered after)
       instead of replicated (:mod:`fiddlejax.parallel.sequence`).
+    - ``unroll_layers`` (without a pipeline): the layers as straight-line code instead of a
+      ``scan`` over their stack. ``None`` (default): unrolled off the CPU unless ``zero=3``
+      (whose per-layer gathers XLA's collective pipeliner overlaps in the scan); the CPU keeps
+      the scan, whose compile time does not grow with depth. On one H200 the unrolled 1.24B
+      Llama stepped in 0.85x the scan's time (50.0% MFU against 42.6%,
+      ``benchmarks/results/mfu.md``). A pipeline's stages always loop (their trip counts vary
+      by tick).
     - ``check_inputs``: every ``Trainer.step`` checks the batch's ids against the model's
       vocabulary (or classes) and the loss for NaN/inf, raising an error that names the step.
       Costs a host sync per step: for debugging and for runs that must not train on garbage.
@@ -117,6 +124,7 @@ class Plan:
     fsdp_gather: str = "layer"
     rules: object = None
     sequence_parallel: bool = False
+    unroll_layers: bool | None = None
 
     def __post_init__(self):
         self._check_mesh_and_schedule()
@@ -204,6 +212,9 @@ class Plan:
                              "mesh has tensor=1; use a mesh with tensor > 1 or drop it")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs={self.check_inputs!r} must be True or False")
+        if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
+            raise TypeError(f"unroll_layers={self.unroll_layers!r} must be True, False or None "
+                            "(None: unrolled off the CPU unless zero=3)")
         if self.split_backward is not None and not isinstance(self.split_backward, bool):
             raise TypeError(f"split_backward={self.split_backward!r} must be True, False or None "
                             "(None: split where lockstep bubbles cost time, i.e. off the CPU)")

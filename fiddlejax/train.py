@@ -250,13 +250,15 @@ class Trainer:
             return self._loss_and_grads.lower(state, batch)
         return jax.jit(self._program().loss_and_grads).lower(state.params, batch)
 
-    def step_function(self) -> Callable:
-        """``step`` as a jitted function that does not donate its state (for timing loops that
-        run one state many times); takes a batch placed by :meth:`shard_batch`."""
+    def step_function(self, donate: bool = False) -> Callable:
+        """``step`` as a jitted function, without :meth:`step`'s checks; takes a batch placed by
+        :meth:`shard_batch`. By default it does not donate its state (timing loops that run one
+        state many times); ``donate=True`` updates it in place, as :meth:`step` does."""
         if self._remat is None:
             raise ValueError("remat='auto' picks its policy on the first step: call step once")
         return jax.jit(self._step_impl, in_shardings=(self.state_shardings, None),
-                       out_shardings=(self.state_shardings, None))
+                       out_shardings=(self.state_shardings, None),
+                       donate_argnums=0 if donate else ())
 
     def stage_flops(self, state: TrainState, batch: dict) -> list[dict]:
         """Compiled FLOPs of each pipeline stage's share of one step (data = tensor = 1)."""

@@ -27,9 +27,11 @@ GPU_FLAGS: dict[str, str] = {
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
     "xla_gpu_enable_while_loop_double_buffering": "true",
-    # cuBLAS for GEMMs: MaxText's choice; Triton GEMMs are slower for these shapes.
-    "xla_gpu_enable_triton_gemm": "false",
 }
+# fp8 matmuls (Plan(matmul_dtype="fp8")): cuBLAS GEMMs, MaxText's choice. Measured on one H200
+# (benchmarks/results/mfu.md): fp8 46.6% MFU with them vs 44.6% with XLA's Triton GEMMs, but
+# bf16 39.7% vs 42.7% (the hand-written bf16 step 44.0% vs 46.2%), so bf16 keeps Triton's.
+FP8_FLAGS: dict[str, str] = {"xla_gpu_enable_triton_gemm": "false"}
 
 
 def gpu_expected(environ: Mapping[str, str] = os.environ) -> bool:
@@ -52,12 +54,14 @@ def merged(user: str, recommended: Mapping[str, str]) -> tuple[str, dict[str, st
     return flags, added
 
 
-def apply(gpu: bool | None = None, environ=os.environ) -> dict[str, str]:
+def apply(gpu: bool | None = None, environ=os.environ, *, fp8: bool = False) -> dict[str, str]:
     """Set the recommended GPU flags in ``environ["XLA_FLAGS"]`` (before JAX starts) when the
-    backend will be a GPU; returns the flags it added (empty on the CPU)."""
+    backend will be a GPU, with :data:`FP8_FLAGS` too for fp8 matmuls; returns the flags it
+    added (empty on the CPU)."""
     if not (gpu_expected(environ) if gpu is None else gpu):
         return {}
-    flags, added = merged(environ.get("XLA_FLAGS", ""), GPU_FLAGS)
+    flags, added = merged(environ.get("XLA_FLAGS", ""),
+                          {**GPU_FLAGS, **(FP8_FLAGS if fp8 else {})})
     environ["XLA_FLAGS"] = flags
     return added
 

@@ -65,6 +65,21 @@ def test_microbatch_accumulation_matches(gpt_reference):
     assert rel_err(grads, ref_grads) < 1e-5
 
 
+def test_unrolled_layers_match_and_leave_no_loop(gpt_reference):
+    """Plan(unroll_layers=True): the same loss and gradients, and no while loop in the step."""
+    model, batches, ref_loss, ref_grads, *_ = gpt_reference
+    plan = fj.Plan(mesh=mesh(4, 2), microbatches=1, unroll_layers=True)
+    trainer = fj.parallelize(model, OPT, plan)
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batches[0])
+    assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    hlo = trainer.lower_step(state, batches[0]).as_text()
+    assert " while(" not in hlo and "stablehlo.while" not in hlo
+    with pytest.raises(TypeError, match="unroll_layers='yes'"):
+        fj.Plan(mesh=mesh(4, 2), unroll_layers="yes")
+
+
 @pytest.mark.parametrize("vocab,tensor,tied", [(251, 4, False), (257, 2, True)])
 def test_odd_vocab_and_tied_embeddings(vocab, tensor, tied):
     cfg = GPTConfig(

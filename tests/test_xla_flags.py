@@ -16,13 +16,18 @@ def test_gpu_flags_only_for_a_gpu_backend():
     added = xla_flags.apply(environ=env)
     assert added == xla_flags.GPU_FLAGS
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"]
+    assert "xla_gpu_enable_triton_gemm" not in added  # bf16: XLA's Triton GEMMs (faster, H200)
+    env = {"JAX_PLATFORMS": "cuda"}
+    assert xla_flags.apply(environ=env, fp8=True) == {**xla_flags.GPU_FLAGS,
+                                                     **xla_flags.FP8_FLAGS}
+    assert "--xla_gpu_enable_triton_gemm=false" in env["XLA_FLAGS"]  # fp8: cuBLAS
     assert xla_flags.gpu_expected({"JAX_PLATFORMS": "cuda,cpu"})
     assert "override" in xla_flags.describe(added) and xla_flags.describe({}) == ""
 
 
 def test_users_own_flags_win():
     env = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --foo=1"}
-    added = xla_flags.apply(environ=env)
+    added = xla_flags.apply(environ=env, fp8=True)
     assert "xla_gpu_enable_triton_gemm" not in added
     flags = env["XLA_FLAGS"].split()
     assert flags[:2] == ["--xla_gpu_enable_triton_gemm=true", "--foo=1"]
@@ -31,7 +36,7 @@ def test_users_own_flags_win():
 
 
 def test_every_flag_exists_in_the_installed_xla():
-    flags, _ = xla_flags.merged("", xla_flags.GPU_FLAGS)
+    flags, _ = xla_flags.merged("", {**xla_flags.GPU_FLAGS, **xla_flags.FP8_FLAGS})
     code = "import jax; print(jax.numpy.ones(2).sum())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})

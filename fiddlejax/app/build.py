@@ -17,7 +17,7 @@ def setup_devices(cfg: dict) -> dict[str, str]:
     backends. Returns the XLA flags it added."""
     from fiddlejax import xla_flags
 
-    added = xla_flags.apply()
+    added = xla_flags.apply(fp8=cfg["plan"].get("matmul_dtype") == "fp8")
     n = int(cfg["run"]["cpu_devices"] or 0)
     if n > 0:
         import jax
@@ -115,7 +115,8 @@ def make_plan(cfg: dict):
                    compute_dtype=compute_dtype(p.get("compute_dtype", "float32"),
                                                p.get("matmul_dtype")),
                    rules=rules, matmul_dtype=p.get("matmul_dtype"),
-                   sequence_parallel=bool(p.get("sequence_parallel", False)))
+                   sequence_parallel=bool(p.get("sequence_parallel", False)),
+                   unroll_layers=p.get("unroll_layers"))
 
 
 def model_layers(model) -> int | None:

@@ -33,8 +33,17 @@ def microbatch_loss(lay: Layout, remat: Callable, params: nnx.State,
     s = lay.model
     layer = remat(s.layer)
     x = s.prologue(params, batch)
-    x = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params[s.stack])[0]
+    x = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params[s.stack],
+                     unroll=unrolled(lay.plan))[0]
     return s.weighted_loss(params, x, batch)
+
+
+def unrolled(plan: Plan) -> bool:
+    """Whether the layers run unrolled (``Plan.unroll_layers``; ``None``: off the CPU, unless
+    ``zero=3``)."""
+    if plan.unroll_layers is not None:
+        return plan.unroll_layers
+    return jax.default_backend() != "cpu" and plan.zero < 3
 
 
 def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
