@@ -1,15 +1,21 @@
-"""Device meshes with the named axes fiddlejax uses: ``data``, ``pipe``, ``context``, ``tensor``.
+"""Device meshes with the named axes fiddlejax uses: ``data``, ``pipe``, ``context``, ``expert``,
+``tensor``.
 
 The axis order is fixed (``data`` outermost, ``tensor`` innermost) so that, with devices listed
 host by host, a tensor group sits on the fastest links inside one node, the pipeline crosses the
 next-fastest, and data parallelism spans the rest. ``context`` sits between ``pipe`` and
 ``tensor`` (Megatron orders tensor, context, data, pipe from the inside out): its ring moves
 every layer's K/V, more bytes per step than a pipeline's one activation per tick, but overlaps
-them with the attention blocks, which tensor's per-matmul all-reduces cannot; so it takes the
-next-fastest links after ``tensor``, within a node while tensor x context fits one.
-Axes are ``Auto``: the runtime makes ``data`` and ``pipe`` manual inside ``jax.shard_map``
-and leaves ``tensor`` and ``context`` to the GSPMD partitioner, ``context`` becoming manual
-only inside attention (docs/architecture.md, "Facts the runtime relies on").
+them with the attention blocks, which tensor's per-matmul all-reduces cannot. ``expert`` sits
+inside ``context``, next to ``tensor`` (MaxText, Megatron and DeepSpeed keep expert groups
+within a node): every MoE layer sends its tokens out and back by all-to-all, twice forward and
+twice backward, each the size of the layer's activations times top-k (times the padding of
+static shapes, :mod:`fiddlejax.parallel.expert`), none of it overlapped (the experts wait for
+their tokens), while an all-to-all crosses the group's every pair of devices, the pattern
+slow inter-node links price worst. Axes are ``Auto``: the runtime makes ``data`` and ``pipe``
+manual inside ``jax.shard_map`` and leaves ``tensor``, ``context`` and ``expert`` to the GSPMD
+partitioner, ``context`` becoming manual only inside attention and ``expert`` only inside the
+MoE layers (docs/architecture.md, "Facts the runtime relies on").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "pipe", "context", "tensor")
+AXES = ("data", "pipe", "context", "expert", "tensor")
 
 
 def _resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
@@ -47,7 +53,7 @@ def _resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
     if math.prod(sizes.values()) != n_devices:
         raise ValueError(
             f"mesh {_fmt(sizes)} needs {math.prod(sizes.values())} devices but {n_devices} are "
-            f"available; make data*pipe*context*tensor equal {n_devices} (or pass -1 for one axis)"
+            f"available; make data*pipe*context*expert*tensor equal {n_devices} (or pass -1 for one axis)"
         )
     return sizes
 
@@ -62,10 +68,12 @@ def make_mesh(
     tensor: int = 1,
     *,
     context: int = 1,
+    expert: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A mesh with axes ``("data", "pipe", "context", "tensor")``; ``-1`` infers one axis from
-    the devices. ``context`` splits every sequence (:mod:`fiddlejax.parallel.context`).
+    """A mesh with axes ``("data", "pipe", "context", "expert", "tensor")``; ``-1`` infers one
+    axis from the devices. ``context`` splits every sequence (:mod:`fiddlejax.parallel.context`);
+    ``expert`` splits MoE experts and, outside them, the batch (:mod:`fiddlejax.parallel.expert`).
 
     ``devices`` defaults to ``jax.devices()`` (every process's devices, host-major), so ``tensor``
     varies fastest and stays within a host whenever ``tensor`` divides the devices per host.
@@ -73,8 +81,8 @@ def make_mesh(
     devs = list(jax.devices() if devices is None else devices)
     if not devs:
         raise ValueError("devices= is empty; pass at least one device")
-    sizes = _resolve_sizes({"data": data, "pipe": pipe, "context": context, "tensor": tensor},
-                           len(devs))
+    sizes = _resolve_sizes({"data": data, "pipe": pipe, "context": context, "expert": expert,
+                            "tensor": tensor}, len(devs))
     shape = tuple(sizes[a] for a in AXES)
     grid = np.array(devs, dtype=object).reshape(shape)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -24,6 +24,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",  # grouped-query attention's key/value heads
     "mlp": "tensor",
+    "expert": "expert",  # an MoE layer's stacked experts (fiddlejax.parallel.expert)
     "embed": None,
     "head_dim": None,
     "layers": None,

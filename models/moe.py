@@ -34,6 +34,7 @@ losses travel through a pipeline is :mod:`.moe_loss`'s concern.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -43,6 +44,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
+from fiddlejax.parallel import expert
 
 from .common import param
 
@@ -178,6 +180,17 @@ def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int 
     return yb.reshape(blocks * block, -1)[dest]
 
 
+def grouped_swiglu(xs: jax.Array, sizes: jax.Array, ws: tuple, act, grouped: str
+                   ) -> jax.Array:
+    """The SwiGLU experts ``ws`` on rows ``xs`` sorted by expert, ``sizes[e]`` rows each:
+    ``grouped="ragged_dot"`` or ``"blocked"`` (:func:`blocked_matmuls`)."""
+    if grouped == "blocked":
+        return blocked_matmuls(xs, sizes, ws, act)
+    w_gate, w_up, w_down = ws
+    h = _swiglu(jax.lax.ragged_dot(xs, w_gate, sizes), jax.lax.ragged_dot(xs, w_up, sizes), act)
+    return jax.lax.ragged_dot(h, w_down, sizes)
+
+
 def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Array,
              w_up: jax.Array, w_down: jax.Array, act=jax.nn.silu, grouped: str = "ragged_dot"
              ) -> jax.Array:
@@ -187,13 +200,7 @@ def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Arr
     n = x.shape[0]
     order, sizes = sort_by_expert(experts, w_gate.shape[0])
     token = order % n
-    xs = x[token]
-    if grouped == "blocked":
-        ys = blocked_matmuls(xs, sizes, (w_gate, w_up, w_down), act)
-    else:
-        h = _swiglu(jax.lax.ragged_dot(xs, w_gate, sizes), jax.lax.ragged_dot(xs, w_up, sizes),
-                    act)
-        ys = jax.lax.ragged_dot(h, w_down, sizes)
+    ys = grouped_swiglu(x[token], sizes, (w_gate, w_up, w_down), act, grouped)
     g = gates.T.reshape(-1)[order].astype(ys.dtype)
     return jnp.zeros_like(x).at[token].add(ys * g[:, None])
 
@@ -263,7 +270,10 @@ class MoE(nnx.Module):
             grouped = c.grouped_matmul
             if grouped == "auto":  # ragged_dot is a dense masked matmul off GPU and TPU
                 grouped = "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
-            out = dropless(flat, gates, experts, *ws, act=act, grouped=grouped)
+            ep = expert.active()  # experts split over the `expert` axis: tokens travel
+            out = (dropless(flat, gates, experts, *ws, act=act, grouped=grouped) if ep is None
+                   else expert.dropless(flat, gates, experts, ws, functools.partial(
+                       grouped_swiglu, act=act, grouped=grouped)))
         elif c.dispatch == "capacity":  # per sequence: the drops are the same on any layout
             t = x.shape[-2] if x.ndim > 1 else 1
             rows = lambda a: a.reshape(-1, t, *a.shape[1:])  # noqa: E731

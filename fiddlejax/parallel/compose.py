@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax import compute, layout
-from fiddlejax.parallel import context, exchange, sequence, tensor
+from fiddlejax.parallel import context, exchange, expert, sequence, tensor
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.parallel.layout import Layout, to_internal
 from fiddlejax.plan import Plan
@@ -44,6 +44,7 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     staged = tensor.with_vocab_pads(staged, canonical, plan)
     staged = context.lay_out(staged, plan, example)
     staged = sequence.lay_out(staged, plan, example)
+    staged = expert.lay_out(staged, plan)
     pipeline = None
     if plan.schedule is not None:
         from fiddlejax.pipeline import runtime

@@ -1,0 +1,221 @@
+"""The ``expert`` axis: MoE experts split over devices, their tokens sent by all-to-all.
+
+Outside the MoE layers ``expert`` is more data parallelism (DeepSpeed-MoE, Megatron, MaxText):
+each data replica's rows are split over ``expert`` (the axis is ``Auto``, like ``context``:
+the partitioner runs everything token-wise on ``1/S`` of the rows and reduces the dense
+weights' gradients over it). The experts' stacked weights (logical name ``"expert"``) are split
+over it on their expert dimension, ``E / S`` experts per device. Inside an MoE layer
+(:func:`dropless`) each shard routes its own tokens, sends each (token, choice) pair to the
+shard that owns its expert (an all-to-all), the local experts run their grouped matmul, and the
+results come back by the reverse all-to-all to be combined with the gates. Routing and the
+router losses happen outside, token-wise, so they are the same numbers on every layout.
+
+**Written for the partitioner**, as :mod:`.ring` is: every array keeps a leading axis of
+shards pinned to ``expert``, each shard's work is a ``vmap`` over it, and the all-to-all is
+that axis swapped with the destination axis (the partitioner lowers the reshard to one HLO
+``all-to-all``). A ``shard_map`` over ``expert`` nested in the step's manual region cannot be
+differentiated inside a layer scan on jax 0.10: its residuals come out sharded over ``data``
+before ``expert``, which Shardy refuses ("manual axis after free axis").
+
+**Static shapes, nothing dropped.** ``ragged_all_to_all`` would send only the real pairs, but
+XLA's CPU has no kernel for it (``UNIMPLEMENTED``), and an all-to-all needs one buffer size for
+every destination. A shard of ``n`` tokens can send one destination at most ``n * min(k, E /
+S)`` pairs (a token's ``k`` choices are distinct experts), so that is the buffer: ``[S, n *
+min(k, E / S), d]`` per shard, out and back. Against the ``n * k`` pairs really sent, that is
+``S * min(k, E / S) / k`` times the bytes and the receiving grouped matmul's rows: 2x at ``S =
+2`` (E = 4, k = 2), 4x for Mixtral's 8 experts, top-2, on ``expert = 8``
+(``benchmarks/results/expert_parallel.md`` has the measurements). Padding rows are zeros; they
+are run by the last local expert and thrown away, so they add nothing to the output or the
+gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fiddlejax.mesh import axis_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Experts split over ``size`` devices of ``mesh``'s ``expert`` axis."""
+
+    size: int
+    mesh: object = None
+
+    def local(self, num_experts: int) -> int:
+        """Experts per device; refuses a count the axis does not divide."""
+        if num_experts % self.size:
+            good = [s for s in range(1, num_experts + 1) if num_experts % s == 0]
+            raise ValueError(
+                f"expert={self.size} splits the experts over devices, but this MoE layer has "
+                f"num_experts={num_experts}, not a multiple of {self.size}; use mesh expert "
+                f"in {good}")
+        return num_experts // self.size
+
+
+_ACTIVE = threading.local()
+
+
+def active() -> Split | None:
+    """The split of the layer being traced, or None (experts run where their weights are)."""
+    return getattr(_ACTIVE, "split", None)
+
+
+@contextlib.contextmanager
+def tracing(split: Split):
+    """While a layer is traced, its MoE layers send their tokens to their experts' devices."""
+    before = getattr(_ACTIVE, "split", None)
+    _ACTIVE.split = split
+    try:
+        yield
+    finally:
+        _ACTIVE.split = before
+
+
+def buffer_rows(tokens: int, top_k: int, local_experts: int) -> int:
+    """Rows of one destination's all-to-all buffer: the most pairs ``tokens`` can send it."""
+    return tokens * min(top_k, local_experts)
+
+
+def _send_plan(experts: jax.Array, num_experts: int, shards: int, rows: int):
+    """For the choice-major pairs of one shard's ``experts [n, k]``: ``order`` (sorted by
+    expert), each sorted pair's slot in the ``[shards * rows]`` send buffer, its local expert."""
+    flat = experts.T.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    owner = flat[order]
+    local = num_experts // shards
+    dest = owner // local
+    per_dest = jnp.zeros((shards,), jnp.int32).at[dest].add(1)
+    rank = jnp.arange(order.shape[0], dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
+    return order, dest * rows + rank, owner % local
+
+
+def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
+             matmuls: Callable) -> jax.Array:
+    """:func:`fiddlejax.models.moe.dropless` with the experts split over ``expert``: ``x [N,
+    d]`` (rows split over ``expert``), ``gates``, ``experts [N, k]``, the experts' stacked
+    weights ``ws`` (``[E, ...]`` each) and ``matmuls(rows, sizes, ws)``, the model's grouped
+    matmul of rows sorted by expert (``sizes[e]`` rows each)."""
+    split = active()
+    s, e = split.size, ws[0].shape[0]
+    local = split.local(e)
+    big, k = experts.shape
+    if big % s:
+        raise ValueError(f"expert={s} splits an MoE layer's {big} tokens over its shards; "
+                         f"make the tokens per microbatch a multiple of {s}")
+    n, d = big // s, x.shape[1]
+    rows = buffer_rows(n, k, local)
+
+    def keep(a):  # the leading axis (the shards) on `expert`
+        return _constrain(a, split, P("expert"))
+
+    def shards(a):
+        return keep(a.reshape(s, a.shape[0] // s, *a.shape[1:]))
+
+    xs, gs, es = shards(x), shards(gates), shards(experts)
+    order, slot, lexp = jax.vmap(lambda i: _send_plan(i, e, s, rows))(es)
+    token = order % n
+
+    def pack(x, t, sl, le):  # one source's send buffer [S * rows, d] and its tags
+        buf = jnp.zeros((s * rows, d), x.dtype).at[sl].set(x[t])
+        return buf, jnp.full((s * rows,), local, jnp.int32).at[sl].set(le)  # local: padding
+
+    send, tag = jax.vmap(pack)(xs, token, slot, lexp)
+    recv = _all_to_all(keep(send.reshape(s, s, rows, d)), keep)      # [dst, src, rows, d]
+    rtag = _all_to_all(keep(tag.reshape(s, s, rows)), keep)
+
+    def run(recv, rtag, w):  # one shard's experts on what arrived, sorted by local expert;
+        sort = jnp.argsort(rtag, stable=True)  # the padding last, run by the last expert
+        sizes = jnp.zeros((local + 1,), jnp.int32).at[rtag].add(1)
+        sizes = sizes[:local].at[local - 1].add(sizes[local])
+        ys = matmuls(recv[sort], sizes, w)
+        return jnp.zeros_like(ys).at[sort].set(ys)
+
+    wl = tuple(shards(w) for w in ws)  # [S, E / S, ...]: each shard's own experts
+    y = keep(jax.vmap(run)(recv.reshape(s, s * rows, d), rtag.reshape(s, s * rows), wl))
+    back = _all_to_all(keep(y.reshape(s, s, rows, d)), keep)          # [src, dst, rows, d]
+
+    def combine(back, sl, o, t, g):
+        ys = back.reshape(s * rows, d)[sl]
+        gate = g.T.reshape(-1)[o].astype(ys.dtype)
+        return jnp.zeros((n, d), ys.dtype).at[t].add(ys * gate[:, None])
+
+    out = keep(jax.vmap(combine)(back, slot, order, token, gs))
+    return out.reshape(big, d)
+
+
+def _all_to_all(a: jax.Array, keep: Callable) -> jax.Array:
+    """``a[i, j]`` -> ``a[j, i]``, the leading axis on ``expert`` before and after: shard
+    ``i``'s block ``j`` to shard ``j``, one ``jax.lax.all_to_all``."""
+    def swap(b):  # b: [1, S, ...], this shard's row
+        return jax.lax.all_to_all(b, "expert", 1, 0, tiled=True).swapaxes(0, 1)
+
+    spec = P("expert")
+    return keep(jax.shard_map(swap, in_specs=spec, out_specs=spec, axis_names={"expert"})(a))
+
+
+def _constrain(x: jax.Array, split: Split, spec: P) -> jax.Array:
+    """``x`` split as ``spec`` says (the other axes left to the partitioner: ``tensor``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = split.mesh if mesh.empty else mesh
+    spec = P(*spec, *([P.UNCONSTRAINED] * (x.ndim - len(spec))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_rows(x, split: Split):
+    """``x`` with its leading (row) axis split over ``expert`` (arrays whose rows divide)."""
+    if getattr(x, "ndim", 0) < 1 or x.shape[0] % split.size:
+        return x
+    return _constrain(x, split, P("expert"))
+
+
+class ExpertModel:
+    """A staged model whose batch rows are split over ``expert`` (each layer's input too) and
+    whose MoE layers send tokens to their experts' devices. Everything else is the wrapped
+    model's. Only inputs are constrained: a pipeline runs the prologue and the layers inside
+    conditionals, whose branches' results must keep one sharding (the partitioner's)."""
+
+    def __init__(self, inner, split: Split):
+        self._inner, self.split = inner, split
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _rows(self, tree):
+        return jax.tree.map(lambda a: constrain_rows(a, self.split), tree)
+
+    def prologue(self, params, batch):
+        return self._inner.prologue(params, self._rows(batch))
+
+    def layer(self, layer_params, x):
+        with tracing(self.split):
+            return self._inner.layer(layer_params, self._rows(x))
+
+    def weighted_loss(self, params, x, batch):
+        return self._inner.weighted_loss(params, x, self._rows(batch))
+
+    def epilogue(self, params, x, batch):
+        total, weight = self.weighted_loss(params, x, batch)
+        return total / weight
+
+
+def lay_out(staged, plan) -> object:
+    """The ``expert`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
+    when ``expert`` is 1, else an :class:`ExpertModel`."""
+    size = axis_size(plan.mesh, "expert")
+    if size == 1:
+        return staged
+    return ExpertModel(staged, Split(size, plan.mesh))
+
+
+__all__ = ["ExpertModel", "Split", "active", "buffer_rows", "constrain_rows", "dropless",
+           "lay_out", "tracing"]
