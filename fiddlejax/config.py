@@ -122,7 +122,7 @@ SPECS: dict[str, Spec] = {
     "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
     "model.from_pretrained": Spec(str, null=True),
     "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
-    "mesh.context": MESH_AXIS,
+    "mesh.context": MESH_AXIS, "mesh.expert": MESH_AXIS,
     "plan.schedule": Spec(str, null=True),  # choices: the schedule registry
     "plan.microbatches": POSITIVE,
     "plan.virtual_stages": Spec(int, lo=1, null=True),

@@ -203,6 +203,14 @@ def _kernel_names(p: tuple, s: tuple, vocab: int | None, d: int, fused: set) -> 
     return None
 
 
+def _expert_names(p: tuple, s: tuple, d: int) -> tuple | None:
+    """An MoE layer's stacked experts (a path naming ``expert``, three dimensions, the model
+    width after the first): split over ``expert``, each expert Megatron-style inside."""
+    if len(s) != 3 or s[0] == d or d not in s[1:] or not any("expert" in k.lower() for k in p):
+        return None
+    return ("expert", "embed", "mlp") if s[1] == d else ("expert", "mlp", "embed")
+
+
 def infer_names(model: nnx.Module) -> dict[str, tuple]:
     """Logical names for a model that has none, from its parameters' shapes and names
     (Megatron's layout). The model width is the vocabulary embedding's, or else the dimension
@@ -211,7 +219,8 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     row-parallel ``(mlp, embed)``; attention kernels ``[embed, heads, head_dim]`` split on
     heads; the vocabulary embedding and projection on ``vocab``; biases like their kernel's
     output; fused q/k/v kernels (and their output projection), norms and everything else
-    replicated. Writes the names into the model's variables (as :func:`annotate` does), warns
+    replicated; an MoE layer's stacked experts ``[E, d, f]`` / ``[E, f, d]`` (a path naming
+    ``expert``) ``(expert, embed, mlp)`` / ``(expert, mlp, embed)``. Writes the names into the model's variables (as :func:`annotate` does), warns
     with what it split and how, and returns ``{path: names}``."""
     flat = [(tuple(str(k) for k in p), v)
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
@@ -225,6 +234,8 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     for p, v in flat:
         if p[-1] == "embedding" and vocab is not None and tuple(v.shape) == (vocab, d):
             named[p] = ("vocab", "embed")
+        elif (names := _expert_names(p, tuple(v.shape), d)) is not None:
+            named[p] = names
         elif (names := _kernel_names(p, tuple(v.shape), vocab, d, fused)) is not None:
             named[p] = names
     for p, v in flat:  # biases follow their kernel's output dimensions
@@ -241,7 +252,8 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     return out
 
 
-_HOW = {"mlp": "column-parallel", "heads": "split over heads", "vocab": "vocabulary-parallel"}
+_HOW = {"expert": "split over experts", "mlp": "column-parallel", "heads": "split over heads",
+        "vocab": "vocabulary-parallel"}
 
 
 def describe_split(named: Mapping[str, tuple], total: int) -> str:

@@ -104,7 +104,7 @@ def check_devices(cfg: dict) -> None:
 
     mesh, n = cfg["mesh"], jax.device_count()
     keys = " x ".join(f"mesh.{k}={v}" for k, v in mesh.items()
-                      if k != "context" or v != 1)  # an unused sequence split goes unsaid
+                      if k not in ("context", "expert") or v != 1)  # unused splits go unsaid
     where = (f"this run has {n} devices"
              + (f" (run.cpu_devices={cfg['run']['cpu_devices']})"
                 if jax.default_backend() == "cpu" and cfg["run"]["cpu_devices"] else ""))

@@ -129,7 +129,8 @@ def summary(cfg: dict, losses: list[float], times: list[float], val: float, firs
     t.add_column("value", justify="right")
     mesh = cfg["mesh"]
     t.add_row("layout", f"data={mesh['data']} pipe={mesh['pipe']} tensor={mesh['tensor']} "
-                        + (f"context={mesh['context']} " if mesh.get("context", 1) != 1 else "")
+                        + "".join(f"{k}={mesh[k]} " for k in ("context", "expert")
+                                  if mesh.get(k, 1) != 1)
                         + f"schedule={cfg['plan']['schedule']}")
     t.add_row("steps", str(len(losses)))
     t.add_row("train loss (first -> last)", f"{losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -13,8 +13,9 @@ The order (as torchtitan's ``parallelize_llama`` applies TP, activation checkpoi
 Between 1 and 2, ``context`` (:mod:`fiddlejax.parallel.context`): sequences split over the
 ``context`` axis, the model wrapped so its batches are cut and its attention joins the shards
 (it has no parameters of its own); then sequence parallelism over ``tensor``
-(:mod:`fiddlejax.parallel.sequence`, ``Plan(sequence_parallel=True)``). ``expert`` (MoE)
-joins there too, as a step of its own.
+(:mod:`fiddlejax.parallel.sequence`, ``Plan(sequence_parallel=True)``); then ``expert``
+(:mod:`fiddlejax.parallel.expert`): rows split over ``expert`` between the layers, the MoE
+layers' tokens sent to their experts' devices.
 The result, a :class:`~fiddlejax.parallel.layout.Layout`, holds no arrays; the step functions
 read it.
 """
@@ -44,7 +45,7 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     staged = tensor.with_vocab_pads(staged, canonical, plan)
     staged = context.lay_out(staged, plan, example)
     staged = sequence.lay_out(staged, plan, example)
-    staged = expert.lay_out(staged, plan)
+    staged = expert.lay_out(staged, plan, canonical)
     pipeline = None
     if plan.schedule is not None:
         from fiddlejax.pipeline import runtime

@@ -208,14 +208,45 @@ class ExpertModel:
         return total / weight
 
 
-def lay_out(staged, plan) -> object:
+def lay_out(staged, plan, canonical) -> object:
     """The ``expert`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
-    when ``expert`` is 1, else an :class:`ExpertModel`."""
+    when ``expert`` is 1, else an :class:`ExpertModel`; refuses a model with no parameter split
+    over ``expert`` and expert counts the axis does not divide, before anything compiles."""
     size = axis_size(plan.mesh, "expert")
     if size == 1:
         return staged
+    split = experts(canonical, plan.axis_rules)
+    if not split:
+        raise ValueError(
+            f"expert={size} splits MoE experts over devices, but no parameter of this model "
+            "has a dimension named 'expert' (an MoE layer's stacked experts, e.g. "
+            "fiddlejax.models.moe.MoE's w_gate [E, d, f]); use mesh expert=1 (data=... for "
+            "more data parallelism), or name the experts' dimension with "
+            "fj.sharding.annotate(model, {regex: ('expert', ...)})")
+    for path, count in split.items():
+        if count % size:
+            good = [s for s in range(1, count + 1) if count % s == 0]
+            raise ValueError(
+                f"expert={size} splits the experts over devices, but {path} holds "
+                f"{count} experts, not a multiple of {size}; use mesh expert in {good}")
     return ExpertModel(staged, Split(size, plan.mesh))
 
 
+def experts(canonical, rules) -> dict[str, int]:
+    """``{path: size}`` of each parameter dimension the ``rules`` map to ``expert``."""
+    from fiddlejax import sharding
+
+    specs = sharding.param_specs(canonical, rules)
+    out = {}
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    shapes = jax.tree.leaves(canonical)
+    for (path, spec), leaf in zip(flat, shapes, strict=True):
+        for dim, axes in enumerate(spec):
+            if axes == "expert" or (isinstance(axes, tuple) and "expert" in axes):
+                name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+                out[name] = leaf.shape[dim]
+    return out
+
+
 __all__ = ["ExpertModel", "Split", "active", "buffer_rows", "constrain_rows", "dropless",
-           "lay_out", "tracing"]
+           "experts", "lay_out", "tracing"]
