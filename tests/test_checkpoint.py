@@ -107,7 +107,8 @@ def test_restore_onto_another_layout_is_bit_exact(pair, tmp_path):
         assert x.sharding.is_equivalent_to(s, x.ndim)  # laid out as the target trains
     assert r.step == 3 and r.data_state == {"next_index": 3} and r.extra == {"note": pair}
     assert np.array_equal(jax.random.key_data(r.rng), jax.random.key_data(jax.random.key(5)))
-    assert r.plan["mesh"] == dict(zip(("data", "pipe", "tensor"), src_spec[:3]), context=1)
+    assert r.plan["mesh"] == dict(zip(("data", "pipe", "tensor"), src_spec[:3]), context=1,
+                                  expert=1)
 
 
 

@@ -85,8 +85,8 @@ def test_pipe_axis_across_processes_equals_single_process(tmp_path):
         env=clean_env(), capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     # Device order: tensor pairs inside a process, the pipeline crosses processes.
-    # (positions indexed data, pipe, context, tensor)
-    assert "process of each position: [[[[0, 0]], [[1, 1]]]]" in r.stdout, r.stdout[-3000:]
+    # (positions indexed data, pipe, context, expert, tensor)
+    assert "process of each position: [[[[[0, 0]]], [[[1, 1]]]]]" in r.stdout, r.stdout[-3000:]
     diff = assert_same_losses(losses(tmp_path / "two"), want)
     print(f"pipe across processes: max |loss difference| = {diff:.2e}")
 
