@@ -53,7 +53,8 @@ def _resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
     if math.prod(sizes.values()) != n_devices:
         raise ValueError(
             f"mesh {_fmt(sizes)} needs {math.prod(sizes.values())} devices but {n_devices} are "
-            f"available; make data*pipe*context*expert*tensor equal {n_devices} (or pass -1 for one axis)"
+            f"available; make data*pipe*context*expert*tensor equal {n_devices} (or pass -1 "
+            "for one axis)"
         )
     return sizes
 

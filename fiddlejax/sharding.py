@@ -220,8 +220,9 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     heads; the vocabulary embedding and projection on ``vocab``; biases like their kernel's
     output; fused q/k/v kernels (and their output projection), norms and everything else
     replicated; an MoE layer's stacked experts ``[E, d, f]`` / ``[E, f, d]`` (a path naming
-    ``expert``) ``(expert, embed, mlp)`` / ``(expert, mlp, embed)``. Writes the names into the model's variables (as :func:`annotate` does), warns
-    with what it split and how, and returns ``{path: names}``."""
+    ``expert``) ``(expert, embed, mlp)`` / ``(expert, mlp, embed)``. Writes the names into the
+    model's variables (as :func:`annotate` does), warns with what it split and how, and returns
+    ``{path: names}``."""
     flat = [(tuple(str(k) for k in p), v)
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     if any(any(n is not None for n in _names(v)) for _, v in flat):

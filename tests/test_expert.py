@@ -100,7 +100,8 @@ class OutsideMoE(nnx.Module):
 
 
 class OutsideLM(nnx.Module):
-    def __init__(self, vocab=32, d=16, layers=2, rngs=nnx.Rngs(0)):
+    def __init__(self, vocab=32, d=16, layers=2, seed=0):
+        rngs = nnx.Rngs(seed)
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
         self.blocks = nnx.List([OutsideMoE(d, 24, 4, rngs) for _ in range(layers)])
         self.head = nnx.Linear(d, vocab, rngs=rngs)

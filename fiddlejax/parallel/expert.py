@@ -11,11 +11,13 @@ results come back by the reverse all-to-all to be combined with the gates. Routi
 router losses happen outside, token-wise, so they are the same numbers on every layout.
 
 **Written for the partitioner**, as :mod:`.ring` is: every array keeps a leading axis of
-shards pinned to ``expert``, each shard's work is a ``vmap`` over it, and the all-to-all is
-that axis swapped with the destination axis (the partitioner lowers the reshard to one HLO
-``all-to-all``). A ``shard_map`` over ``expert`` nested in the step's manual region cannot be
-differentiated inside a layer scan on jax 0.10: its residuals come out sharded over ``data``
-before ``expert``, which Shardy refuses ("manual axis after free axis").
+shards pinned to ``expert`` and each shard's work is a ``vmap`` over it. The one manual piece
+is the all-to-all itself (:func:`_all_to_all`), a ``shard_map`` over ``expert`` whose body is
+one ``jax.lax.all_to_all``: being linear it has no residuals, so it differentiates inside the
+step's manual region and the layer scan, where a ``shard_map`` around the whole dispatch does
+not on jax 0.10 (its residuals come out sharded over ``data`` before ``expert``, which Shardy
+refuses: "manual axis after free axis"). Left to the partitioner, the same axis swap lowers to
+an all-gather of every shard's whole buffer (``S`` times the bytes).
 
 **Static shapes, nothing dropped.** ``ragged_all_to_all`` would send only the real pairs, but
 XLA's CPU has no kernel for it (``UNIMPLEMENTED``), and an all-to-all needs one buffer size for
