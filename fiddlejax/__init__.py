@@ -16,6 +16,7 @@ _EXPORTS = {
     "parallelize": "fiddlejax.train",
     "mean_loss": "fiddlejax.staged",
     "next_token": "fiddlejax.staged",
+    "Reported": "fiddlejax.staged",
     "split_model": "fiddlejax.split",
     "CheckpointManager": "fiddlejax.checkpoint",
     "stale_correction": "fiddlejax.pipeline.staleness",

@@ -53,7 +53,7 @@ from fiddlejax.blocks import (
     unstack_params,
 )
 from fiddlejax.side_inputs import activation, constant_leaves, counted, keys_of, pack, unpack
-from fiddlejax.staged import Loss, StagedModel, as_weighted, unpad_outputs
+from fiddlejax.staged import Loss, StagedModel, Sums, as_sums, unpad_outputs
 from fiddlejax.standins import Stop, acting, check_log, depends, without_blocks
 
 
@@ -150,7 +150,7 @@ class AdaptedModel(StagedModel):
         n = math.prod(side.x_shape)
         return counted(x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype)), side, 1)
 
-    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
         """Runs the model's ``__call__`` after its blocks on the stack's output, then the loss."""
         side = self.sides[x.shape[1:]]
         h, _, _ = unpack(x, side)
@@ -160,7 +160,7 @@ class AdaptedModel(StagedModel):
             outputs = self._call(self._outer(params), dropout.without_indices(batch))
         outputs = unpad_outputs(outputs, self.vocab_pads)
         batch = dropout.without_indices(batch)
-        return as_weighted(self.loss_fn(outputs, batch), self.loss_fn)
+        return as_sums(self.loss_fn(outputs, batch), self.loss_fn)
 
     # -- checks, once per batch shape: the forward splits as assumed --------------------------
     def _check_split(self, params: nnx.State, batch: dict) -> None:

@@ -14,19 +14,45 @@ single-device weighted mean however the batch is split. A scalar counts as ``(me
 microbatch (the mean of equal-sized shards). The weight must not depend on the parameters (it
 is not differentiated). A vocabulary padded for sharding never reaches a loss: the framework
 slices the head's outputs back to the true vocabulary first (:func:`unpad_outputs`).
+
+A loss may also report metrics of its own (:class:`Reported`): they travel beside the loss
+sum through microbatches, pipeline stages and data shards and reach the step's metrics,
+reduced the same exact way, so they too are the same on every layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 Loss = Callable[[Any, dict], Any]  # (outputs, batch) -> scalar mean, or (sum, weight)
+# the step's own metrics: a loss may not report under these names
+STEP_METRICS = ("loss", "grad_norm", "nonfinite_skipped", "bad_ids")
+
+
+class Reported(NamedTuple):
+    """A loss's ``value`` (scalar mean or ``(sum, weight)``) with metrics the step reports
+    beside it, each a scalar: ``means`` are averaged as the loss is (give what ``value`` gives:
+    a mean per microbatch, or a sum over the loss's weight), ``sums`` are added up over the
+    whole batch (counts). Not differentiated."""
+
+    value: Any
+    means: dict = {}
+    sums: dict = {}
+
+
+class Sums(NamedTuple):
+    """What a microbatch's loss adds up besides its differentiated sum: the loss's weight and
+    the numerators of its reported metrics (:class:`Reported`), all float32 scalars."""
+
+    weight: jax.Array
+    means: dict
+    sums: dict
 
 
 @runtime_checkable
@@ -80,18 +106,18 @@ class StagedModel:
             return nnx.merge(self.layer_graphdef, layer_params, copy=True)(x)
         return nnx.merge(self.layer_graphdef, layer_params, self.layer_rest, copy=True)(x)
 
-    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
         """Head and loss on the activations leaving the last layer, as float32
-        ``(sum, weight)``: the loss is ``sum / weight`` (a mean loss has weight 1)."""
+        ``(sum, Sums)``: the loss is ``sum / Sums.weight`` (a mean loss has weight 1)."""
         model = self._bind(params)
         outputs = unpad_outputs(model.head(x), self.vocab_pads)
         value = (self.loss_fn or model.loss)(outputs, batch)
-        return as_weighted(value, self.loss_fn or type(model).loss)
+        return as_sums(value, self.loss_fn or type(model).loss)
 
     def epilogue(self, params: nnx.State, x: Any, batch: dict) -> jax.Array:
         """Head and loss on the activations leaving the last layer (the scalar loss)."""
-        total, weight = self.weighted_loss(params, x, batch)
-        return total / weight
+        total, sums = self.weighted_loss(params, x, batch)
+        return total / sums.weight
 
     # The canonical tree (the model's own ``nnx.state(model, nnx.Param)``) and the staged tree
     # (layers stacked under ``stack``) are the same for a model with the staged protocol; an
@@ -111,8 +137,33 @@ def mean_loss(value: Any) -> jax.Array:
     return total / weight
 
 
+def as_sums(value: Any, fn: Any = None) -> tuple[jax.Array, Sums]:
+    """A loss function's result as float32 ``(sum, Sums)``: its weight and reported metrics
+    (none unless it returned a :class:`Reported`)."""
+    means, sums = (value.means, value.sums) if isinstance(value, Reported) else ({}, {})
+    total, weight = as_weighted(value, fn)
+    name = getattr(fn, "__qualname__", None) or "the loss"
+    for key in (*means, *sums):
+        if key in STEP_METRICS or (key in means and key in sums):
+            raise ValueError(f"{name} reports a metric {key!r} that the step (or its other "
+                             f"metrics) already names; rename it (taken: {STEP_METRICS})")
+
+    def scalar(key, v):
+        v = jax.lax.stop_gradient(jnp.asarray(v, jnp.float32))
+        if v.shape != ():
+            raise TypeError(f"{name} reports metric {key!r} of shape {v.shape}; report "
+                            "scalars (reduce over the batch, e.g. .sum() or .mean())")
+        return v
+
+    return total, Sums(weight, {k: scalar(k, v) for k, v in means.items()},
+                       {k: scalar(k, v) for k, v in sums.items()})
+
+
 def as_weighted(value: Any, fn: Any = None) -> tuple[jax.Array, jax.Array]:
-    """A loss function's result as float32 ``(sum, weight)``; a scalar is ``(value, 1)``."""
+    """A loss function's result as float32 ``(sum, weight)``; a scalar is ``(value, 1)``
+    (a :class:`Reported` one: its value's)."""
+    if isinstance(value, Reported):
+        value = value.value
     name = getattr(fn, "__qualname__", None) or "the loss"
     if isinstance(value, tuple | list):
         if len(value) != 2:

@@ -270,7 +270,7 @@ class Trainer:
 
 
 def _canonical_grads(lay, loss_grads):
-    loss, grads = loss_grads
+    loss, grads, _ = loss_grads  # the reported metrics are the step's
     return loss, lay.to_canonical(grads)
 
 

@@ -38,6 +38,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fiddlejax.staged import Reported
+
 from .moe import MoEOutput
 
 
@@ -112,13 +114,18 @@ def sequence_losses(tally: jax.Array, top_k: int, mask: jax.Array | None = None
 
 def add_router_losses(value, tally: jax.Array, top_k: int, aux_coef: float,
                       z_coef: float = 0.0, mask: jax.Array | None = None,
-                      weights: jax.Array | None = None):
+                      weights: jax.Array | None = None, report: bool = False):
     """A language-model loss ``value`` with the router losses added, exactly reducible:
 
     - a scalar mean (plain rows): ``value + aux_coef * mean_s aux_s + z_coef * mean_s z_s``;
     - a pair ``(sum, count)`` (packed or padded rows): ``(sum + sum_s w_s (aux_coef * aux_s +
       z_coef * z_s), count)`` with ``w_s`` = ``weights[s]``, each row's loss targets, whose
       sum is ``count``: the row losses averaged with the token weights of the pair.
+
+    ``report=True`` returns a ``fiddlejax.staged.Reported``: the step's metrics then hold
+    ``moe_aux_loss`` (the load-balancing loss before its coefficient, averaged over sequences
+    as the loss is), ``moe_z_loss`` (when ``z_coef`` is on) and ``moe_dropped`` (the choices
+    capacity dispatch dropped in the whole batch, summed over layers).
     """
     r = sequence_losses(tally, top_k, mask)
     per_row = aux_coef * r.aux + z_coef * r.z
@@ -127,8 +134,14 @@ def add_router_losses(value, tally: jax.Array, top_k: int, aux_coef: float,
         if weights is None:
             raise ValueError("a (sum, count) loss needs weights=: each row's count of loss "
                              "targets (summing to count), to weight its router losses")
-        return total + jnp.sum(per_row * jax.lax.stop_gradient(weights)), count
-    return value + jnp.mean(per_row)
+        w = jax.lax.stop_gradient(weights)
+        value, mean = (total + jnp.sum(per_row * w), count), lambda a: jnp.sum(a * w)
+    else:
+        value, mean = value + jnp.mean(per_row), jnp.mean
+    if not report:
+        return value
+    means = {"moe_aux_loss": mean(r.aux), **({"moe_z_loss": mean(r.z)} if z_coef else {})}
+    return Reported(value, means, {"moe_dropped": jnp.sum(r.dropped)})
 
 
 def load_balancing_loss(router_logits: Sequence[jax.Array], num_experts: int, top_k: int,

@@ -17,7 +17,7 @@ from helpers import reference_loss_and_grads, rel_err, tokens
 
 import fiddlejax as fj
 from fiddlejax.models import moe_loss
-from fiddlejax.models.common import cross_entropy, param, stacked
+from fiddlejax.models.common import cross_entropy, param, scan_layers, stacked
 from fiddlejax.models.moe import MoE, MoEConfig, route
 
 CFG = MoEConfig(hidden_size=16, intermediate_size=24, num_experts=4, num_experts_per_tok=2)
@@ -264,7 +264,8 @@ class TinyMoE(nnx.Module):
         ce = cross_entropy(logits, batch["tokens"][:, 1:], self.vocab).mean()
         c = self.cfg
         return moe_loss.add_router_losses(ce, tally, c.num_experts_per_tok,
-                                          c.router_aux_loss_coef, c.router_z_loss_coef)
+                                          c.router_aux_loss_coef, c.router_z_loss_coef,
+                                          report=True)
 
 
 @pytest.mark.parametrize("dispatch", [{"dispatch": "dropless"},
@@ -294,3 +295,36 @@ def test_moe_stack_on_222_pipeline_matches_one_device(dispatch):
     loss, grads = trainer.loss_and_grads(state, batch)
     assert abs(float(loss) / float(ref_loss) - 1) < 1e-5
     assert rel_err(grads, ref_grads) < 1e-5
+    if cfg.dispatch != "capacity":
+        return
+    # the step's metrics: the router's losses and drops beside the loss, as on one device
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    m = nnx.merge(graphdef, params, rest)
+    _, tally = m.head(scan_layers(m.blocks, m.prologue(batch)))
+    r = moe_loss.sequence_losses(tally, cfg.num_experts_per_tok)
+    _, metrics = trainer.step(state, batch)
+    assert set(metrics) == {"loss", "grad_norm", "nonfinite_skipped", "moe_aux_loss",
+                            "moe_z_loss", "moe_dropped"}
+    assert abs(float(metrics["loss"]) / float(ref_loss) - 1) < 1e-5
+    assert abs(float(metrics["moe_aux_loss"]) / float(r.aux.mean()) - 1) < 1e-5
+    assert abs(float(metrics["moe_z_loss"]) / float(r.z.mean()) - 1) < 1e-5
+    assert float(metrics["moe_dropped"]) == float(r.dropped.sum()) > 0
+
+
+def test_reported_metrics_refusals_and_the_job_line():
+    """A loss may not report under the step's own names, nor anything but scalars; the job's
+    step line shows the router's aux loss and, when capacity drops, the dropped choices."""
+    from fiddlejax.app.logs import line
+    from fiddlejax.staged import Reported, as_sums
+
+    total, sums = as_sums(Reported((3.0, 2.0), {"moe_aux_loss": 0.5}, {"moe_dropped": 4}))
+    assert (float(total), float(sums.weight), float(sums.means["moe_aux_loss"]),
+            float(sums.sums["moe_dropped"])) == (3.0, 2.0, 0.5, 4.0)
+    with pytest.raises(ValueError, match="'grad_norm'.*rename"):
+        as_sums(Reported(1.0, {"grad_norm": 1.0}))
+    with pytest.raises(TypeError, match="'moe_dropped' of shape \\(2,\\)"):
+        as_sums(Reported(1.0, sums={"moe_dropped": jnp.ones(2)}))
+    rec = {"loss": 2.0, "moe_aux_loss": 1.0312, "moe_dropped": 7.0, "step_time_s": 0.1,
+           "tokens_per_s": 10.0, "tflops_per_device": 0.0}
+    assert "| aux 1.0312 | dropped 7 |" in line(3, rec)
+    assert "dropped" not in line(3, {**rec, "moe_dropped": 0.0})

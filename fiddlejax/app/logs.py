@@ -104,8 +104,12 @@ def throughput(dt: float, items: int, flops: float, n_dev: int, peak: float,
 def line(step: int, r: dict) -> str:
     """One terminal line for step ``step``'s record."""
     unit = next((u for u in UNITS if f"{u}_per_s" in r), "tokens")
-    s = (f"step {step:5d} | loss {r['loss']:.4f} | {r['step_time_s'] * 1e3:7.1f} ms | "
-         f"{r[f'{unit}_per_s']:9.0f} {UNITS[unit]} | {r['tflops_per_device']:.4f} TFLOP/s/dev")
+    s = f"step {step:5d} | loss {r['loss']:.4f} | "
+    if "moe_aux_loss" in r:  # an MoE model's router: its balance and drops
+        s += f"aux {r['moe_aux_loss']:.4f} | "
+        s += f"dropped {r['moe_dropped']:.0f} | " if r.get("moe_dropped") else ""
+    s += (f"{r['step_time_s'] * 1e3:7.1f} ms | {r[f'{unit}_per_s']:9.0f} {UNITS[unit]} | "
+          f"{r['tflops_per_device']:.4f} TFLOP/s/dev")
     if "mfu" in r:
         s += f" | MFU {100 * r['mfu']:.1f}%"
     if "val_loss" in r:

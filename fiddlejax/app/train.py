@@ -233,8 +233,9 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
                 state, {key: np.stack([b[key] for b in batches]) for key in batches[0]})
         # One transfer (it syncs: time runs to completion). A step whose loss or gradient norm
         # is not finite was not applied (in-graph); the guard counts it or stops the job.
-        host = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "nonfinite_skipped")
-                               if k in metrics})
+        # the step's own metrics, and any the model's loss reports (an MoE router's losses)
+        host = jax.device_get({k: v for k, v in metrics.items() if k != "bad_ids"})
+        reported = [k for k in host if k not in ("loss", "grad_norm", "nonfinite_skipped")]
         step_losses = [float(x) for x in host["loss"]]
         norms = [float(x) for x in host["grad_norm"]]
         skipped = guard.check(step, step_losses, norms, [int(x) for x in host.get(
@@ -246,7 +247,8 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
             if step > start:  # the first call compiles
                 times.append(dt)
             losses.append(loss)
-            rec = {"loss": loss, "grad_norm": norms[i], "step_time_s": dt}
+            rec = {"loss": loss, **{k: float(host[k][i]) for k in reported},
+                   "grad_norm": norms[i], "step_time_s": dt}
             if guard.total:
                 rec["nonfinite_skipped"] = guard.total
             rec.update(logs.throughput(dt, job.data.items_per_step, job.flops, n_dev, peak,

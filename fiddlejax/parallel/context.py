@@ -219,8 +219,8 @@ class ContextModel:
         return self._inner.weighted_loss(params, x, split_batch(batch, self.split))
 
     def epilogue(self, params, x, batch):
-        total, weight = self.weighted_loss(params, x, batch)
-        return total / weight
+        total, sums = self.weighted_loss(params, x, batch)
+        return total / sums.weight
 
 
 def lay_out(staged, plan, example: dict | None, kernel: str | None = None) -> object:

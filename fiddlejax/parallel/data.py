@@ -5,7 +5,9 @@ scales the sums so that their mean over ``data`` is the step's weighted mean, an
 :func:`reduce` takes that mean with the plan's all-reduce (XLA's, a
 ``fiddlejax.collectives`` algorithm, or the reduce-scatter onto ZeRO/FSDP shards). Without a
 pipeline the replicas run under ``jax.shard_map`` manual over ``data``; with one, the pipeline
-runtime runs them and is handed :func:`reduce_sums`.
+runtime runs them and is handed :func:`reduce_sums`. A loss's reported metrics
+(``staged.Reported``) ride in the weight's place (``staged.Sums``) and reduce the same way
+(:func:`reduce_metrics`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from fiddlejax import compute
 from fiddlejax import remat as remat_
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.plan import Plan
+from fiddlejax.staged import Sums
 
 if TYPE_CHECKING:
     from fiddlejax.parallel.layout import Layout
 
 
 def microbatch_loss(lay: Layout, remat: Callable, params: nnx.State,
-                    batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(loss sum, weight) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
+                    batch: dict) -> tuple[jax.Array, Sums]:
+    """(loss sum, Sums) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
     s = lay.model
     layer = remat(s.layer)
     x = s.prologue(params, batch)
@@ -47,7 +50,7 @@ def unrolled(plan: Plan) -> bool:
 
 
 def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
-    """(loss sum, weight, gradients of the sum) of one replica's rows, summed over its
+    """(loss sum, Sums, gradients of the sum) of one replica's rows, summed over its
     microbatches (inside shard_map); :func:`replica_mean` normalizes them."""
     m = lay.plan.microbatches
     vg = jax.value_and_grad(lambda p, b: microbatch_loss(lay, remat, p, b), has_aux=True)
@@ -57,8 +60,8 @@ def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
         return total, weight, grads
 
     if m == 1:
-        total, weight, grads = one(batch)
-        return total, weight, jax.tree.map(
+        total, sums, grads = one(batch)
+        return total, sums, jax.tree.map(
             lambda g: g.astype(compute.grad_dtype(g.dtype)), grads)
     mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
@@ -66,20 +69,40 @@ def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
         return jax.tree.map(jnp.add, acc, one(mb)), None
 
     zero = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
+    sums = sums_like(lay.model, params, jax.tree.map(lambda x: x[0], mbs))
     # float32 sums even for weights gathered once in bf16 (fsdp_gather="step")
-    zeros = (zero, zero, jax.tree.map(
+    zeros = (zero, jax.tree.map(lambda _: zero, sums), jax.tree.map(
         lambda x: jnp.zeros_like(x, compute.grad_dtype(x.dtype)), params))
     return jax.lax.scan(body, zeros, mbs)[0]
 
 
-def replica_mean(plan: Plan, total, weight, grads):
-    """A replica's loss sum and gradients scaled so that their mean over ``data`` is the
-    step's weighted mean: ``x * data / (sum of all replicas' weights)``. For a mean loss
-    (weight 1 per microbatch) that is ``x / microbatches``, as for equal-sized shards."""
+def sums_like(model, params: nnx.State, batch: dict) -> Sums:
+    """The shapes of a microbatch's :class:`~fiddlejax.staged.Sums` (which metrics its loss
+    reports), traced through the prologue and the head only: zeros for the accumulators."""
+    return jax.eval_shape(lambda p, b: model.weighted_loss(p, model.prologue(p, b), b)[1],
+                          params, batch)
+
+
+def replica_mean(plan: Plan, total, sums: Sums, grads):
+    """A replica's loss sum, gradients and metric means scaled so that their mean over
+    ``data`` is the step's weighted mean: ``x * data / (sum of all replicas' weights)``. For a
+    mean loss (weight 1 per microbatch) that is ``x / microbatches``, as for equal-sized
+    shards. Returns (loss, gradients, Sums with the means scaled)."""
     n = plan.data
-    all_weight = jax.lax.psum(weight, "data") if n > 1 else weight
+    all_weight = jax.lax.psum(sums.weight, "data") if n > 1 else sums.weight
     scale = n / all_weight
-    return total * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    means = {k: v * scale for k, v in sums.means.items()}
+    return (total * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), grads),
+            sums._replace(means=means))
+
+
+def reduce_metrics(plan: Plan, scaled: Sums) -> dict:
+    """The step's reported metrics from one replica's :func:`replica_mean`-scaled sums: the
+    means averaged over ``data`` as the loss is, the sums added up."""
+    means, sums = scaled.means, scaled.sums
+    if plan.data > 1:
+        means, sums = jax.lax.pmean(means, "data"), jax.lax.psum(sums, "data")
+    return {**means, **sums}
 
 
 def reduce(lay: Layout, loss, grads):
@@ -104,13 +127,16 @@ def reduce(lay: Layout, loss, grads):
     return loss, jax.tree.map(lambda g: g / n, grads)
 
 
-def reduce_sums(lay: Layout, total, weight, grads):
-    """The step's loss and gradients from one replica's sums (the pipeline's ``reduce``)."""
-    return reduce(lay, *replica_mean(lay.plan, total, weight, grads))
+def reduce_sums(lay: Layout, total, sums: Sums, grads):
+    """The step's (loss, gradients, metrics) from one replica's sums (the pipeline's
+    ``reduce``)."""
+    loss, grads, scaled = replica_mean(lay.plan, total, sums, grads)
+    return (*reduce(lay, loss, grads), reduce_metrics(lay.plan, scaled))
 
 
 def loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
-    """The step's exact loss and gradients, in the trainer's layout (inside ``jit``)."""
+    """The step's exact loss, gradients (in the trainer's layout) and the loss's reported
+    metrics (a dict, empty for most models), inside ``jit``."""
     with remat_.encodings(lay.plan.encodings):
         return _loss_and_grads(lay, remat, params, batch)
 
@@ -132,7 +158,7 @@ def _loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict
     specs = P() if zero.dims is None else compute.only_data(zero.dims, params)
     grad_specs = zero_.scatter_specs(plan, zero, params) or specs
     return jax.shard_map(per_replica, mesh=plan.mesh, in_specs=(specs, P("data")),
-                         out_specs=(P(), grad_specs), axis_names={"data"})(params, batch)
+                         out_specs=(P(), grad_specs, P()), axis_names={"data"})(params, batch)
 
 
 def loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Array:
@@ -146,12 +172,12 @@ def loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Ar
 def _loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Array:
     zero = lay.zero
     if zero.dims is None:
-        total, weight = microbatch_loss(lay, remat, params, batch)
-        return total / weight
+        total, sums = microbatch_loss(lay, remat, params, batch)
+        return total / sums.weight
 
     def per_replica(p, b):  # FSDP: layers gather their weights over `data`
-        total, weight = microbatch_loss(lay, remat, zero_.gather_once(zero, p), b)
-        return jax.lax.psum(total, "data") / jax.lax.psum(weight, "data")
+        total, sums = microbatch_loss(lay, remat, zero_.gather_once(zero, p), b)
+        return jax.lax.psum(total, "data") / jax.lax.psum(sums.weight, "data")
 
     specs = compute.only_data(zero.dims, params)
     return jax.shard_map(per_replica, mesh=lay.plan.mesh, in_specs=(specs, P("data")),

@@ -54,8 +54,9 @@ class DenseExchange:
         """Raise before compiling if this strategy cannot run ``optimizer``."""
 
     def step(self, prog: Program, state, batch):
-        loss, grads = prog.loss_and_grads(state.params, batch)
-        return self.apply(prog, state, loss, grads)
+        loss, grads, reported = prog.loss_and_grads(state.params, batch)
+        new, metrics = self.apply(prog, state, loss, grads)
+        return new, {**metrics, **reported}
 
     def steps(self, prog: Program, state, batches):
         """K steps on batches ``[K, batch, ...]`` in one program (metrics ``[K]``)."""
@@ -91,24 +92,28 @@ class TopKExchange(DenseExchange):
     def step(self, prog: Program, state, batch):
         lay = prog.lay
         if not self.local_optimizer:
-            loss, grads, residual = self.loss_and_grads(prog, state.params, batch, state.residual)
+            loss, grads, residual, reported = self.loss_and_grads(prog, state.params, batch,
+                                                                  state.residual)
             residual = jax.lax.with_sharding_constraint(residual, lay.residual_shardings)
-            return self.apply(prog, state, loss, grads, residual=residual)
+            new, metrics = self.apply(prog, state, loss, grads, residual=residual)
+            return new, {**metrics, **reported}
         # The replicas' optimizers ran inside; apply the exchanged update.
-        loss, updates, residual, opt_state, norm = self.loss_and_grads(
+        loss, updates, residual, reported, opt_state, norm = self.loss_and_grads(
             prog, state.params, batch, state.residual, state.opt_state)
         updates = jax.lax.with_sharding_constraint(updates, lay.param_shardings)
         residual = jax.lax.with_sharding_constraint(residual, lay.residual_shardings)
         params = optax.apply_updates(state.params, updates)
         new = state.advanced(params=params, opt_state=opt_state, residual=residual)
-        return keep_if_finite(state, new, loss, norm)  # norm: replica mean of local norms
+        new, metrics = keep_if_finite(state, new, loss, norm)  # norm: replicas' mean local norm
+        return new, {**metrics, **reported}
 
     def loss_and_grads(self, prog: Program, params, batch, residual: Any, opt_state: Any = None):
         """Each replica sends the largest ``topk_density`` fraction of (its gradient + its
         residual) per leaf and keeps the rest as its new residual; the step's gradient is the
         mean over replicas of what was sent. With a per-replica ``opt_state`` the gradients are
         first turned into each replica's update; returns (loss, mean sent update, residual,
-        opt_state, gradient norm), else (loss, mean sent gradient, residual)."""
+        opt_state, gradient norm), else (loss, mean sent gradient, residual); the loss's
+        reported metrics come after the residual."""
         from fiddlejax.collectives import compression
 
         lay = prog.lay
@@ -118,7 +123,9 @@ class TopKExchange(DenseExchange):
         def per_replica(p, b, r, *o):
             if n > 1:  # local gradients, as in the dense path
                 p = jax.lax.pcast(p, ("data",), to="varying")
-            loss, grads = data.replica_mean(lay.plan, *data.local_sums(lay, prog.remat, p, b))
+            loss, grads, scaled = data.replica_mean(lay.plan,
+                                                    *data.local_sums(lay, prog.remat, p, b))
+            reported = data.reduce_metrics(lay.plan, scaled)
             r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
             if local_opt:
                 norm = optax.tree.norm(grads)
@@ -134,7 +141,7 @@ class TopKExchange(DenseExchange):
                                      grads, r)
                 grads = jax.tree.map(lambda _, pr: pr[0], grads, pairs)
                 r = jax.tree.map(lambda _, pr: pr[1], grads, pairs)
-            return (loss, grads, jax.tree.map(lambda x: x[None], r), *o)
+            return (loss, grads, jax.tree.map(lambda x: x[None], r), reported, *o)
 
         args = (params, batch, residual) + ((opt_state,) if local_opt else ())
         with remat_.encodings(lay.plan.encodings):
@@ -143,7 +150,7 @@ class TopKExchange(DenseExchange):
             return jax.shard_map(
                 per_replica, mesh=lay.mesh, in_specs=(P(), P("data"), P("data"))
                 + ((P("data"),) if local_opt else ()),
-                out_specs=(P(), P(), P("data")) + ((P("data"), P()) if local_opt else ()),
+                out_specs=(P(), P(), P("data"), P()) + ((P("data"), P()) if local_opt else ()),
                 axis_names={"data"},
             )(*args)
 
@@ -170,14 +177,14 @@ class TwoBWStepper(DenseExchange):
         lay = prog.lay
         k = jax.tree.leaves(batches)[0].shape[0]
         opt_specs = jax.tree.map(lambda s: P(), lay.opt_shardings)  # whole per data replica
-        losses, norms, prev, params, opt_state = lay.pipeline.train_2bw(
+        losses, reported, norms, prev, params, opt_state = lay.pipeline.train_2bw(
             [state.prev_params, state.params], state.opt_state, batches,
             lambda *s: data.reduce_sums(lay, *s), prog.remat, prog.optimizer, opt_specs)
         new = state.advanced(step=state.step + k, params=params, opt_state=opt_state,
                              residual=None, prev_params=prev)
         # The optimizer ran inside the pipeline: a non-finite step skips the whole call.
         new, metrics = keep_if_finite(state, new, losses, norms)
-        return new, {**metrics, "nonfinite_skipped": jnp.broadcast_to(
+        return new, {**metrics, **reported, "nonfinite_skipped": jnp.broadcast_to(
             metrics["nonfinite_skipped"], losses.shape)}
 
 

@@ -46,7 +46,7 @@ class Carry(NamedTuple):
     g_outer: list       # gradients of the parameters outside the stack [versions, ...]
     dy: jax.Array       # the head's cotangent for the last chunk's backward (delivered next tick)
     loss: jax.Array     # [steps]: summed microbatch loss sums per optimizer step
-    weight: jax.Array   # [steps]: summed microbatch loss weights per optimizer step
+    sums: Any           # staged.Sums of [steps]: summed loss weights and reported metrics
 
 
 def read(buf, i):
@@ -161,17 +161,18 @@ class Ends:
         microbatch finished (its cotangent goes to ``c.dy``), and the prologue's gradients from
         chunk 0's input cotangent (stage ``first``'s) when its backward ran. The messages are
         read inside the conditionals, so no tick without an end moves them."""
-        def head(g_outer, loss, weight, dy):
+        def head(g_outer, loss, sums, dy):
             (total, w), (d_outer, dy_new) = jax.value_and_grad(
                 self.loss, argnums=(0, 1), has_aux=True)(self.outer(e.head_version), msg[last],
                                                          e.head)
+            leaves, tree = jax.tree.flatten(sums)
             return (add_at(g_outer, (e.head_version,), d_outer),
                     add_at([loss], (e.head_step,), [total])[0],
-                    add_at([weight], (e.head_step,), [w.astype(weight.dtype)])[0],
+                    jax.tree.unflatten(tree, add_at(leaves, (e.head_step,), w)),
                     dy_new.astype(dy.dtype))
 
-        g_outer, loss, weight, dy = jax.lax.cond(
-            e.head >= 0, head, lambda *a: a, c.g_outer, c.loss, c.weight, c.dy)
+        g_outer, loss, sums, dy = jax.lax.cond(
+            e.head >= 0, head, lambda *a: a, c.g_outer, c.loss, c.sums, c.dy)
 
         def embed_grad(g_outer):
             _, vjp = jax.vjp(lambda o: self.prologue(o, e.embed_grad).astype(msg.dtype),
@@ -179,7 +180,7 @@ class Ends:
             return add_at(g_outer, (e.embed_grad_version,), vjp(msg[first])[0])
 
         g_outer = jax.lax.cond(e.embed_grad >= 0, embed_grad, lambda g: g, g_outer)
-        return c._replace(g_outer=g_outer, dy=dy, loss=loss, weight=weight)
+        return c._replace(g_outer=g_outer, dy=dy, loss=loss, sums=sums)
 
 
 def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
@@ -187,10 +188,10 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     """One data replica's pipelined step (inside ``shard_map`` over ``data`` when data > 1).
 
     ``versions`` is ``[params]``, or for 2BW ``[previous, current]``; then
-    ``update(k, params, grads, loss sum, weight)`` applies step k's optimizer update between the
-    scans over the ticks of consecutive steps and returns (new params, reduced loss). Returns
-    (loss sum, loss weight, unnormalized gradients), or, for 2BW, (losses [K],
-    [W(t+K-1), W(t+K)]).
+    ``update(k, params, grads, loss sum, Sums)`` applies step k's optimizer update between the
+    scans over the ticks of consecutive steps and returns (new params, reduced loss and
+    metrics). Returns (loss sum, ``staged.Sums``, unnormalized gradients), or, for 2BW,
+    (losses and metrics [K], [W(t+K-1), W(t+K)]).
     """
     s, m, lmax, split = pipeline.staged, pipeline.m, pipeline.lmax, tables.split
     steps = len(tables.step_ends) if update is not None else 1
@@ -203,6 +204,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     shard = Shard(versions, s.stack)
     ends = Ends(s, shard, microbatches(batch, steps * m), vary_data)
     act = ends.prologue(ends.outer(0), 0)  # its shape (the trace is dead code)
+    sums = jax.eval_shape(lambda o, y: ends.loss(o, y, 0)[1], ends.outer(0), act)
     layer = remat(s.layer)
     # collectives inside a layer that every device must reach: run the loops in lockstep
     # (probed on the layer as the model wrote it: the FSDP view's gathers over `data` need the
@@ -246,8 +248,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     zeros = lambda *a: vary_data(jnp.zeros(*a))  # noqa: E731
     g_outer = [vary_data(jnp.zeros_like(o, grad_dtype(o.dtype))) for o in shard.outer]
     carry = Carry(local0, g_outer,
-                  zeros(act.shape, act.dtype),
-                  zeros((steps,), jnp.float32), zeros((steps,), jnp.float32))
+                  zeros(act.shape, act.dtype), zeros((steps,), jnp.float32),
+                  jax.tree.map(lambda _: zeros((steps,), jnp.float32), sums))
     if update is None:
         return _one_step(carry, shard, tables, make_tick(), pipeline.tick_unroll)
     return _steps_2bw(carry, shard, tables, make_tick, update)
@@ -298,11 +300,11 @@ def _ticks(tables: tb.Tables, unroll: int = 1) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _one_step(carry: Carry, shard: Shard, tables: tb.Tables, tick: Callable, unroll: int):
-    """All ticks of one step: (loss sum, weight, gradients)."""
+    """All ticks of one step: (loss sum, Sums, gradients)."""
     table, edges = _ticks(tables, unroll)
     carry = jax.lax.scan(tick, carry, (jnp.asarray(table), jnp.asarray(edges)), unroll=unroll)[0]
     grads = shard.assemble([g[0] for g in carry.g_outer], carry.local.g_local)
-    return carry.loss[0], carry.weight[0], grads
+    return carry.loss[0], jax.tree.map(lambda a: a[0], carry.sums), grads
 
 
 def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
@@ -341,7 +343,8 @@ def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callabl
                                [g[:, j] for g in carry.local.g_local])
         current = shard.assemble([o[1 - j] for o in shard.outer],
                                  [x[:, 1 - j] for x in shard.local])
-        new, loss_k = update(k, current, grads, carry.loss[k], carry.weight[k])
+        new, loss_k = update(k, current, grads, carry.loss[k],
+                             jax.tree.map(lambda a, k=k: a[k], carry.sums))
         new_outer, new_local = shard.split(new)  # W(k+1) replaces W(k-1)
         shard.outer = [o.at[j].set(n) for o, n in zip(shard.outer, new_outer)]
         shard.local = [x.at[:, j].set(n) for x, n in zip(shard.local, new_local)]
@@ -352,7 +355,7 @@ def _steps_2bw(carry: Carry, shard: Shard, tables: tb.Tables, make_tick: Callabl
     last = (len(tables.step_ends) - 1) % 2
     latest = [shard.assemble([o[v] for o in shard.outer], [x[:, v] for x in shard.local])
               for v in (1 - last, last)]
-    return jnp.stack(losses), latest
+    return jax.tree.map(lambda *a: jnp.stack(a), *losses), latest
 
 
 __all__ = ["Carry", "Ends", "Local", "Shard", "add_at", "initial_local", "local_tick",

@@ -255,8 +255,8 @@ class Pipeline:
     # -- execution ---------------------------------------------------------------------------
     def loss_and_grads(self, params: nnx.State, batch: dict, reduce: Callable, remat: Callable,
                        gather: Callable = lambda prm: prm, grad_specs: Any = None):
-        """Loss and gradients of one step: ``reduce(loss sum, weight, gradients)`` turns each
-        data replica's sums into the step's weighted mean over ``data``; ``gather`` makes a
+        """Loss, gradients and metrics of one step: ``reduce(loss sum, Sums, gradients)`` turns
+        each data replica's sums into the step's weighted mean over ``data``; ``gather`` makes a
         replica's parameters what its ticks use (FSDP gathered once per step; the gradients
         are then of its result); ``grad_specs``: the reduced gradients' specs over ``data``
         (ZeRO-2), else the parameters'."""
@@ -266,7 +266,7 @@ class Pipeline:
             return reduce(*executor.run(self, [gather(prm)], b, remat, self.tables))
 
         return self._over_data(per_replica, (specs, P("data")),
-                               (P(), grad_specs or specs))(params, batch)
+                               (P(), grad_specs or specs, P()))(params, batch)
 
     def train_2bw(self, versions: list[nnx.State], opt_state: Any, batches: dict,
                   reduce: Callable, remat: Callable, optimizer: Any, opt_specs: Any):
@@ -274,8 +274,8 @@ class Pipeline:
 
         ``versions`` = [W(t-1), W(t)]; ``batches`` leaves are ``[K, batch, ...]``. Step k's
         microbatches run on W(t+k-1) and W(t+k+1) = W(t+k) + update(grad at W(t+k-1)), applied
-        once every stage has finished step k's backwards. Returns (losses [K], gradient norms
-        [K], [W(t+K-1), W(t+K)], optimizer state).
+        once every stage has finished step k's backwards. Returns (losses [K], reported
+        metrics [K], gradient norms [K], [W(t+K-1), W(t+K)], optimizer state).
         """
         steps = int(jax.tree.leaves(batches)[0].shape[0])
         if steps not in self._tables_2bw:
@@ -289,18 +289,19 @@ class Pipeline:
             b = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), b)  # steps' rows in order
             box = {"opt": opt, "norms": []}
 
-            def update(k, current, grads, total, weight):
-                loss, grads = reduce(total, weight, grads)
+            def update(k, current, grads, total, sums):
+                loss, grads, metrics = reduce(total, sums, grads)
                 updates, box["opt"] = optimizer.update(grads, box["opt"], current)
                 box["norms"].append(optax.tree.norm(grads))
-                return optax.apply_updates(current, updates), loss
+                return optax.apply_updates(current, updates), (loss, metrics)
 
-            losses, new = executor.run(self, [prev, cur], b, remat, tables, update)
-            return losses, jnp.stack(box["norms"]), new[0], new[1], box["opt"]
+            (losses, metrics), new = executor.run(self, [prev, cur], b, remat, tables, update)
+            return losses, metrics, jnp.stack(box["norms"]), new[0], new[1], box["opt"]
 
         return self._over_data(
             per_replica, (specs, specs, opt_specs, P(None, "data")),
-            (P(), P(), specs, specs, opt_specs))(versions[0], versions[1], opt_state, batches)
+            (P(), P(), P(), specs, specs, opt_specs))(versions[0], versions[1], opt_state,
+                                                      batches)
 
     def stage_flops(self, params: nnx.State, batch: dict, remat: Callable) -> list[dict]:
         """Compiled FLOPs of each stage's step (see :mod:`fiddlejax.pipeline.measure`)."""
