@@ -10,12 +10,14 @@ Pure Python except ``from_flax`` (which measures a Flax model with JAX).
 """
 
 from fiddlejax.planner.cluster import ClusterSpec, GPUSpec, cluster
+from fiddlejax.planner.experts import MoESpec, moe_llama, preset
 from fiddlejax.planner.predict import Memory, Prediction, StepTime, memory, predict
 from fiddlejax.planner.search import search
 from fiddlejax.planner.space import Layout, validate
-from fiddlejax.planner.workload import ModelSpec, from_flax, gpt, llama, preset
+from fiddlejax.planner.workload import ModelSpec, from_flax, gpt, llama
 
 __all__ = [
-    "ClusterSpec", "GPUSpec", "Layout", "Memory", "ModelSpec", "Prediction", "StepTime",
-    "cluster", "from_flax", "gpt", "llama", "memory", "predict", "preset", "search", "validate",
+    "ClusterSpec", "GPUSpec", "Layout", "Memory", "MoESpec", "ModelSpec", "Prediction",
+    "StepTime", "cluster", "from_flax", "gpt", "llama", "memory", "moe_llama", "predict",
+    "preset", "search", "validate",
 ]

@@ -19,9 +19,10 @@ import argparse
 import json
 import sys
 
-from fiddlejax.planner import workload
+from fiddlejax.planner import experts, workload
 from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
+from fiddlejax.planner.experts import MOE_PRESETS
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
 from fiddlejax.planner.space import (
@@ -42,7 +43,7 @@ GIB = 2**30
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    presets = ", ".join([*workload.PRESETS, *workload.LLAMA_PRESETS])
+    presets = ", ".join([*workload.PRESETS, *workload.LLAMA_PRESETS, *MOE_PRESETS])
     g.add_argument("--model", default="gpt",
                    help=f"'gpt' or 'llama' (with the flags below) or a preset: {presets}")
     for f in ("layers", "hidden", "heads", "kv-heads", "seq", "vocab", "ffn"):
@@ -59,7 +60,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _model(a: argparse.Namespace) -> workload.ModelSpec:
     if a.model not in ("gpt", "llama"):
-        return workload.preset(a.model, seq=a.seq)
+        return experts.preset(a.model, seq=a.seq)
     need = ("layers", "hidden", "heads", "seq", "vocab") + (
         ("kv_heads", "ffn") if a.model == "llama" else ())
     missing = [f"--{f.replace('_', '-')}" for f in need if getattr(a, f) is None]
@@ -82,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     _common(pp)
     pp.add_argument("--tensor", type=int, default=1)
     pp.add_argument("--pipe", type=int, default=1)
-    pp.add_argument("--data", type=int, help="default: GPUs / (tensor x pipe)")
+    pp.add_argument("--expert", type=int, default=1,
+                    help="MoE models: experts split over it, the batch too (outside them)")
+    pp.add_argument("--data", type=int, help="default: GPUs / (tensor x pipe x expert)")
     pp.add_argument("--virtual-stages", type=int, default=1)
     pp.add_argument("--microbatch-size", type=int, default=1)
     pp.add_argument("--schedule", choices=schedule_kinds())
@@ -215,14 +218,15 @@ def plan_command(argv: list[str]) -> int:
         model = _model(a)
         clus = cluster(a.cluster, nodes=a.nodes, gpus_per_node=a.gpus_per_node)
         if a.cmd == "predict":
-            tp = a.tensor * a.pipe
+            tp = a.tensor * a.pipe * a.expert
             data = a.data
             if data is None:
                 if clus.num_gpus % tp:
-                    raise ValueError(f"tensor x pipe = {tp} does not divide the cluster's "
+                    raise ValueError(f"tensor x pipe x expert = {tp} does not divide the "
+                                     f"cluster's "
                                      f"{clus.num_gpus} GPUs; pick sizes that divide it")
                 data = clus.num_gpus // tp
-            lo = Layout(tensor=a.tensor, pipe=a.pipe, data=data,
+            lo = Layout(tensor=a.tensor, pipe=a.pipe, data=data, expert=a.expert,
                         virtual_stages=a.virtual_stages, microbatch_size=a.microbatch_size,
                         global_batch=a.global_batch, schedule=a.schedule,
                         steps_per_call=a.steps_per_call, remat=a.remat, zero=a.zero,

@@ -1,7 +1,8 @@
 """Predicted memory per GPU of a layout: what each rank holds, and what the schedule keeps.
 
 Parameters, gradients and optimizer state from the parameter counts, with what each rank holds:
-layer weights split over ``tensor`` (biases and norms whole), the stage's
+layer weights split over ``tensor`` (biases and norms whole; an MoE layer's experts over
+``expert`` x ``tensor``), the stage's
 ``virtual x ceil(layers / chunks)`` layers (the runtime pads chunks to equal length), and the
 parameters outside the stack: in a pipeline every leaf of at least 65,536 elements split over
 ``pipe`` x ``tensor`` on every stage (``outer_params``), smaller ones as without a pipeline.
@@ -196,12 +197,21 @@ def stage_params(model: ModelSpec, layout: Layout) -> float:
     t = layout.tensor
     stage_layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
                     else model.num_layers)
-    ls, lr = model.layer_params
-    layer, outer = ls / t + lr, outer_params(model, layout)
+    layer, outer = model.layer_share(t, layout.expert), outer_params(model, layout)
     if layout.partition == "layers+head" and layout.pipe > 1:  # the embedding (head) stage
         units = math.ceil((model.num_layers + 2) / layout.pipe)  # holds one layer fewer
         return max(units * layer, (units - 1) * layer + outer)
     return stage_layers * layer + outer
+
+
+def stage_expert_params(model: ModelSpec, layout: Layout) -> float:
+    """Expert parameters one GPU holds (its stage's layers' share over ``expert`` x
+    ``tensor``): they reduce their gradients over ``data`` only."""
+    if model.moe is None:
+        return 0.0
+    layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
+              else model.num_layers)
+    return layers * model.moe.expert_params(model.hidden) / (layout.tensor * layout.expert)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -267,8 +277,7 @@ def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
              + _weights_in_use(model, layout))
     if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
         # gradient is live beside the recomputed residuals until it is added in place
-        ls, lr = model.layer_params
-        layer += (ls / t + lr) * gb
+        layer += model.layer_share(t, layout.expert) * gb
     head = 2 * mb * model.logits / vocab_shards * 4 / layout.context
     if vocab_parallel(layout) and (not layout.fsdp or layout.gathers_once):
         outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())
@@ -288,8 +297,7 @@ def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
     before the reduce-scatter; or the embedding or head, gathered with its gradient (whichever
     is larger). Without FSDP, in bf16, the bf16 copy of the largest of those."""
     t, ab = layout.tensor, activation_bytes(layout)
-    ls, lr = model.layer_params
-    layer = ls / t + lr
+    layer = model.layer_share(t, layout.expert)
     outer = max(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
     if layout.gathers_once:  # gathered in the compute dtype once per step: in ``params``
         return 0.0

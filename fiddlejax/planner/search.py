@@ -1,6 +1,7 @@
 """Layout search: every layout that fits memory, ranked by predicted throughput.
 
-Enumerates tensor x pipe x data factorizations of the cluster (tensor dividing the heads),
+Enumerates tensor x pipe x data factorizations of the cluster (tensor dividing the heads;
+for a mixture of experts also ``expert`` sizes dividing the number of experts),
 microbatch sizes, schedules (with 2 and 4 virtual stages for the kinds the schedule registry says
 interleave), remat policies and ZeRO 0, 1 and 3 (FSDP, which pays its per-layer all-gathers and
 so wins only where nothing else fits); drops what fails validation or memory; ranks by the
@@ -19,6 +20,7 @@ from collections.abc import Iterator, Sequence
 
 from fiddlejax.pipeline.schedules import interleaves
 from fiddlejax.planner.cluster import ClusterSpec
+from fiddlejax.planner.experts import expert_sizes
 from fiddlejax.planner.predict import Prediction, memory, predict
 from fiddlejax.planner.space import Layout, schedule_kinds, validate
 from fiddlejax.planner.workload import ModelSpec
@@ -52,20 +54,23 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 2, 3),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
                precision: str = "fp32", max_tensor: int | None = None,
-               fsdp_gathers: Sequence[str] = ("layer", "step")) -> Iterator[Layout]:
+               fsdp_gathers: Sequence[str] = ("layer", "step"),
+               experts: Sequence[int] | None = None) -> Iterator[Layout]:
     """Every layout worth predicting (unvalidated); FSDP with several microbatches both
-    ways of gathering (``fsdp_gathers``)."""
+    ways of gathering (``fsdp_gathers``); ``expert`` sizes dividing the experts (``experts``
+    limits them, e.g. ``(1,)``)."""
     n = cluster.num_gpus
     max_tensor = max_tensor or cluster.gpus_per_node
-    for t in _divisors(n):
+    for t, e in ((a, b) for a in _divisors(n) for b in expert_sizes(model, n // a)
+                 if experts is None or b in experts):
         if t > max_tensor or (model.heads is not None and model.heads % t):
             continue
-        for c, sp, p in _sequence_splits(model, n, t):
-            d = n // (t * c * p)
-            if global_batch % d:
+        for c, sp, p in _sequence_splits(model, n // e, t):
+            d = n // (t * c * p * e)
+            if global_batch % (d * e):
                 continue
             for mb in microbatch_sizes:
-                if (global_batch // d) % mb:
+                if (global_batch // (d * e)) % mb:
                     continue
                 scheds: list[tuple[str | None, int]] = [(None, 1)]
                 if p > 1:
@@ -75,9 +80,9 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                     k = steps_per_call if sched == "2bw" else 1
                     for remat in remats:
                         for z in zero if d > 1 and sched != "2bw" else (0,):
-                            m = global_batch // (d * mb)
+                            m = global_batch // (d * e * mb)
                             for g in fsdp_gathers if z == 3 and m > 1 else ("layer",):
-                                yield Layout(tensor=t, pipe=p, data=d, context=c,
+                                yield Layout(tensor=t, pipe=p, data=d, context=c, expert=e,
                                              sequence_parallel=sp, virtual_stages=v,
                                              microbatch_size=mb, global_batch=global_batch,
                                              schedule=sched, remat=remat, zero=z,

@@ -97,6 +97,11 @@ class Layout:
     the ring's K/V transfers overlapped with the layer's compute, the gradients reduced over
     ``data`` x ``context``. ``sequence_parallel`` (``Plan(sequence_parallel=True)``): the
     replicated activations split over ``tensor`` too.
+
+    ``expert`` (``fj.make_mesh(expert=)``, between ``context`` and ``tensor`` in device
+    order): an MoE model's experts split over it; outside the MoE layers it is more data
+    parallelism (the batch splits over ``data x expert``), inside them tokens travel by
+    all-to-all (``planner.experts``).
     """
 
     tensor: int = 1
@@ -121,14 +126,20 @@ class Layout:
     rank_order: str = "data-pipe-tensor"
     context: int = 1
     sequence_parallel: bool = False
+    expert: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipe * self.data * self.context
+        return self.tensor * self.pipe * self.data * self.context * self.expert
+
+    @property
+    def replicas(self) -> int:
+        """Ways the batch splits: ``data`` x ``expert``."""
+        return self.data * self.expert
 
     @property
     def microbatches(self) -> int:
-        return self.global_batch // (self.data * self.microbatch_size)
+        return self.global_batch // (self.replicas * self.microbatch_size)
 
     @property
     def kind(self) -> str | None:
@@ -140,14 +151,14 @@ class Layout:
     @property
     def data_stride(self) -> int:
         """Device-number distance between data-parallel replicas (``rank_order``)."""
-        return self.tensor * self.context * (self.pipe if self.rank_order == "data-pipe-tensor"
-                                             else 1)
+        return self.tensor * self.context * self.expert * (
+            self.pipe if self.rank_order == "data-pipe-tensor" else 1)
 
     @property
     def pipe_stride(self) -> int:
         """Device-number distance between neighbouring pipeline stages."""
-        return self.tensor * self.context * (1 if self.rank_order == "data-pipe-tensor"
-                                             else self.data)
+        return self.tensor * self.context * self.expert * (
+            1 if self.rank_order == "data-pipe-tensor" else self.data)
 
     @property
     def fsdp(self) -> bool:
@@ -162,6 +173,7 @@ class Layout:
     def short(self) -> str:
         s = f"t{self.tensor} p{self.pipe} d{self.data} mb{self.microbatch_size}"
         s += f" c{self.context}" if self.context > 1 else ""
+        s += f" e{self.expert}" if self.expert > 1 else ""
         s += " sp" if self.sequence_parallel else ""
         if self.pipe > 1:
             s += f" {self.kind}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
@@ -201,8 +213,15 @@ def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = Non
 def _check_sizes(lo: Layout, model: ModelSpec, cluster: ClusterSpec | None) -> None:
     """The mesh, the model and the batch divide as the layout says."""
     for f in ("tensor", "pipe", "data", "virtual_stages", "microbatch_size", "global_batch",
-              "steps_per_call", "context"):
+              "steps_per_call", "context", "expert"):
         _positive(f, getattr(lo, f))
+    if lo.expert > 1 and model.moe is None:
+        raise ValueError(f"expert={lo.expert} splits a mixture of experts; {model.name} has "
+                         "none: set expert=1")
+    n = model.moe.num_experts if model.moe is not None else 1
+    if n % lo.expert:
+        raise ValueError(f"expert={lo.expert} does not divide the {n} experts of {model.name}"
+                         f"; use one of {[x for x in range(1, n + 1) if n % x == 0]}")
     if model.seq_len % (2 * lo.context):
         raise ValueError(f"context={lo.context} cuts each sequence into {2 * lo.context} equal "
                          f"chunks, but seq_len={model.seq_len} is not a multiple of "
@@ -211,9 +230,11 @@ def _check_sizes(lo: Layout, model: ModelSpec, cluster: ClusterSpec | None) -> N
         raise ValueError("sequence_parallel=True splits activations over tensor, but "
                          "tensor=1; set tensor > 1 or drop it")
     if cluster is not None and lo.gpus != cluster.num_gpus:
-        cx = f" x context {lo.context}" if lo.context > 1 else ""
+        more = [(n, getattr(lo, n)) for n in ("context", "expert") if getattr(lo, n) > 1]
+        names, sizes = "".join(f" x {n}" for n, _ in more), "".join(f" x {v}" for _, v in more)
         raise ValueError(
-            f"tensor x pipe x data{cx} = {lo.tensor} x {lo.pipe} x {lo.data} = {lo.gpus} but the "
+            f"tensor x pipe x data{names} = {lo.tensor} x {lo.pipe} x {lo.data}{sizes} = "
+            f"{lo.gpus} but the "
             f"cluster has {cluster.num_gpus} GPUs ({cluster.nodes} nodes x "
             f"{cluster.gpus_per_node}); make the product {cluster.num_gpus} or use "
             f"--nodes {max(1, lo.gpus // cluster.gpus_per_node)}")
@@ -225,11 +246,12 @@ def _check_sizes(lo: Layout, model: ModelSpec, cluster: ClusterSpec | None) -> N
             f"layers={model.num_layers} < pipe x virtual_stages = {lo.pipe} x "
             f"{lo.virtual_stages}; every chunk needs a layer: use pipe x virtual <= "
             f"{model.num_layers}")
-    per = lo.data * lo.microbatch_size
+    per = lo.replicas * lo.microbatch_size
     if lo.global_batch % per:
+        ex = f" x expert {lo.expert}" if lo.expert > 1 else ""
         raise ValueError(
-            f"global_batch={lo.global_batch} is not a multiple of data x microbatch_size = "
-            f"{lo.data} x {lo.microbatch_size} = {per}; use e.g. "
+            f"global_batch={lo.global_batch} is not a multiple of data{ex} x microbatch_size "
+            f"= {per}; use e.g. "
             f"{max(per, lo.global_batch // per * per)}")
 
 

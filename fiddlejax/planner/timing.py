@@ -40,11 +40,13 @@ import dataclasses
 import functools
 import math
 
+from fiddlejax.planner import experts
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.footprint import (
     activation_bytes,
     chunk_layers,
     schedule_steps,
+    stage_expert_params,
     stage_params,
     state_bytes,
     vocab_parallel,
@@ -60,7 +62,7 @@ class StepTime:
     """Seconds per training step, split by cause; ``total`` is the predicted step time."""
 
     compute: float  # matmuls + elementwise + recomputation on the slowest stage
-    tensor_comm: float  # tensor-parallel all-reduces (exposed: they sit on the critical path)
+    tensor_comm: float  # tensor-parallel all-reduces and MoE all-to-alls (on the critical path)
     bubble: float  # pipeline fill/drain idle time, stage-to-stage transfers included
     data_comm: float  # the whole gradient reduction
     data_comm_exposed: float  # the part not hidden under the backward
@@ -195,12 +197,33 @@ def ring_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
 def _data_comm(cluster: ClusterSpec, model: ModelSpec, layout: Layout, n_params: float) -> float:
     """Seconds of the gradient reduction per step: the data-parallel all-reduce, ZeRO-1/2's
     all-gather of the updated shards, or FSDP's gathers and reduce-scatters; with Megatron's
-    placement of a tied embedding, its all-reduce between the first and last stage."""
-    t, p, d, m = layout.tensor, layout.pipe, layout.data, layout.microbatches
+    placement of a tied embedding, its all-reduce between the first and last stage. With an
+    ``expert`` axis the dense weights reduce over ``data`` x ``expert`` (the expert group
+    innermost, ``tensor`` devices apart), the experts' over ``data``."""
+    t, p, e = layout.tensor, layout.pipe, layout.expert
+    gb = layout.grad_bytes
+    ex = stage_expert_params(model, layout) if e > 1 else 0.0
+    dp = _reduction(cluster, layout, n_params - ex, layout.data * e,
+                    t * layout.context if e > 1 else layout.data_stride)
+    if ex:
+        dp += _reduction(cluster, layout, ex, layout.data, layout.data_stride)
+    if layout.context > 1:  # parameters are replicated over context: their gradients too
+        sharded = layout.data if layout.zero >= 2 and layout.data > 1 else 1
+        dp += allreduce_seconds(cluster, layout.context, t, n_params * gb / sharded)
+    if layout.head == "last-stage" and p > 1 and model.tied:  # the first stage's embedding
+        # and the last stage's copy (the head) sum their gradients once per step
+        dp += allreduce_seconds(cluster, 2, (p - 1) * layout.pipe_stride,
+                                model.prologue_params[0] / t * gb)
+    return dp
+
+
+def _reduction(cluster: ClusterSpec, layout: Layout, n_params: float, d: int,
+               stride: int) -> float:
+    """:func:`_data_comm`'s reduction of ``n_params`` over ``d`` replicas ``stride`` apart."""
+    m = layout.microbatches
     pb, _, _ = state_bytes(layout)
     gb = layout.grad_bytes
     ab = activation_bytes(layout)
-    stride = layout.data_stride
     dp = allreduce_seconds(cluster, d, stride, n_params * gb)
     if layout.zero in (1, 2) and d > 1:  # the updated shards all-gathered (half a ring
         # all-reduce of the parameters); ZeRO-2 reduce-scatters the gradients (the other half)
@@ -212,13 +235,6 @@ def _data_comm(cluster: ClusterSpec, model: ModelSpec, layout: Layout, n_params:
         gather = allreduce_seconds(cluster, d, stride, n_params * ab) / 2
         scatter = allreduce_seconds(cluster, d, stride, n_params * gb) / 2
         dp = gather + scatter if layout.gathers_once else m * (2 * gather + scatter)
-    if layout.context > 1:  # parameters are replicated over context: their gradients too
-        sharded = d if layout.zero >= 2 and d > 1 else 1
-        dp += allreduce_seconds(cluster, layout.context, t, n_params * gb / sharded)
-    if layout.head == "last-stage" and p > 1 and model.tied:  # the first stage's embedding
-        # and the last stage's copy (the head) sum their gradients once per step
-        dp += allreduce_seconds(cluster, 2, (p - 1) * layout.pipe_stride,
-                                model.prologue_params[0] / t * gb)
     return dp
 
 
@@ -261,6 +277,9 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved / c
     ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab / c) * model.tp_allreduces
     ring = ring_seconds(model, cluster, layout)
+    # an MoE layer's dispatch and combine (the backward sends as much; full remat re-sends)
+    a2a = experts.alltoall_seconds(model, cluster, layout, mb * model.seq_len / c, ab)
+    ar += a2a
     recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
     recompute_ar = ar if layout.remat == "full" else 0.0
     # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)

@@ -47,6 +47,7 @@ class ModelSpec:
     - ``tp_allreduces``: forward all-reduces of a ``boundary``-sized tensor per layer under
       Megatron tensor parallelism (backward repeats them).
     - ``layer_costs``: relative cost of each layer when layers differ (PipeDream's partition).
+    - ``moe``: a mixture of experts' experts (``planner.experts``), not in ``layer_params``.
     """
 
     name: str
@@ -71,6 +72,7 @@ class ModelSpec:
     outer_leaves: tuple[tuple[int, bool], ...] | None = None
     act_f32: Mapping[str, float] = dataclasses.field(default_factory=dict)
     act_stashed: tuple[float, float] | None = None
+    moe: Any = None  # planner.experts.MoESpec
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -84,9 +86,17 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Total parameters."""
-        return (self.num_layers * sum(self.layer_params) + sum(self.prologue_params)
-                + sum(self.epilogue_params))
+        """Total parameters (every expert's)."""
+        experts = self.moe.expert_params(self.hidden) if self.moe else 0
+        return (self.num_layers * (sum(self.layer_params) + experts)
+                + sum(self.prologue_params) + sum(self.epilogue_params))
+
+    def layer_share(self, tensor: int, expert: int = 1) -> float:
+        """Parameters of one layer on one rank: split ones over ``tensor``, experts over
+        ``expert`` x ``tensor``, the rest whole."""
+        split, rep = self.layer_params
+        experts = self.moe.expert_params(self.hidden) if self.moe else 0
+        return split / tensor + rep + experts / (tensor * expert)
 
     @property
     def tied(self) -> bool:
