@@ -47,15 +47,21 @@ def test_expert_weights_split_over_the_expert_axis():
 
 def test_alltoall_volume_and_time_by_hand():
     """Per MoE layer and device, forward: dispatch + combine, each k x tokens x h x bytes x
-    (E_axis - 1) / E_axis; backward the same, and full remat sends the forward's again."""
+    (E_axis - 1) / E_axis; backward the same, and full remat sends the forward's again. The
+    runtime's static buffers (tokens x min(k, E / S) rows to each device) send S min(k, E/S) / k
+    times that: 4x for Mixtral on expert=8, 2x on expert=2."""
     m = planner.preset("mixtral-8x7b")
-    assert experts.alltoall_bytes(m, S, 8, 2) == 2 * K * S * H * 2 * 7 / 8  # 117.4 MB
+    assert experts.alltoall_bytes(m, S, 8, 2, padded=False) == 2 * K * S * H * 2 * 7 / 8
+    assert experts.padding(m, 8) == 4 and experts.padding(m, 2) == 2
+    assert experts.alltoall_bytes(m, S, 8, 2) == 2 * 7 * S * 1 * H * 2  # 7 peers x S x 1 row
     assert experts.alltoall_bytes(m, S, 1, 2) == 0
+    # the padding rows' expert FLOPs: 3 more rows per real one on expert=8
+    assert experts.padded_flops(m, 8) == 3 * 2 * S * 3 * H * F * K
     clus = planner.cluster("h100", nodes=2)
     lo = planner.Layout(tensor=1, pipe=1, data=2, expert=8, microbatch_size=1, global_batch=32,
                         remat="full", precision="bf16-mixed")
     bw, lat = clus.group_bandwidth(8, 1)
-    a2a = 2 * 7 * lat + 2 * K * S * H * 2 * 7 / 8 / bw
+    a2a = 2 * 7 * lat + 2 * 7 * S * H * 2 / bw
     assert experts.alltoall_seconds(m, clus, lo, S, 2) == pytest.approx(a2a)
     t, _ = timing.step_time(m, clus, lo, simulate=False)
     m_ = lo.microbatches  # 32 / (2 x 8)

@@ -13,7 +13,9 @@ only); inside them each token's hidden state travels by all-to-all to the device
 experts and back: per MoE layer and microbatch, forward a dispatch and a combine of
 ``k x tokens x h`` elements each, of which a fraction ``(E_axis - 1) / E_axis`` leaves the
 device, and the backward the same again (:func:`alltoall_bytes`), on the links the expert group
-spans (``tensor`` devices apart: ``expert`` sits next to ``tensor`` in the mesh).
+spans (``tensor`` devices apart: ``expert`` sits next to ``tensor`` in the mesh). The runtime
+sends static buffers sized for the worst case (``parallel/expert.py``), so the bytes, the
+experts' rows (FLOPs) and their activations are those times :func:`padding`.
 """
 
 from __future__ import annotations
@@ -107,13 +109,53 @@ def preset(name: str, seq: int | None = None) -> ModelSpec:
                      head_dim=dh, name=name)
 
 
-def alltoall_bytes(model: ModelSpec, tokens: float, expert: int, nbytes: int) -> float:
+ROW_ACTS = {"none": 5, "dots": 2, "dots_no_batch": 2, "minimal": 2, "full": 0}  # x k f per token
+
+
+def padding(model: ModelSpec, expert: int) -> float:
+    """Rows the runtime dispatches over the real (token, choice) pairs. With static shapes
+    (``parallel/expert.py``) each device sends every device of the group a buffer of
+    ``tokens x min(k, E / S)`` rows (the most one destination can get), so its experts run
+    ``S x min(k, E / S) / k`` times the rows of their real pairs: 4x for Mixtral on S = 8.
+    1 without the axis."""
+    if model.moe is None or expert == 1:
+        return 1.0
+    k, e = model.moe.top_k, model.moe.num_experts
+    return expert * min(k, e // expert) / k
+
+
+def alltoall_bytes(model: ModelSpec, tokens: float, expert: int, nbytes: int,
+                   padded: bool = True) -> float:
     """Bytes one device sends per MoE layer forward (the backward sends as many again):
     dispatch and combine, each ``k x tokens x hidden`` elements of ``nbytes``, the share
-    ``(expert - 1) / expert`` bound for other devices of the group."""
+    ``(expert - 1) / expert`` bound for other devices of the group; ``padded``: times the
+    runtime's static buffers (:func:`padding`)."""
     if model.moe is None or expert == 1:
         return 0.0
-    return 2 * model.moe.top_k * tokens * model.hidden * nbytes * (expert - 1) / expert
+    ideal = 2 * model.moe.top_k * tokens * model.hidden * nbytes * (expert - 1) / expert
+    return ideal * (padding(model, expert) if padded else 1.0)
+
+
+def padded_flops(model: ModelSpec, expert: int) -> float:
+    """Forward FLOPs per sample the padding rows add to one layer's experts."""
+    if model.moe is None:
+        return 0.0
+    m = model.moe
+    return (padding(model, expert) - 1) * 2.0 * model.seq_len * 3 * model.hidden \
+        * m.expert_ffn * m.top_k * (m.capacity_factor or 1.0)
+
+
+def padded_activations(model: ModelSpec, policy: str, tensor: int, expert: int) -> float:
+    """Activation elements per sample the padding rows add to one MoE layer on one rank
+    under ``policy``: the expert rows' (``ROW_ACTS`` x ``k f`` split over ``tensor``, and the
+    dispatched rows before and after the experts, ``2 k h`` whole) times the extra rows."""
+    extra = padding(model, expert) - 1
+    if not extra or policy not in ROW_ACTS:
+        return 0.0
+    m, h = model.moe, model.hidden
+    per_token = ROW_ACTS[policy] * m.top_k * m.expert_ffn / tensor + (
+        2 * m.top_k * h if ROW_ACTS[policy] else 0)
+    return extra * per_token * model.seq_len
 
 
 def alltoall_seconds(model: ModelSpec, cluster, layout, tokens: float, nbytes: int) -> float:
@@ -137,4 +179,4 @@ def expert_sizes(model: ModelSpec, gpus: int) -> list[int]:
 
 
 __all__ = ["MOE_PRESETS", "MoESpec", "alltoall_bytes", "alltoall_seconds", "expert_sizes",
-           "moe_llama", "preset"]
+           "moe_llama", "padded_activations", "padded_flops", "padding", "preset"]

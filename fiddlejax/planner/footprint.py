@@ -51,6 +51,7 @@ import dataclasses
 import math
 
 from fiddlejax.pipeline.schedules import interleaves
+from fiddlejax.planner import experts
 from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for
 from fiddlejax.planner.workload import ModelSpec
 
@@ -105,6 +106,7 @@ def layer_activations(model: ModelSpec, layout: Layout, policy: str,
     recomputes at a time."""
     t, c, ab = layout.tensor, layout.context, activation_bytes(layout)
     raw = (model.stash_bytes if stashed else model.act_bytes)(policy, t, ab)
+    raw += experts.padded_activations(model, policy, t, layout.expert) * ab
     if layout.sequence_parallel:
         rep = (model.act_stashed if stashed and policy == "none" and model.act_stashed
                else model.act[policy])[1]

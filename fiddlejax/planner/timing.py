@@ -271,7 +271,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     layers = _chunk_cost_scale(model, layout)
     # One layer, one microbatch, one tensor rank (and 1/context of each sequence).
     c = layout.context
-    mm = mb * model.layer_flops / t / c / flop_rate
+    mm = mb * (model.layer_flops + experts.padded_flops(model, layout.expert)) / t / c / flop_rate
     split, rep = model.act["none"]
     rep = rep / t if layout.sequence_parallel else rep
     ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved / c
