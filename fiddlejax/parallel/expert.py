@@ -206,8 +206,8 @@ class ExpertModel:
         return self._inner.weighted_loss(params, x, self._rows(batch))
 
     def epilogue(self, params, x, batch):
-        total, weight = self.weighted_loss(params, x, batch)
-        return total / weight
+        total, sums = self.weighted_loss(params, x, batch)
+        return total / sums.weight
 
 
 def lay_out(staged, plan, canonical) -> object:
