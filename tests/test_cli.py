@@ -178,7 +178,10 @@ def test_default_run_saves_checkpoints_in_its_run_dir(tmp_path, capsys):
             "run.progress=lines", f"run.dir={run_dir}"]
     assert run.main(None, [*tiny, "train.steps=2"]) == 0
     ckpts = run_dir / "checkpoints"
-    assert f"checkpoints: {ckpts} (checkpoint.dir=auto" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"checkpoints: {ckpts} (checkpoint.dir=auto" in out
+    assert "step 0: no validation (train.eval_batches=0)" in out and "nan" not in out
+    assert "none (train.eval_batches=0)" in out
     assert (ckpts / "2").is_dir()  # the last step is always saved
     assert run.main(None, [*tiny, "train.steps=3", "resume=auto"]) == 0
     assert f"resumed from {ckpts} at step 2" in capsys.readouterr().out

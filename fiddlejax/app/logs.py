@@ -138,7 +138,8 @@ def summary(cfg: dict, losses: list[float], times: list[float], val: float, firs
                         + f"schedule={cfg['plan']['schedule']}")
     t.add_row("steps", str(len(losses)))
     t.add_row("train loss (first -> last)", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
-    t.add_row("validation loss (start -> end)", f"{first_val:.4f} -> {val:.4f}")
+    t.add_row("validation loss (start -> end)", f"{first_val:.4f} -> {val:.4f}"
+              if not math.isnan(first_val) else "none (train.eval_batches=0)")
     if accuracy is not None:
         t.add_row("validation accuracy (start -> end)",
                   f"{100 * accuracy[0]:.1f}% -> {100 * accuracy[1]:.1f}%")

@@ -142,7 +142,8 @@ def _run(cfg: dict) -> int:
         first_val, first_acc = job.evaluate(state), job.accuracy(state)
         acc_text = f", accuracy {100 * first_acc:.1f}%" if first_acc is not None else ""
         job.log.print(f"step {start - 1}: validation loss {first_val:.4f} "
-                      f"(uniform guess: {job.uniform_loss:.4f}){acc_text}")
+                      f"(uniform guess: {job.uniform_loss:.4f}){acc_text}" if job.val_batches
+                      else f"step {start - 1}: no validation (train.eval_batches=0)")
         losses, times, val, acc = _loop(job, state, start, first_val, first_acc)
         if job.ckpt is not None:
             job.ckpt.close()
@@ -255,7 +256,7 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
                                        job.data.unit))
             eval_due = tcfg["eval_every"] and any(
                 (j % tcfg["eval_every"] == 0 or j == tcfg["steps"]) for j in range(step, s + 1))
-            if last and eval_due:  # the state exists at the end of a call only
+            if last and eval_due and job.val_batches:  # the state exists at the end of a call
                 val = rec["val_loss"] = job.evaluate(state)
                 acc = job.accuracy(state)
                 if acc is not None:
