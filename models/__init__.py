@@ -182,6 +182,10 @@ def _llama_flops(model, batch_size: int) -> float:
     n = sum(x.size for x in jax.tree.leaves(params))
     if not c.tie_word_embeddings:
         n -= params["embed"][...].size  # a lookup; tied, it is the head's matmul as well
+    if c.num_experts:  # a token runs num_experts_per_tok of the experts
+        moe = params["blocks"]["moe"]
+        experts = sum(moe[k][...].size for k in ("w_gate", "w_up", "w_down"))
+        n -= experts * (1 - c.num_experts_per_tok / c.num_experts)
     tokens = batch_size * c.seq_len
     attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_dim
     return 6.0 * n * tokens + attn * tokens
@@ -239,7 +243,8 @@ REGISTRY: dict[str, ModelEntry] = {
     "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
 }
 # The other Hugging Face families: the same decoder, job and data (models/decoder.py).
-for _family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"):
+for _family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
+                "mixtral", "qwen3_moe"):
     REGISTRY[_family] = ModelEntry(_family, _llama_build, _gpt_batches, _llama_flops,
                                    LLAMA_MUON_AXES)
 
@@ -277,9 +282,9 @@ def generate_text(model, prompt, max_new_tokens: int, **kw):
 
 def from_pretrained(path, *, seq_len: int | None = None, dtype=None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s
-    ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text): a
-    :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`. Weights load as float32
-    masters (or ``dtype``); ``seq_len``: the default batch length (any length up to
+    ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, mixtral,
+    qwen3_moe): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`. Weights load
+    as float32 masters (or ``dtype``); ``seq_len``: the default batch length (any length up to
     ``max_position_embeddings`` is accepted). ``model.save_pretrained(dir)`` writes it back."""
     from .decoder import FAMILIES
     from .families import SUPPORTED

@@ -1,10 +1,12 @@
-"""One decoder for the Hugging Face families: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3.
+"""One decoder for the Hugging Face families: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3,
+and the mixtures of experts Mixtral and Qwen3-MoE.
 
 The families differ by options of one block, not by code: biases on Q/K/V (Qwen2), RMSNorm on
 queries and keys (Qwen3, Gemma 3), sliding-window layers (Mistral, Qwen2, Gemma 2/3, Phi-3),
 soft-capped attention and final logits (Gemma 2), a query scale of its own
 (``query_pre_attn_scalar``), norms before and after each sub-layer, Gemma's ``(1 + w)`` norm and
-scaled embedding, GeGLU instead of SwiGLU, and per-layer-type RoPE bases (Gemma 3).
+scaled embedding, GeGLU instead of SwiGLU, per-layer-type RoPE bases (Gemma 3), and a
+mixture of experts in place of the MLP (:mod:`.moe`; Mixtral, Qwen3-MoE).
 :mod:`.families` reads each family's ``config.json`` into a :class:`DecoderConfig`.
 
 Stage declaration (as :mod:`models.gpt`): ``prologue(batch)`` embeds ``tokens[:, :-1]``;
@@ -17,6 +19,8 @@ channel (the layer's index, exact in any float dtype below 256 layers) after the
 of packed documents, and each block reads it, picks its type's branch with ``lax.switch`` (each
 branch one attention call with static options, so the fused kernel stays available) and adds
 one. Pipelines carry it with the activation, so every layout sees the same layer types.
+An MoE model appends the router tally last (:mod:`.moe_loss`): each layer adds its routing to
+it, the head hands it to the loss, which adds the per-sequence router losses.
 
 Tensor parallelism: query heads (``heads``) and KV heads (``kv_heads``) split over ``tensor`` in
 contiguous blocks (every query head on the device of the KV head it reads), as do the MLP units
@@ -26,7 +30,6 @@ q/k norms act per head, and the counter rides with the (replicated) hidden state
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
 
-from . import families, hf, rope
+from . import families, hf, moe_loss, rope
 from .common import (
     annotated,
     attention,
@@ -52,110 +55,13 @@ from .common import (
     split_side,
     stacked,
 )
-
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-LAYER_TYPES = ("full_attention", "sliding_attention")
-MAX_TYPED_LAYERS = 255  # the counter channel stays an exact integer in bf16 and fp16
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Hugging Face field names (``LlamaConfig``'s first), ``seq_len`` (the default training
-    length for ``batch_spec``; any batch up to ``max_position_embeddings`` is accepted) and
-    the options of the other families. ``layer_types``: one of :data:`LAYER_TYPES` per layer
-    (None: all ``sliding_attention`` when ``sliding_window`` is set, else all full);
-    ``local_rope_theta``: the sliding layers' RoPE base when it differs (Gemma 3);
-    ``checkpoint_dtype``: what ``save_pretrained`` writes by default."""
-
-    vocab_size: int = 256
-    hidden_size: int = 128
-    intermediate_size: int = 512
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: Any = None  # stored as a sorted tuple of items: configs must stay hashable
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    seq_len: int = 128
-    model_type: str = "llama"
-    hidden_act: str = "silu"
-    attention_bias: bool = False
-    qk_norm: bool = False
-    norm_plus_one: bool = False
-    sandwich_norms: bool = False
-    scale_embeddings: bool = False
-    query_pre_attn_scalar: float | None = None
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    sliding_window: int | None = None
-    layer_types: tuple | None = None
-    local_rope_theta: float | None = None
-    checkpoint_dtype: str = "float32"
-    token_ids: tuple = ()  # (key, id) items of config.json's *_token_id keys, written back
-
-    def __post_init__(self):
-        me = type(self).__name__
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                  "seq_len"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{me}.{f}={v!r} must be a positive int")
-        h, kv = self.num_attention_heads, self.num_key_value_heads
-        if h % kv:
-            raise ValueError(f"{me}.num_attention_heads={h} must be a multiple of "
-                             f"num_key_value_heads={kv} (grouped-query attention)")
-        if self.head_dim is None:
-            if self.hidden_size % h:
-                raise ValueError(f"{me}.hidden_size={self.hidden_size} must be divisible "
-                                 f"by num_attention_heads={h}, or give head_dim")
-            object.__setattr__(self, "head_dim", self.hidden_size // h)
-        if self.head_dim % 2:
-            raise ValueError(f"{me}.head_dim={self.head_dim} must be even (rotary pairs)")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"{me}.hidden_act={self.hidden_act!r} is not supported; "
-                             f"supported: {tuple(ACTIVATIONS)}")
-        object.__setattr__(self, "rope_scaling", rope.normalize_scaling(
-            self.rope_scaling, self.max_position_embeddings, me))
-        w = self.sliding_window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
-            raise ValueError(f"{me}.sliding_window={w!r} must be a positive int or None")
-        types = self.layer_types
-        if types is None:
-            types = ("sliding_attention" if w else "full_attention",) * self.num_hidden_layers
-        types = tuple(types)
-        if len(types) != self.num_hidden_layers or set(types) - set(LAYER_TYPES):
-            raise ValueError(f"{me}.layer_types={list(types)} must give one of {LAYER_TYPES} "
-                             f"for each of the {self.num_hidden_layers} layers")
-        if "sliding_attention" in types and not w:
-            raise ValueError(f"{me}.layer_types has sliding_attention layers but "
-                             "sliding_window is None")
-        if len(set(types)) > 1 and self.num_hidden_layers > MAX_TYPED_LAYERS:
-            raise ValueError(f"{me}: mixed layer_types need num_hidden_layers <= "
-                             f"{MAX_TYPED_LAYERS}")
-        object.__setattr__(self, "layer_types", types)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The distinct layer types, in order of first use (a layer's branch index)."""
-        return tuple(dict.fromkeys(self.layer_types))
-
-    @property
-    def attention_scale(self) -> float | None:
-        q = self.query_pre_attn_scalar
-        return None if q is None else float(q) ** -0.5
-
-    def window(self, kind: str) -> int | None:
-        return self.sliding_window if kind == "sliding_attention" else None
-
-    def inv_freq(self, kind: str = "full_attention"):
-        """The RoPE inverse frequencies of a layer type (a trace-time constant)."""
-        if kind == "sliding_attention" and self.local_rope_theta is not None:
-            return rope.inverse_frequencies(self.head_dim, self.local_rope_theta)
-        return rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+from .decoder_config import (  # noqa: F401 - the config's names, where they always were
+    ACTIVATIONS,
+    LAYER_TYPES,
+    MAX_TYPED_LAYERS,
+    DecoderConfig,
+)
+from .moe import MoE, MoEOutput
 
 
 class RMSNorm(nnx.Module):
@@ -205,9 +111,12 @@ class DecoderBlock(nnx.Module):
         if c.sandwich_norms:
             self.attn_post_norm = norm()
         self.mlp_norm = norm()
-        self.w1 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
-        self.w3 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
-        self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
+        if c.num_experts:
+            self.moe = MoE(c.moe, rngs=rngs, out_std=out_std)
+        else:
+            self.w1 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
+            self.w3 = param(rngs, normal(std), (d, f), ("embed", "mlp"))
+            self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
         if c.sandwich_norms:
             self.mlp_post_norm = norm()
 
@@ -245,30 +154,53 @@ class DecoderBlock(nnx.Module):
                               segment_ids, positions)
 
     def mlp(self, x: jax.Array) -> jax.Array:
+        return self.routed_mlp(x)[0]
+
+    def routed_mlp(self, x: jax.Array) -> tuple[jax.Array, MoEOutput | None]:
+        """The MLP's output, and the MoE layer's routing (None for a dense MLP)."""
+        if self.config.num_experts:
+            out = self.moe(x)
+            return out.output, out
         act = ACTIVATIONS[self.config.hidden_act]
         gate = checkpoint_name(x @ self.w1[...], names.MLP_HIDDEN)
         up = checkpoint_name(x @ self.w3[...], names.MLP_HIDDEN)
-        return checkpoint_name((act(gate) * up) @ self.w2[...], names.MLP_OUT)
+        return checkpoint_name((act(gate) * up) @ self.w2[...], names.MLP_OUT), None
 
     def residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         """The rest of the layer once its attention output ``attn`` is known."""
+        return self.routed_residual(x, attn)[0]
+
+    def routed_residual(self, x: jax.Array, attn: jax.Array):
+        """:meth:`residual` and the MLP's routing (None for a dense MLP)."""
         if self.config.sandwich_norms:
             x = x + self.attn_post_norm(attn)
-            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+            y, routed = self.routed_mlp(self.mlp_norm(x))
+            return x + self.mlp_post_norm(y), routed
         x = x + attn
-        return x + self.mlp(self.mlp_norm(x))
+        y, routed = self.routed_mlp(self.mlp_norm(x))
+        return x + y, routed
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self.routed(x)[0]
+
+    def routed(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The layer on a message, and its router logits ``[B, T, E]`` (None if dense)."""
+        e, tally = self.config.num_experts, None
+        if e:  # the tally rides last, after the side channels, with its gradients
+            x, tally = moe_loss.split(x, e)
         x, side = split_side(x, self.config.hidden_size)
         layer, counter = None, None
         if side is not None and len(self.config.kinds) > 1:  # the last channel: layer index
             counter, side = side[..., -1:], (side[..., :-1] if side.shape[-1] > 1 else None)
             layer = jnp.round(counter[0, 0, 0].astype(jnp.float32)).astype(jnp.int32)
         seg, pos = (None, None) if side is None else side_values(side)
-        x = self.residual(x, self.attention(self.attn_norm(x), seg, pos, layer))
+        x, routed = self.routed_residual(x, self.attention(self.attn_norm(x), seg, pos, layer))
         if counter is not None:
             side = counter + 1 if side is None else jnp.concatenate([side, counter + 1], -1)
-        return join_side(x, side)
+        x = join_side(x, side)
+        if routed is None:
+            return x, None
+        return moe_loss.join(x, moe_loss.accumulate(tally, routed)), routed.router_logits
 
 
 class Decoder(nnx.Module):
@@ -289,7 +221,8 @@ class Decoder(nnx.Module):
     def embed_tokens(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                      positions: jax.Array | None = None) -> jax.Array:
         """Token embeddings (times sqrt(hidden) for Gemma); segment ids and positions ride along
-        as side channels (:func:`~models.common.encode_side`), then the layer counter."""
+        as side channels (:func:`~models.common.encode_side`), then the layer counter, then
+        (MoE) an empty router tally."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
@@ -298,23 +231,52 @@ class Decoder(nnx.Module):
         if len(self.config.kinds) > 1:
             zero = jnp.zeros((*tokens.shape, 1), x.dtype)
             side = zero if side is None else jnp.concatenate([side, zero], axis=-1)
-        return join_side(x, side)
+        x = join_side(x, side)
+        e = self.config.num_experts
+        return moe_loss.join(x, moe_loss.empty(tokens.shape, e, x.dtype)) if e else x
 
     def prologue(self, batch: dict) -> jax.Array:
         return self.embed_tokens(batch["tokens"][:, :-1], *batch_sides(batch))
 
-    def head(self, x: jax.Array) -> jax.Array:
-        c = self.config
+    def head(self, x: jax.Array):
+        """Final norm and vocabulary projection: the logits, or ``(logits, tally)`` when the
+        message carries an MoE model's router tally (the loss reads it)."""
+        c, tally = self.config, None
+        if c.num_experts and x.shape[-1] > c.hidden_size:
+            x, tally = moe_loss.split(x, c.num_experts)
         x = self.norm(split_side(x, c.hidden_size)[0])
         if c.tie_word_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...])
         else:
             logits = x @ self.lm_head[...]
         cap = c.final_logit_softcapping
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        logits = logits if cap is None else cap * jnp.tanh(logits / cap)
+        return logits if tally is None else (logits, tally)
 
-    def loss(self, logits: jax.Array, batch: dict):
-        return next_token_loss(logits, batch, self.config.vocab_size)
+    def loss(self, outputs, batch: dict):
+        """Next-token cross-entropy; an MoE model's ``(logits, tally)`` adds the router losses
+        of each sequence (a row; its padding left out), weighted as the row's targets, and
+        reports them (``moe_aux_loss``, ``moe_dropped``: the step's metrics)."""
+        if not isinstance(outputs, tuple):
+            return next_token_loss(outputs, batch, self.config.vocab_size)
+        logits, tally = outputs
+        c, seg = self.config, batch.get("segment_ids")
+        value = next_token_loss(logits, batch, c.vocab_size)
+        mask = weights = None
+        if seg is not None:
+            mask = seg[:, :-1] > 0
+            weights = jnp.sum((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), -1)
+        return moe_loss.add_router_losses(value, tally, c.num_experts_per_tok,
+                                          c.router_aux_loss_coef, c.router_z_loss_coef, mask,
+                                          None if weights is None else weights.astype(
+                                              jnp.float32), report=True)
+
+    def router_losses(self, outputs, batch: dict) -> moe_loss.RouterLosses:
+        """Each sequence's load-balancing and z losses and dropped choices ``[B]`` (before
+        their coefficients) from the head's ``(logits, tally)``."""
+        seg = batch.get("segment_ids")
+        return moe_loss.sequence_losses(outputs[1], self.config.num_experts_per_tok,
+                                        None if seg is None else seg[:, :-1] > 0)
 
     def batch_spec(self, batch_size: int, batch: dict | None = None) -> dict:
         """``{"tokens": int32[batch_size, seq_len + 1]}``; given a ``batch``, its own length
@@ -331,11 +293,22 @@ class Decoder(nnx.Module):
         return {"tokens": jax.ShapeDtypeStruct((batch_size, t + 1), jnp.int32)}
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, output_router_logits: bool = False):
         """Logits ``[B, T, vocab]`` for ``tokens[B, T]``; ``segment_ids`` / ``positions``
-        ``[B, T]`` for packed documents (attention stays within a segment)."""
+        ``[B, T]`` for packed documents (attention stays within a segment). An MoE model with
+        ``output_router_logits=True``: ``(logits, router_logits)``, one ``[B * T, E]`` array
+        per layer, as transformers returns them."""
         x = self.embed_tokens(tokens, segment_ids, positions)
-        return self.head(scan_layers(self.blocks, x))
+        if not output_router_logits:
+            out = self.head(scan_layers(self.blocks, x))
+            return out[0] if isinstance(out, tuple) else out
+        e = self.config.num_experts
+        if not e:
+            raise ValueError(f"output_router_logits=True: {type(self).__name__} has no router "
+                             "(num_experts=0); call it without output_router_logits")
+        graphdef, state = nnx.split(self.blocks)
+        x, router = jax.lax.scan(lambda h, s: nnx.merge(graphdef, s).routed(h), x, state)
+        return self.head(x)[0], tuple(r.reshape(-1, e) for r in router)
 
     # -- Hugging Face checkpoints (models/hf.py, models/families.py) ---------------------------
     config_class = DecoderConfig
@@ -389,5 +362,7 @@ Phi3 = _family("Phi3", "phi3")
 Gemma = _family("Gemma", "gemma")
 Gemma2 = _family("Gemma2", "gemma2")
 Gemma3 = _family("Gemma3", "gemma3_text")
+Mixtral = _family("Mixtral", "mixtral")
+Qwen3Moe = _family("Qwen3Moe", "qwen3_moe")
 FAMILIES: dict[str, type[Decoder]] = {c.model_type: c for c in (
-    Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3)}
+    Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen3Moe)}

@@ -6,7 +6,9 @@ fiddlejax implements, or harmless metadata (token ids, dtype, versions); any oth
 refused by name, so nothing is silently ignored (a Mistral ``sliding_window`` read by a
 Llama reader would otherwise change the model without a word). transformers 4.x
 (``rope_theta`` + ``rope_scaling``, ``rope_local_base_freq``) and 5.x (``rope_parameters``,
-per layer type for Gemma 3) layouts both read.
+per layer type for Gemma 3) layouts both read. Mixtral and Qwen3-MoE add the mixture of
+experts' keys; Qwen3-MoE's dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are
+refused by name: every layer of the shared stack is the same MoE block.
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SUPPORTED = tuple(ARCHITECTURES)
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+MOES = ("mixtral", "qwen3_moe")
+QWENS = ("qwen2", "qwen3", "qwen3_moe")  # use_sliding_window gates their sliding_window
+# The mixtures of experts' keys (Hugging Face names), read by _experts.
+MOE_KEYS = {"num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "norm_topk_prob", "router_aux_loss_coef", "router_z_loss_coef",
+            "router_jitter_noise", "output_router_logits", "decoder_sparse_step",
+            "mlp_only_layers"}
 
 # Shapes and options every family reads (DecoderConfig's names).
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -38,19 +48,26 @@ METADATA = {"architectures", "model_type", "torch_dtype", "dtype", "transformers
             "_sliding_window_pattern",
             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
             "attention_dropout", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
-            "num_hidden_layers", *DIMS}
+            "num_hidden_layers", *DIMS, *MOE_KEYS}
 # Per family: keys that must hold the one value implemented (absent counts as that value).
 NO_BIAS = {"attention_bias": False, "mlp_bias": False}
 FIXED: dict[str, dict[str, Any]] = {
     "llama": NO_BIAS, "mistral": NO_BIAS, "qwen2": {"attention_bias": True, "mlp_bias": False},
     "qwen3": NO_BIAS, "phi3": {**NO_BIAS, "partial_rotary_factor": 1.0},
     "gemma": NO_BIAS, "gemma2": NO_BIAS, "gemma3_text": NO_BIAS,
+    "mixtral": {**NO_BIAS, "router_jitter_noise": 0.0},
+    "qwen3_moe": {**NO_BIAS, "decoder_sparse_step": 1},
 }
 # Keys only some families read: set (not null) in another family's config, they are refused.
 OWN = {"rope_local_base_freq": ("gemma3_text",), "sliding_window_pattern": ("gemma3_text",),
-       "_sliding_window_pattern": ("gemma3_text",), "use_sliding_window": ("qwen2", "qwen3"),
-       "max_window_layers": ("qwen2", "qwen3"), "use_bidirectional_attention": (),
-       "hidden_activation": GEMMAS}
+       "_sliding_window_pattern": ("gemma3_text",), "use_sliding_window": QWENS,
+       "max_window_layers": QWENS, "use_bidirectional_attention": (),
+       "hidden_activation": GEMMAS, "router_jitter_noise": ("mixtral",),
+       **dict.fromkeys(("moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                        "mlp_only_layers"), ("qwen3_moe",)),
+       **dict.fromkeys(("num_local_experts", "num_experts", "num_experts_per_tok",
+                        "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits"),
+                       MOES)}
 ZERO = ("attention_dropout", "resid_pdrop", "embd_pdrop")  # dropout: fiddlejax trains without
 
 
@@ -91,7 +108,7 @@ def _rope(hf: dict, family: str, mpe: int) -> dict:
 def _layers(hf: dict, family: str, n: int) -> dict:
     """``sliding_window`` and ``layer_types`` as transformers derives them per family."""
     window, types = hf.get("sliding_window"), hf.get("layer_types")
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if family in QWENS and not hf.get("use_sliding_window", False):
         window = None  # transformers ignores the window unless use_sliding_window
         types = None if types is None or "sliding_attention" not in types else types
         if types:
@@ -114,9 +131,30 @@ def _layers(hf: dict, family: str, n: int) -> dict:
             every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
             types = ["sliding_attention" if (i + 1) % every else "full_attention"
                      for i in range(n)]
-        else:  # mistral, phi3: every layer
+        else:  # mistral, phi3, mixtral, qwen3_moe (transformers 5): every layer
             types = ["sliding_attention"] * n
     return {"sliding_window": int(window), "layer_types": tuple(types)}
+
+
+def _experts(hf: dict, family: str) -> dict:
+    """The mixture of experts' fields (:class:`~.decoder.DecoderConfig`'s names)."""
+    if family not in MOES:
+        return {}
+    if hf.get("mlp_only_layers"):
+        raise refuse("mlp_only_layers", hf["mlp_only_layers"], family,
+                     " (dense layers among the MoE ones); use a checkpoint with every layer "
+                     "an MoE (mlp_only_layers=[], decoder_sparse_step=1)")
+    a, b = hf.get("num_local_experts"), hf.get("num_experts")
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"config.json has num_local_experts={a!r} and num_experts={b!r}; "
+                         "keep one of them")
+    mixtral = family == "mixtral"
+    return {"num_experts": a or b or (8 if mixtral else 128),
+            "num_experts_per_tok": hf.get("num_experts_per_tok", 2 if mixtral else 8),
+            "moe_intermediate_size": None if mixtral else hf.get("moe_intermediate_size", 768),
+            "norm_topk_prob": True if mixtral else bool(hf.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+            "router_z_loss_coef": float(hf.get("router_z_loss_coef") or 0.0)}
 
 
 def read(hf: dict, seq_len: int | None = None, *, expect: str | None = None) -> dict:
@@ -167,11 +205,13 @@ def read(hf: dict, seq_len: int | None = None, *, expect: str | None = None) -> 
     out.update(_rope(hf, family, mpe))
     out.update(_layers(hf, family, out.get("num_hidden_layers", 32)))
     out.update(model_type=family, hidden_act=act, seq_len=seq_len or mpe,
-               attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3_text"),
+               attention_bias=family == "qwen2",
+               qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
                norm_plus_one=gemma, sandwich_norms=family in ("gemma2", "gemma3_text"),
                scale_embeddings=gemma, checkpoint_dtype=_dtype(hf),
                token_ids=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                      for k, v in hf.items() if k.endswith("_token_id"))))
+                                      for k, v in hf.items() if k.endswith("_token_id"))),
+               **_experts(hf, family))
     if family in ("gemma2", "gemma3_text"):
         out["query_pre_attn_scalar"] = float(hf.get("query_pre_attn_scalar", 256))
         for key, default in (("attn_logit_softcapping", 50.0 if family == "gemma2" else None),
@@ -209,14 +249,16 @@ def write(c: Any) -> dict:
         out["hidden_act"] = c.hidden_act
     if family == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    if family in ("qwen2", "qwen3"):
+    if family in QWENS:
         out["use_sliding_window"] = c.sliding_window is not None
+    if family in ("qwen2", "qwen3"):
         out["max_window_layers"] = c.num_hidden_layers
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    out.update(_write_experts(c))
     if family not in ("llama", "gemma"):
         out["sliding_window"] = c.sliding_window
-    if c.sliding_window is not None and family not in ("mistral", "phi3"):
+    if c.sliding_window is not None and family not in ("mistral", "phi3", *MOES):
         out["layer_types"] = list(c.layer_types)
     if family == "gemma3_text":
         local = {"rope_type": "default", "rope_theta": c.local_rope_theta}
@@ -231,3 +273,21 @@ def write(c: Any) -> dict:
         out["partial_rotary_factor"] = 1.0
         out["original_max_position_embeddings"] = c.max_position_embeddings
     return out
+
+
+def _write_experts(c: Any) -> dict:
+    """The mixture of experts' keys of a ``config.json`` (none for a dense model)."""
+    if c.model_type not in MOES:
+        return {}
+    out = {"num_experts_per_tok": c.num_experts_per_tok,
+           "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": False}
+    if c.router_z_loss_coef:
+        out["router_z_loss_coef"] = c.router_z_loss_coef
+    if c.model_type == "mixtral":
+        if not c.norm_topk_prob:
+            raise ValueError("norm_topk_prob=False: Mixtral always renormalises its top-k "
+                             "gates; save this model as model_type='qwen3_moe'")
+        return {**out, "num_local_experts": c.num_experts, "router_jitter_noise": 0.0}
+    return {**out, "num_experts": c.num_experts, "norm_topk_prob": c.norm_topk_prob,
+            "moe_intermediate_size": c.moe_intermediate_size or c.intermediate_size,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -5,7 +5,10 @@ listed in ``model.safetensors.index.json``), then :func:`params_from_hf` maps th
 model's canonical parameters. Writing: :func:`hf_tensors` maps them back, and
 :func:`write_pretrained` writes ``config.json`` and the shards as transformers does. The layout
 matches transformers' exactly, so each tensor converts by a transpose and a reshape (Phi-3's
-fused projections by a split), never a permutation.
+fused projections by a split), never a permutation. A mixture of experts (Mixtral, Qwen3-MoE)
+stores each expert's matrices as tensors of their own, as the Hub's checkpoints and
+transformers' ``save_pretrained`` do; transformers' fused in-memory layout (``gate_up_proj``
+``[E, 2f, d]``) reads too.
 """
 
 from __future__ import annotations
@@ -69,10 +72,12 @@ def _layer_map(c: Any) -> list[tuple]:
          lambda w: w.reshape(h * dh, d).T),
         (("mlp_norm", "weight"), ("pre_feedforward_layernorm.weight" if sandwich
                                   else "post_attention_layernorm.weight"), ident, ident),
-        (("w1",), "mlp.gate_proj.weight", t, t),
-        (("w3",), "mlp.up_proj.weight", t, t),
-        (("w2",), "mlp.down_proj.weight", t, t),
     ]
+    if getattr(c, "num_experts", 0):
+        rows += _expert_map(c)
+    else:
+        rows += [(("w1",), "mlp.gate_proj.weight", t, t), (("w3",), "mlp.up_proj.weight", t, t),
+                 (("w2",), "mlp.down_proj.weight", t, t)]
     if getattr(c, "attention_bias", False):
         rows += [(("bq",), "self_attn.q_proj.bias", lambda b: b.reshape(h, dh),
                   lambda b: b.reshape(h * dh)),
@@ -88,6 +93,44 @@ def _layer_map(c: Any) -> list[tuple]:
                  (("mlp_post_norm", "weight"), "post_feedforward_layernorm.weight", ident,
                   ident)]
     return rows
+
+
+# The experts' names per family: (the MoE block, gate, up, down). A name with ``{e}`` is one
+# tensor per expert: they stack on our leading expert axis (torch's [out, in] swapped per expert).
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def _expert_map(c: Any) -> list[tuple]:
+    if c.model_type not in EXPERT_NAMES:
+        raise ValueError(f"num_experts={c.num_experts} with model_type={c.model_type!r}: a "
+                         "mixture of experts reads and writes Hugging Face checkpoints as "
+                         f"one of {tuple(EXPERT_NAMES)}; set model_type to one of them")
+    block, gate, up, down = EXPERT_NAMES[c.model_type]
+    t = lambda w: np.swapaxes(w, -1, -2)
+    return [(("moe", "router"), f"{block}.gate.weight", t, t),
+            (("moe", "w_gate"), f"{block}.experts.{{e}}.{gate}.weight", t, t),
+            (("moe", "w_up"), f"{block}.experts.{{e}}.{up}.weight", t, t),
+            (("moe", "w_down"), f"{block}.experts.{{e}}.{down}.weight", t, t)]
+
+
+def _unfuse_experts(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndarray]:
+    """transformers' fused expert tensors (``mlp.experts.gate_up_proj [E, 2f, d]``,
+    ``mlp.experts.down_proj [E, d, f]``, router ``mlp.gate``) as one tensor per expert."""
+    out = dict(tensors)
+    block, gate, up, down = EXPERT_NAMES[c.model_type]
+    for i in range(c.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        if pre + "mlp.experts.gate_up_proj" not in out:
+            continue
+        w, wd = out.pop(pre + "mlp.experts.gate_up_proj"), out.pop(pre + "mlp.experts.down_proj")
+        f = w.shape[1] // 2
+        for e in range(w.shape[0]):
+            for name, v in ((gate, w[e, :f]), (up, w[e, f:]), (down, wd[e])):
+                out[f"{pre}{block}.experts.{e}.{name}.weight"] = v
+        if pre + "mlp.gate.weight" in out:
+            out[f"{pre}{block}.gate.weight"] = out.pop(pre + "mlp.gate.weight")
+    return out
 
 
 def _get(state, path):
@@ -143,7 +186,12 @@ def hf_tensors(params: nnx.State, config: Any) -> dict[str, np.ndarray]:
     stacked_ = {ours: arr(("blocks", *ours)) for ours, *_ in _layer_map(config)}
     for i in range(config.num_hidden_layers):
         for ours, hf, _, to_hf in _layer_map(config):
-            out[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(to_hf(stacked_[ours][i]))
+            w = to_hf(stacked_[ours][i])
+            if "{e}" in hf:  # one tensor per expert
+                out.update({f"model.layers.{i}.{hf.format(e=e)}": np.ascontiguousarray(x)
+                            for e, x in enumerate(w)})
+            else:
+                out[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(w)
     out["model.norm.weight"] = arr(("norm", "weight"))
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(arr(("lm_head",)).T)
@@ -157,6 +205,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.St
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if getattr(config, "model_type", "") == "phi3":
         tensors = _split_fused(tensors, config)
+    if getattr(config, "num_experts", 0):
+        tensors = _unfuse_experts(tensors, config)
     used: set[str] = set()
     arch = what if what != "Llama" else "LlamaForCausalLM"
 
@@ -169,9 +219,15 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.St
 
     values = {("embed",): take("model.embed_tokens.weight"),
               ("norm", "weight"): take("model.norm.weight")}
+    def layer(i: int, hf: str) -> np.ndarray:  # one tensor, or one per expert stacked
+        if "{e}" not in hf:
+            return take(f"model.layers.{i}.{hf}")
+        return np.stack([take(f"model.layers.{i}.{hf.format(e=e)}")
+                         for e in range(config.num_experts)])
+
     for ours, hf, to_ours, _ in _layer_map(config):
         values[("blocks", *ours)] = np.stack(
-            [to_ours(take(f"model.layers.{i}.{hf}")) for i in range(config.num_hidden_layers)])
+            [to_ours(layer(i, hf)) for i in range(config.num_hidden_layers)])
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some writers store the tied copy; the embedding wins
     else:

@@ -20,15 +20,19 @@ from fiddlejax.models.decoder import Decoder, DecoderConfig
 from fiddlejax.models.hf import read_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"  # made by fixtures/make_hf_families.py
-FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
+            "qwen3_moe")
 CLASSES = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-           "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+           "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3", "mixtral": "Mixtral",
+           "qwen3_moe": "Qwen3Moe"}
 # Each family's own feature switched off (qwen3: its q/k norm weights reset): it must matter.
 FEATURES = {"mistral": {"sliding_window": None, "layer_types": None},
             "qwen2": {"sliding_window": None, "layer_types": None}, "qwen3": {},
             "phi3": {"sliding_window": None, "layer_types": None},
             "gemma": {"scale_embeddings": False}, "gemma2": {"attn_logit_softcapping": None},
-            "gemma3_text": {"local_rope_theta": None}}
+            "gemma3_text": {"local_rope_theta": None},
+            "mixtral": {"sliding_window": None, "layer_types": None},
+            "qwen3_moe": {"norm_topk_prob": True}}  # its gates are not renormalised
 
 
 def load(family, **kw):
