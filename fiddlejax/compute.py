@@ -9,6 +9,9 @@ needs it, and the stash holds activations only. The transpose of the all-gather 
 reduce-scatter, so each replica's gradient arrives already summed and sharded; the transpose of
 the cast returns float32 gradients, accumulated and reduced in float32.
 
+Without a pipeline the stack runs as :meth:`ParamView.stack` instead: the same gathers and
+casts, one layer ahead (:mod:`fiddlejax.prefetch`).
+
 The prologue and epilogue (embedding, head) see the parameters outside the stack the same way
 (:class:`ViewedModel`).
 
@@ -210,6 +213,30 @@ class ParamView:
             return layer(self.tree(lp, dims, specs), x)
 
         return jax.checkpoint(viewed, policy=keep, prevent_cse=prevent_cse)
+
+    def stack(self, layer: Callable, dims: Any, policy: Callable | None,
+              specs: Any = None, unroll: bool = False) -> Callable:
+        """``run(stacked, x)``: the whole stack of ``layer``, each layer's weights gathered one
+        layer ahead and its gradient scattered one behind (:mod:`fiddlejax.prefetch`); what a
+        scan of :meth:`layer` computes, with the same residuals saved."""
+        from fiddlejax import prefetch
+
+        if specs is None:
+            specs = jax.tree.map(lambda _: P(), dims)
+        base = policy or jax.checkpoint_policies.everything_saveable
+
+        def keep(prim, *args, **kwargs):
+            return False if prim.name in _NOT_SAVED else base(prim, *args, **kwargs)
+
+        def apply(w, x):
+            if self.matmul == "fp8":
+                from fiddlejax import fp8
+
+                return fp8.layer(layer, w, x)
+            return layer(w, x)
+
+        return prefetch.stack(apply, lambda lp: gather_whole(lp, dims, specs, self.dtype),
+                              lambda g: scatter_whole(g, dims, specs), keep, unroll)
 
 
 class ViewedModel:

@@ -134,6 +134,7 @@ SPECS: dict[str, Spec] = {
     "plan.zero": Spec(int, choices=(0, 1, 2, 3)),
     "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
     "plan.fsdp_gather": Spec(str, choices=("layer", "step")),
+    "plan.fsdp_prefetch": Spec(bool),
     "plan.matmul_dtype": Spec(str, choices=("fp8",), null=True),
     "plan.rules": Spec(dict, null=True),
     "plan.partition": Spec(str, choices=("uniform", "params", "cost")),

@@ -66,6 +66,11 @@ class Plan:
       reduce-scattered once after the last (MaxText's ``pipeline_fsdp_ag_once``): 1/m of the
       gather traffic, for a device's whole stage of weights and gradients held through the
       step. The planner prices both (``benchmarks/fsdp_gather_once.py``).
+    - ``fsdp_prefetch`` (with ``zero=3``, ``fsdp_gather="layer"``, no pipeline): the scan over
+      the layers gathers layer i+1's weights while layer i computes, and in the backward
+      reduce-scatters layer i+1's gradient while layer i's backward computes
+      (:mod:`fiddlejax.prefetch`): the collectives overlap the matmuls, for one more layer of
+      gathered weights and one of gradient held. ``False``: each layer gathers when it runs.
     - ``compute_dtype``: the dtype of matmuls, activations, stashes and the messages between
       stages (``"bfloat16"`` for mixed precision; also ``jnp.bfloat16``). Parameters, their
       gradients, the gradient reduction, the optimizer state and the loss stay float32.
@@ -122,6 +127,7 @@ class Plan:
     compute_dtype: object = "float32"
     matmul_dtype: str | None = None
     fsdp_gather: str = "layer"
+    fsdp_prefetch: bool = True
     rules: object = None
     sequence_parallel: bool = False
     unroll_layers: bool | None = None
@@ -189,6 +195,9 @@ class Plan:
             raise ValueError(f"fsdp_gather={self.fsdp_gather!r} must be 'layer' (each layer "
                              "gathers its weights before each use) or 'step' (once per step)"
                              + _close(str(self.fsdp_gather), FSDP_GATHERS))
+        if not isinstance(self.fsdp_prefetch, bool):
+            raise TypeError(f"fsdp_prefetch={self.fsdp_prefetch!r} must be True (gather each "
+                            "layer's weights one layer ahead under zero=3) or False")
         if self.fsdp_gather == "step" and self.zero != 3:
             raise ValueError(f"fsdp_gather='step' gathers the weights FSDP shards, but zero="
                              f"{self.zero} does not shard them; set zero=3 (or drop fsdp_gather)")

@@ -9,6 +9,7 @@ FLOPs whose compiled step fits ``Plan(memory_budget=)``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,34 @@ def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
         resolved = policies.resolve(policy)
         return lambda f: policies.remat_layer(f, resolved)
     jax_policy = policies.resolve(None if policy == "none" else policy).jax_policy
-    return lambda f: zero.view.layer(f, zero.layer_dims, jax_policy, zero.layer_specs)
+    wrap = lambda f: zero.view.layer(f, zero.layer_dims, jax_policy, zero.layer_specs)
+    if not zero.prefetch:
+        return wrap
+    return Prefetched(wrap, lambda f, unroll=False: zero.view.stack(
+        f, zero.layer_dims, jax_policy, zero.layer_specs, unroll=unroll))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetched:
+    """A layer wrapper (``wrap``) whose whole stack can also run with FSDP's gathers one layer
+    ahead (``stack(layer) -> run(stacked, x)``, :mod:`fiddlejax.prefetch`)."""
+
+    wrap: Callable[[Callable], Callable]
+    stack: Callable[[Callable], Callable]
+
+    def __call__(self, f: Callable) -> Callable:
+        return self.wrap(f)
+
+
+def run_stack(remat: Callable, layer: Callable, stacked: Any, x: Any,
+              unroll: bool = False) -> Any:
+    """``x`` through the scanned stack of ``layer`` (``stacked``: parameters with a leading
+    layer axis), each layer wrapped by ``remat``; prefetched where ``remat`` says so;
+    ``unroll``: as straight-line code (``Plan.unroll_layers``)."""
+    if isinstance(remat, Prefetched):
+        return remat.stack(layer, unroll=unroll)(stacked, x)
+    wrapped = remat(layer)
+    return jax.lax.scan(lambda h, lp: (wrapped(lp, h), None), x, stacked, unroll=unroll)[0]
 
 
 def choose(lower_step: Callable[[Any], Any], budget: int):

@@ -110,6 +110,7 @@ def make_plan(cfg: dict):
                    encodings=tuple(p["encodings"] or ()), grad_allreduce=p["grad_allreduce"],
                    topk_density=p["topk_density"], topk_on=p["topk_on"],
                    zero=p["zero"], fsdp_gather=p.get("fsdp_gather", "layer"),
+                   fsdp_prefetch=bool(p.get("fsdp_prefetch", True)),
                    partition=p["partition"], memory_budget=budget,
                    check_inputs=bool(p.get("check_inputs", False)),
                    compute_dtype=compute_dtype(p.get("compute_dtype", "float32"),

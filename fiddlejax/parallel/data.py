@@ -34,10 +34,8 @@ def microbatch_loss(lay: Layout, remat: Callable, params: nnx.State,
                     batch: dict) -> tuple[jax.Array, Sums]:
     """(loss sum, Sums) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
     s = lay.model
-    layer = remat(s.layer)
-    x = s.prologue(params, batch)
-    x = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params[s.stack],
-                     unroll=unrolled(lay.plan))[0]
+    x = remat_.run_stack(remat, s.layer, params[s.stack], s.prologue(params, batch),
+                         unroll=unrolled(lay.plan))
     return s.weighted_loss(params, x, batch)
 
 

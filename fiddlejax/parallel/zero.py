@@ -45,6 +45,7 @@ class Zero:
     view: compute.ParamView | None = None
     layer_dims: Any = None
     layer_specs: Any = None
+    prefetch: bool = False
 
 
 def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
@@ -83,7 +84,9 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
         lambda _, v: P(*tuple(v.get_value() if isinstance(v, nnx.Variable) else v)[lead:]),
         layer_dims, gather_specs[stack])
     outer = jax.tree_util.tree_map_with_path(lambda path, d: -1 if in_stack(path) else d, used)
-    zero = dataclasses.replace(zero, view=view, layer_dims=layer_dims, layer_specs=layer_specs)
+    zero = dataclasses.replace(zero, view=view, layer_dims=layer_dims, layer_specs=layer_specs,
+                               prefetch=plan.fsdp_prefetch and per_use is not None
+                               and not pipelined)
     return zero, specs, lambda p: view.tree(p, outer, gather_specs)
 
 
