@@ -19,7 +19,7 @@ from helpers import reference_loss_and_grads, rel_err, tokens
 import fiddlejax as fj
 from fiddlejax import models
 from fiddlejax.models.common import cross_entropy, scan_layers
-from fiddlejax.models.decoder import Decoder
+from fiddlejax.models.decoder import FAMILIES, Decoder
 from fiddlejax.models.hf import read_safetensors
 from fiddlejax.staged import mean_loss
 
@@ -104,6 +104,41 @@ def test_moe_refusals_name_the_key():
             Decoder.config_from_hf(hf)
     with pytest.raises(ValueError, match="output_router_logits=True: Mistral has no router"):
         load("mistral")(np.ones((1, 4), np.int32), output_router_logits=True)
+
+
+# The Hub's config.json of Mixtral-8x7B-v0.1 and Qwen3-30B-A3B (transformers 4.36 and 4.51).
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+@pytest.mark.parametrize("hf,params", [(MIXTRAL_8X7B, 46_702_792_704),
+                                       (QWEN3_30B_A3B, 30_532_122_624)])
+def test_hub_configs_read_with_their_parameter_counts(hf, params):
+    """The released models' config.json read (every key known) into the published parameter
+    counts (abstract: nothing allocated)."""
+    cls = FAMILIES[hf["model_type"]]
+    model = nnx.eval_shape(lambda: cls(cls.config_from_hf(hf), rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == params
+    assert model.config.checkpoint_dtype == "bfloat16"
 
 
 def test_job_picks_the_moe_family():
