@@ -1,0 +1,151 @@
+"""Mixtral-8x7B on 16 x 80 GB: bf16, the planner's pick, compile only.
+
+As ``benchmarks/scale_families.py`` does for dense families: the planner searches the layouts of
+two 8-GPU H100 nodes for Mixtral-8x7B (``planner.preset("mixtral-8x7b")``: 46.7B parameters,
+12.9B active; ``precision="bf16-mixed"``, full remat, 1F1B when pipelined, every expert size
+the runtime has: ``fj.make_mesh(expert=)`` when it exists, else none) and picks the fastest that
+fits. That layout is built as a real ``fj.Plan`` around the Mixtral decoder made from the
+published ``config.json`` shape (``fiddlejax.models.decoder.FAMILIES["mixtral"]`` with
+``nnx.eval_shape``: no weights exist), compiled on 16 simulated CPU devices, and
+``trainer.memory(global_batch)`` gives the per-device bytes of one step, printed beside the
+planner's figure (the bar: within 10%). Writes ``benchmarks/results/scale_moe.md``.
+
+    python benchmarks/scale_moe.py [--layers N] [--seq 4096] [--layout T,P,D,E,MB ...]
+
+``--layers N`` compiles N and 2N layers and extrapolates per layer, as scale.py.
+``--layout`` (repeatable) compiles given layouts (tensor, pipe, data, expert, microbatch
+size; 1F1B when pipelined) too, each a row after the pick's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":  # before jax is imported
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=16"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from scale import markdown  # noqa: E402
+
+import fiddlejax as fj  # noqa: E402
+from fiddlejax import planner  # noqa: E402
+
+# mistralai/Mixtral-8x7B-v0.1's config.json
+CONFIG = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+          "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+          "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+          "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False}
+NAME, GPUS, GLOBAL_BATCH = "mixtral-8x7b", 16, 64
+
+
+NOTES = """\
+Where the rest is (XLA's buffer assignment of the compiled step, 16 layers, t2 p8): the
+stage's float32 gradient accumulators, the stash and the parameters are as the planner counts
+them; the MoE layer's backward holds more than a dense layer's. The CPU's blocked grouped
+matmul accumulates each expert matrix's weight gradient in a bf16 buffer the size of the
+layer's experts, then converts it to float32 before adding it into the accumulator: two bf16
+copies of the layer's expert gradients (2.6 GiB here) beside the float32 one the planner
+counts. A GPU runs `jax.lax.ragged_dot` instead (not measured here).
+"""
+
+
+def has_expert_axis() -> bool:
+    """Whether this fiddlejax has the ``expert`` mesh axis."""
+    return "expert" in inspect.signature(fj.make_mesh).parameters
+
+
+def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec) -> planner.Prediction:
+    """The planner's fastest bf16, full-remat layout that fits (1F1B when pipelined)."""
+    return planner.search(model, cluster, GLOBAL_BATCH, precision="bf16-mixed",
+                          remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
+                          fsdp_gathers=("layer",),
+                          experts=None if has_expert_axis() else (1,))[0]
+
+
+def compiled_memory(layout: planner.Layout, seq: int, layers: int) -> dict:
+    from fiddlejax.models.decoder import FAMILIES
+
+    cls = FAMILIES["mixtral"]
+    config = cls.config_from_hf({**CONFIG, "num_hidden_layers": layers}, seq_len=seq)
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    axes = dict(data=layout.data, pipe=layout.pipe, tensor=layout.tensor)
+    if layout.expert > 1:
+        axes["expert"] = layout.expert
+    mesh = fj.make_mesh(**axes, devices=jax.devices()[:layout.gpus])
+    plan = fj.Plan(mesh=mesh, schedule=layout.kind, microbatches=layout.microbatches,
+                   virtual_stages=layout.virtual_stages, remat=layout.remat, zero=layout.zero,
+                   fsdp_gather=layout.fsdp_gather, compute_dtype="bfloat16",
+                   **({} if has_expert_axis() else {"rules": {"expert": None}}))
+    return fj.parallelize(model, optax.adamw(1e-4), plan).memory(layout.global_batch)
+
+
+def measure(seq: int, layers: int | None, given: tuple[int, ...] | None) -> dict:
+    cluster = planner.cluster("h100", nodes=GPUS // 8)
+    model = planner.preset(NAME, seq=seq)
+    if given:
+        t, p, d, e, mb = given
+        lo = planner.validate(planner.Layout(
+            tensor=t, pipe=p, data=d, expert=e, microbatch_size=mb, global_batch=GLOBAL_BATCH,
+            schedule="1f1b" if p > 1 else None, remat="full", precision="bf16-mixed"),
+            model, cluster)
+    else:
+        lo = pick_layout(model, cluster).layout
+    total = CONFIG["num_hidden_layers"]
+    t0 = time.perf_counter()
+    if layers is None or layers >= total:
+        compiled, how = float(compiled_memory(lo, seq, total)["peak_bytes"]), "full compile"
+    else:
+        a = compiled_memory(lo, seq, layers)["peak_bytes"]
+        b = compiled_memory(lo, seq, 2 * layers)["peak_bytes"]
+        compiled = b + (total - 2 * layers) * (b - a) / layers
+        how = f"{layers} and {2 * layers} layers, extrapolated"
+    predicted = planner.memory(model, lo).total
+    return {"model": NAME, "params": model.params, "gpus": lo.gpus, "layout": lo.short(),
+            "microbatches": lo.microbatches, "global_batch": lo.global_batch, "seq": seq,
+            "predicted": predicted, "compiled": compiled, "error": predicted / compiled - 1,
+            "hbm": cluster.gpu.memory_bytes, "how": how, "compile_s": time.perf_counter() - t0,
+            "parts": planner.memory(model, lo).to_dict()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, help="compile N and 2N layers and extrapolate")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--layout", action="append", default=[],
+                    help="T,P,D,E,MB: also compile this layout (repeatable)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale_moe.md"))
+    a = ap.parse_args()
+    rows = []
+    for given in [None, *(tuple(int(x) for x in g.split(",")) for g in a.layout)]:
+        rows.append(row := measure(a.seq, a.layers, given))
+        print(markdown([row]).splitlines()[-1], f"({row['compile_s']:.0f} s)", flush=True)
+        print("predicted parts (GiB):",
+              {k: round(v / 2**30, 2) for k, v in row["parts"].items()})
+    cmd = "python benchmarks/scale_moe.py" + (f" --layers {a.layers}" if a.layers else "") + (
+        "".join(f" --layout {g}" for g in a.layout))
+    axis = ("expert sizes 1, 2, 4 and 8 considered" if has_expert_axis() else
+            "no expert axis (this fiddlejax has none: experts replicated over data and pipe)")
+    given = "; the rows after the first: layouts given with --layout" if a.layout else ""
+    Path(a.out).write_text(
+        "# Scale: Mixtral-8x7B in bf16 on 16 x 80 GB, compile only\n\n"
+        f"`{cmd}`: the planner's fastest bf16 full-remat layout of two 8 x H100 nodes (90% of "
+        f"80 GiB usable; 1F1B when pipelined; {axis}{given}), compiled as one training step of the "
+        "Mixtral decoder (`nnx.eval_shape`, real shapes, dropless dispatch) on 16 simulated "
+        f"CPU devices; global batch {GLOBAL_BATCH} x {a.seq} tokens. "
+        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n" + NOTES)
+    return 0 if all(abs(r["error"]) < 0.10 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
