@@ -156,8 +156,9 @@ def main() -> int:
            f"Reproduce: `python benchmarks/fsdp_prefetch.py --hidden {a.hidden} --layers "
            f"{a.layers} --seq {a.seq} --batch {a.batch}`. One training step compiled on 8 "
            f"simulated CPU devices: {shape}.", "",
-           "Remat `full`: each layer loop's body in schedule order (AG all-gather, RS reduce-scatter, DOT a "
-           "matmul or a fusion holding one); *feeds a dot*: all-gathers whose result a dot of "
+           "Remat `full`: each layer loop's body in schedule order (AG all-gather, RS "
+           "reduce-scatter, DOT a matmul or a fusion holding one); *feeds a dot*: all-gathers "
+           "whose result a dot of "
            "the same iteration consumes; *after a dot*: reduce-scatters whose operand a dot of "
            "the same iteration produced. Prefetched, neither happens: the collectives are "
            "free to run beside the matmuls.", "",
