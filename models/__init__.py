@@ -163,6 +163,8 @@ def _llama_build(mcfg: dict, seed: int):
               "head_dim": mcfg["d_model"] // mcfg["n_heads"],
               "tie_word_embeddings": mcfg["tie_embeddings"],
               "max_position_embeddings": mcfg["seq_len"]}
+        if mcfg["name"] == "qwen3_moe":  # Mixtral's 8 experts, top 2, model.d_ff wide
+            hf.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=mcfg["d_ff"])
         return cls(cls.config_class(**read(hf, mcfg["seq_len"])), rngs=nnx.Rngs(seed))
     return Llama(LlamaConfig(
         vocab_size=vocab(mcfg), hidden_size=mcfg["d_model"],
