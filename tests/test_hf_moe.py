@@ -61,6 +61,30 @@ def test_router_logits_and_aux_loss_match_transformers(family):
     assert float(per_seq.dropped.sum()) == 0  # dropless
 
 
+def test_padding_stays_out_of_the_router_losses():
+    """A packed row (segment ids) of one document then padding (segment 0): its router losses
+    are the document's alone (padding masked, as transformers' attention_mask), and the loss
+    pair weights them by the row's targets."""
+    model = load("mixtral")
+    ids = np.load(FIXTURES / "hf_mixtral.npz")["tokens"][:1, :11]
+    padded = np.concatenate([ids, np.zeros((1, 5), ids.dtype)], 1)
+    seg = np.array([[1] * 11 + [0] * 5], np.int32)
+
+    @nnx.jit
+    def losses(model, batch):
+        outputs = model.head(scan_layers(model.blocks, model.prologue(batch)))
+        return model.router_losses(outputs, batch), model.loss(outputs, batch)
+
+    # alone: the document's 11 tokens as inputs (a 12th as the target), as the packed row has
+    (alone, _), (packed, value) = losses(model, {"tokens": padded[:, :12]}), losses(
+        model, {"tokens": padded, "segment_ids": seg})
+    assert abs(float(packed.aux[0]) / float(alone.aux[0]) - 1) < 1e-5
+    total, count = value.value
+    assert float(count) == 10  # the document's targets
+    assert abs(float(value.means["moe_aux_loss"]) / float(count) / float(alone.aux[0]) - 1
+               ) < 1e-5
+
+
 def test_fused_expert_layout_reads(tmp_path):
     """transformers' in-memory layout (``mlp.experts.gate_up_proj [E, 2f, d]``,
     ``down_proj [E, d, f]``, router ``mlp.gate``) loads as the per-expert tensors do."""
