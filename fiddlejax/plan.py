@@ -32,7 +32,8 @@ def __getattr__(name: str):  # SCHEDULES stays a name; it follows the registry
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How to lay a model out on ``mesh`` (axes ``data``, ``pipe``, ``tensor``).
+    """How to lay a model out on ``mesh`` (axes ``data``, ``pipe``, ``context``, ``expert``,
+    ``tensor``).
 
     - ``schedule``: pipeline schedule kind; ``None`` means no pipeline (then ``pipe`` must be 1).
       Defaults to ``"1f1b"`` when the mesh has ``pipe > 1``.
@@ -165,6 +166,12 @@ class Plan:
                 "pipe=1; use schedule=None, or a mesh with pipe > 1 "
                 "(fiddlejax.make_mesh(data=..., pipe=2))"
             )
+        expert, context = axis_size(self.mesh, "expert"), axis_size(self.mesh, "context")
+        if expert > 1 and context > 1:
+            raise ValueError(
+                f"expert={expert} with context={context}: both split a batch's rows (context "
+                "as sequence chunks), and the two splits do not compose yet; use one of them "
+                "(mesh context=1 or expert=1)")
         for name in ("microbatches", "virtual_stages", "bucket_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

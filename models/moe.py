@@ -211,7 +211,15 @@ def with_capacity(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: ja
     """:func:`dropless` with at most ``capacity`` pairs per expert, in a fixed ``[E, C, d]``
     buffer; pairs past an expert's capacity are dropped. Returns the output and the
     per-token count of dropped choices ``[N]`` int32."""
-    n, e = x.shape[0], w_gate.shape[0]
+    buf, where = capacity_buffer(x, experts, w_gate.shape[0], capacity)
+    return capacity_combine(capacity_experts(buf, (w_gate, w_up, w_down), act), gates, where)
+
+
+def capacity_buffer(x: jax.Array, experts: jax.Array, num_experts: int, capacity: int
+                    ) -> tuple[jax.Array, tuple]:
+    """One sequence's ``[E, C, d]`` buffer (each expert's first ``capacity`` pairs) and where
+    its pairs went, for :func:`capacity_combine`."""
+    n, e = x.shape[0], num_experts
     order, sizes = sort_by_expert(experts, e)
     token = order % n
     owner = experts.T.reshape(-1)[order]
@@ -219,13 +227,26 @@ def with_capacity(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: ja
     kept = rank < capacity
     slot = jnp.where(kept, owner * capacity + rank, e * capacity)  # out of range: dropped
     buf = jnp.zeros((e * capacity, x.shape[1]), x.dtype).at[slot].set(x[token], mode="drop")
-    buf = buf.reshape(e, capacity, -1)
-    h = _swiglu(jnp.einsum("ecd,edf->ecf", buf, w_gate),
-                jnp.einsum("ecd,edf->ecf", buf, w_up), act)
-    y = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(e * capacity, -1)
-    ys = y.at[slot].get(mode="fill", fill_value=0)
+    return buf.reshape(e, capacity, -1), (order, token, slot, kept)
+
+
+def capacity_experts(buf: jax.Array, ws: tuple, act) -> jax.Array:
+    """The SwiGLU experts on their buffers ``[..., E, C, d]`` (batched matmuls)."""
+    w_gate, w_up, w_down = ws
+    h = _swiglu(jnp.einsum("...ecd,edf->...ecf", buf, w_gate),
+                jnp.einsum("...ecd,edf->...ecf", buf, w_up), act)
+    return jnp.einsum("...ecf,efd->...ecd", h, w_down)
+
+
+def capacity_combine(y: jax.Array, gates: jax.Array, where: tuple
+                     ) -> tuple[jax.Array, jax.Array]:
+    """The output ``[N, d]`` from the experts' results ``[E, C, d]`` (``gates [N, k]``), and
+    each token's dropped choices."""
+    order, token, slot, kept = where
+    n = gates.shape[0]
+    ys = y.reshape(-1, y.shape[-1]).at[slot].get(mode="fill", fill_value=0)
     g = gates.T.reshape(-1)[order].astype(ys.dtype)
-    out = jnp.zeros_like(x).at[token].add(ys * g[:, None])
+    out = jnp.zeros((n, y.shape[-1]), ys.dtype).at[token].add(ys * g[:, None])
     dropped = jnp.zeros((n,), jnp.int32).at[token].add((~kept).astype(jnp.int32))
     return out, dropped
 
@@ -277,8 +298,11 @@ class MoE(nnx.Module):
         elif c.dispatch == "capacity":  # per sequence: the drops are the same on any layout
             t = x.shape[-2] if x.ndim > 1 else 1
             rows = lambda a: a.reshape(-1, t, *a.shape[1:])  # noqa: E731
-            out, dropped = jax.vmap(lambda *a: with_capacity(
-                *a, *ws, capacity=c.capacity(t), act=act))(rows(flat), rows(gates), rows(experts))
+            buf, where = jax.vmap(lambda x, i: capacity_buffer(
+                x, i, c.num_experts, c.capacity(t)))(rows(flat), rows(experts))
+            run = functools.partial(capacity_experts, act=act)
+            y = run(buf, ws) if expert.active() is None else expert.with_capacity(buf, ws, run)
+            out, dropped = jax.vmap(capacity_combine)(y, rows(gates), where)
             out, dropped = out.reshape(flat.shape), dropped.reshape(-1)
         else:
             out = dense(flat, gates, experts, *ws, act=act)

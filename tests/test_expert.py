@@ -27,8 +27,9 @@ def specs_of(state) -> dict:
 
 
 def test_mesh_order_and_refusals():
-    """``expert`` sits between ``context`` and ``tensor``; a count it does not divide and a model
-    without experts are refused by parallelize, before anything compiles."""
+    """``expert`` sits between ``context`` and ``tensor``; a count it does not divide, a model
+    without experts (by parallelize) and ``context`` beside it (by the Plan) are refused
+    before anything compiles."""
     mesh = fj.make_mesh(data=2, expert=2, tensor=2)
     assert mesh.axis_names == ("data", "pipe", "context", "expert", "tensor")
     assert dict(mesh.shape) == {"data": 2, "pipe": 1, "context": 1, "expert": 2, "tensor": 2}
@@ -36,6 +37,8 @@ def test_mesh_order_and_refusals():
     with pytest.raises(ValueError, match=r"expert=8 .* holds 4 experts, not a multiple of 8; "
                                          r"use mesh expert in \[1, 2, 4\]"):
         fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(expert=8)))
+    with pytest.raises(ValueError, match="expert=2 with context=2: .* use one of them"):
+        fj.Plan(mesh=fj.make_mesh(context=2, expert=2, data=2))
     with pytest.raises(ValueError, match="expert=2 splits MoE experts .* no parameter"):
         fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=4, expert=2),
                                                       rules={"expert": None}))
@@ -56,8 +59,8 @@ def test_expert4_holds_a_quarter_of_the_experts():
             assert held == share <= 0.3
 
 
-def check_exact(sizes: dict, **plan):
-    model = TinyMoE(MOE, vocab=32, layers=4, rngs=nnx.Rngs(0))
+def check_exact(sizes: dict, cfg=MOE, **plan):
+    model = TinyMoE(cfg, vocab=32, layers=4, rngs=nnx.Rngs(0))
     batch = tokens(3, 8, 8, 32)
     ref_loss, ref_grads = reference_loss_and_grads(model, batch)
     trainer = fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(**sizes), **plan))
@@ -79,6 +82,15 @@ def test_dropless_on_expert_data_tensor_matches_one_device():
 
 def test_dropless_on_expert_pipe_data_1f1b_matches_one_device():
     check_exact({"data": 2, "pipe": 2, "expert": 2}, schedule="1f1b", microbatches=2)
+
+
+def test_capacity_on_expert4_tensor_matches_one_device():
+    """Capacity dispatch (factor 0.75: tokens drop) on expert=4 x tensor=2: each sequence's
+    ``[E, C, d]`` buffer is cut by destination and sent by all-to-all; the same tokens drop
+    as on one device (capacity is per sequence), loss and gradients equal."""
+    cfg = dataclasses.replace(MOE, dispatch="capacity", capacity_factor=0.75)
+    trainer, state, batch = check_exact({"expert": 4, "tensor": 2}, cfg)
+    assert trainer.lower_loss_and_grads(state, batch).as_text().count("all_to_all") >= 2
 
 
 class OutsideMoE(nnx.Module):

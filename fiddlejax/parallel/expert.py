@@ -132,8 +132,8 @@ def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
         return buf, jnp.full((s * rows,), local, jnp.int32).at[sl].set(le)  # local: padding
 
     send, tag = jax.vmap(pack)(xs, token, slot, lexp)
-    recv = _all_to_all(keep(send.reshape(s, s, rows, d)), keep)      # [dst, src, rows, d]
-    rtag = _all_to_all(keep(tag.reshape(s, s, rows)), keep)
+    recv = _all_to_all(send.reshape(s, s, rows, d), split)      # [dst, src, rows, d]
+    rtag = _all_to_all(tag.reshape(s, s, rows), split)
 
     def run(recv, rtag, w):  # one shard's experts on what arrived, sorted by local expert;
         sort = jnp.argsort(rtag, stable=True)  # the padding last, run by the last expert
@@ -144,7 +144,7 @@ def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
 
     wl = tuple(shards(w) for w in ws)  # [S, E / S, ...]: each shard's own experts
     y = keep(jax.vmap(run)(recv.reshape(s, s * rows, d), rtag.reshape(s, s * rows), wl))
-    back = _all_to_all(keep(y.reshape(s, s, rows, d)), keep)          # [src, dst, rows, d]
+    back = _all_to_all(y.reshape(s, s, rows, d), split)          # [src, dst, rows, d]
 
     def combine(back, sl, o, t, g):
         ys = back.reshape(s * rows, d)[sl]
@@ -155,14 +155,43 @@ def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
     return out.reshape(big, d)
 
 
-def _all_to_all(a: jax.Array, keep: Callable) -> jax.Array:
+def with_capacity(buf: jax.Array, ws: tuple, run: Callable) -> jax.Array:
+    """The capacity dispatch's experts with the experts split over ``expert``: the sequences'
+    buffers ``buf [B, E, C, d]`` (rows split over ``expert``) cut by destination, sent by one
+    all-to-all, run by each shard's ``E / S`` experts (``run(buf, ws)``) and sent back. The
+    buffers are already static (capacity ``C`` per expert and sequence): nothing is padded
+    beyond what the capacity dispatch holds on one device."""
+    split = active()
+    s, e = split.size, ws[0].shape[0]
+    local = split.local(e)
+    b, _, c, d = buf.shape
+    if b % s:  # too few sequences to split: the partitioner runs it where the weights are
+        return run(buf, ws)
+
+    def keep(a):
+        return _constrain(a, split, P("expert"))
+
+    # [src, B / S, dst, E / S, C, d] -> [src, dst, ...] -> all-to-all -> [dst, src, ...]
+    out = keep(buf.reshape(s, b // s, s, local, c, d)).swapaxes(1, 2)
+    recv = _all_to_all(out, split)
+    wl = tuple(keep(w.reshape(s, local, *w.shape[1:])) for w in ws)
+    y = keep(jax.vmap(run)(recv, wl))                      # [dst, src, B / S, E / S, C, d]
+    back = _all_to_all(y, split).swapaxes(1, 2)              # [src, B / S, dst, E / S, C, d]
+    return keep(back).reshape(b, e, c, d)
+
+
+def _all_to_all(a: jax.Array, split: Split) -> jax.Array:
     """``a[i, j]`` -> ``a[j, i]``, the leading axis on ``expert`` before and after: shard
     ``i``'s block ``j`` to shard ``j``, one ``jax.lax.all_to_all``."""
     def swap(b):  # b: [1, S, ...], this shard's row
         return jax.lax.all_to_all(b, "expert", 1, 0, tiled=True).swapaxes(0, 1)
 
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = split.mesh if mesh.empty else mesh
     spec = P("expert")
-    return keep(jax.shard_map(swap, in_specs=spec, out_specs=spec, axis_names={"expert"})(a))
+    out = jax.shard_map(swap, mesh=mesh, in_specs=spec, out_specs=spec,
+                        axis_names={"expert"})(_constrain(a, split, spec))
+    return _constrain(out, split, spec)
 
 
 def _constrain(x: jax.Array, split: Split, spec: P) -> jax.Array:
@@ -251,4 +280,4 @@ def experts(canonical, rules) -> dict[str, int]:
 
 
 __all__ = ["ExpertModel", "Split", "active", "buffer_rows", "constrain_rows", "dropless",
-           "experts", "lay_out", "tracing"]
+           "experts", "lay_out", "tracing", "with_capacity"]
