@@ -226,6 +226,11 @@ class Plan:
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("sequence_parallel=True splits the sequence over `tensor`, but the "
                              "mesh has tensor=1; use a mesh with tensor > 1 or drop it")
+        if self.sequence_parallel and axis_size(self.mesh, "expert") > 1:
+            raise ValueError(  # jax 0.10's XLA: a failed check in PartitionGather, not an error
+                f"sequence_parallel=True with expert={axis_size(self.mesh, 'expert')}: XLA's "
+                "SPMD partitioner aborts on the MoE dispatch's gathers when a layer's tokens "
+                "are split over both tensor and expert; drop sequence_parallel, or use expert=1")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs={self.check_inputs!r} must be True or False")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):

@@ -39,6 +39,8 @@ def test_mesh_order_and_refusals():
         fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(expert=8)))
     with pytest.raises(ValueError, match="expert=2 with context=2: .* use one of them"):
         fj.Plan(mesh=fj.make_mesh(context=2, expert=2, data=2))
+    with pytest.raises(ValueError, match="sequence_parallel=True with expert=2: .* drop"):
+        fj.Plan(mesh=fj.make_mesh(expert=2, tensor=2, data=2), sequence_parallel=True)
     with pytest.raises(ValueError, match="expert=2 splits MoE experts .* no parameter"):
         fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=4, expert=2),
                                                       rules={"expert": None}))
