@@ -340,6 +340,10 @@ class Plan:
     def tensor(self) -> int:
         return axis_size(self.mesh, "tensor")
 
+    @property
+    def expert(self) -> int:
+        return axis_size(self.mesh, "expert")
+
     def describe(self) -> dict:
         """A JSON-friendly summary (for logs and checkpoint metadata)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh"}

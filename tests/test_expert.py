@@ -33,6 +33,7 @@ def test_mesh_order_and_refusals():
     mesh = fj.make_mesh(data=2, expert=2, tensor=2)
     assert mesh.axis_names == ("data", "pipe", "context", "expert", "tensor")
     assert dict(mesh.shape) == {"data": 2, "pipe": 1, "context": 1, "expert": 2, "tensor": 2}
+    assert fj.Plan(mesh=mesh).expert == 2 and fj.Plan(mesh=mesh).describe()["mesh"]["expert"] == 2
     model = TinyMoE(MOE, vocab=32, layers=2, rngs=nnx.Rngs(0))  # 4 experts
     with pytest.raises(ValueError, match=r"expert=8 .* holds 4 experts, not a multiple of 8; "
                                          r"use mesh expert in \[1, 2, 4\]"):
