@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 SMALL = 1 << 16
 
 # Primitives whose results a layer's checkpoint never saves: the gathered and cast weights.
-_NOT_SAVED = ("all_gather", "convert_element_type")
+_NOT_SAVED = ("all_gather", "all_gather_invariant", "convert_element_type")
 
 
 def _is_var(x) -> bool:
@@ -71,18 +71,21 @@ def fsdp_dims(params: nnx.State, spec_tree: nnx.State, data: int, lead: Callable
     return jax.tree.unflatten(jax.tree.structure(params, is_leaf=_is_var), dims)
 
 
-def add_data_axis(spec: P, d: int) -> P:
-    """``spec`` with ``data`` on dimension ``d`` (unchanged for -1)."""
+def add_data_axis(spec: P, d: int, axes: str | tuple[str, ...] = "data") -> P:
+    """``spec`` with ``data`` (or the storage ``axes``) on dimension ``d`` (unchanged for -1)."""
     if d < 0:
         return spec
     parts = [*spec, *([None] * (d + 1 - len(spec)))]
-    parts[d] = "data"
+    parts[d] = axes
     return P(*parts)
 
 
-def with_data_axis(spec_tree: nnx.State, dims: nnx.State) -> nnx.State:
-    """``spec_tree`` with ``data`` added on each leaf's FSDP dimension."""
-    add = add_data_axis
+def with_data_axis(spec_tree: nnx.State, dims: nnx.State,
+                   axes: str | tuple[str, ...] = "data") -> nnx.State:
+    """``spec_tree`` with ``data`` (or the storage ``axes``) added on each leaf's FSDP
+    dimension."""
+    def add(spec, d):
+        return add_data_axis(spec, d, axes)
 
     def one(d, s):
         return s.replace(add(s.get_value(), d)) if _is_var(s) else add(s, d)
@@ -134,6 +137,19 @@ def scatter_whole(grads: Any, dims: Any, specs: Any) -> Any:
     return _per_leaf(leaf, dims, grads, specs)
 
 
+def _gathered(x: jax.Array, d: int, also: tuple[str, ...]) -> jax.Array:
+    """``x`` all-gathered on dimension ``d``: over the (manual) ``also`` axes, then over
+    ``data`` when it is manual. Over ``also`` the result is invariant (every device of the
+    axis holds the same), so the backward slices the cotangent the partitioner has summed."""
+    from jax._src.lax.parallel import all_gather_invariant  # not yet public in jax 0.10
+
+    if also:
+        x = all_gather_invariant(x, also, axis=d, tiled=True)
+    if "data" in jax.sharding.get_abstract_mesh().manual_axes:  # else data=1
+        x = jax.lax.all_gather(x, "data", axis=d, tiled=True)
+    return x
+
+
 def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
     """``x`` all-gathered over ``data`` on dimension ``d``; 16-bit floats as their bits, so that
     a backend without 16-bit arithmetic (XLA's CPU) sends 16 bits instead of converting to
@@ -145,12 +161,16 @@ def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
         jax.lax.all_gather(bits, "data", axis=d, tiled=True), x.dtype)
 
 
-def _per_device(f: Callable, x: jax.Array, spec: P) -> jax.Array:
+def _per_device(f: Callable, x: jax.Array, spec: P, in_spec: P | None = None,
+                mesh: Any = None) -> jax.Array:
     """``f`` (a collective over the manual ``data``) on each device's block of ``x``, split as
-    ``spec`` says over the axes not yet manual. Left to the partitioner, a collective over one
+    ``spec`` says over the axes not yet manual (``in_spec``: as stored, when ``f`` gathers an
+    automatic axis too). Left to the partitioner, a collective over one
     manual axis first replicates its operand over the automatic ones: every stage's layers on
-    every device, a tensor-parallel weight whole on each of its devices."""
-    mesh = jax.sharding.get_abstract_mesh()
+    every device, a tensor-parallel weight whole on each of its devices. ``mesh``: the mesh
+    when no ``shard_map`` over ``data`` encloses the call (``data=1``)."""
+    inner = jax.sharding.get_abstract_mesh()
+    mesh = mesh if inner.empty and mesh is not None else inner
     free = {a for a in (*mesh.auto_axes, *mesh.explicit_axes) if a != "data"}
     if not free:
         return f(x)
@@ -160,8 +180,10 @@ def _per_device(f: Callable, x: jax.Array, spec: P) -> jax.Array:
         names = tuple(a for a in names if a in free)
         return names if len(names) > 1 else (names[0] if names else None)
 
-    spec = P(*(kept(part) for part in spec))
-    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=free)(x)
+    out = P(*(kept(part) for part in spec))
+    held = out if in_spec is None else P(*(kept(part) for part in in_spec))
+    return jax.shard_map(f, in_specs=held, out_specs=out, axis_names=free,
+                         mesh=None if mesh is inner else mesh)(x)
 
 
 def _per_leaf(f: Callable, dims: Any, tree: Any, specs: Any) -> Any:
@@ -178,15 +200,21 @@ class ParamView:
     """Gather (over ``data`` on each leaf's FSDP dimension; -1: none) and cast (to the compute
     dtype; ``None``: keep) parameters. ``dims`` trees are prefixes of the parameter trees;
     ``specs`` trees (the same prefixes) give each gathered leaf's split over the other axes.
-    ``matmul="fp8"``: each layer's dense matmuls in float8 (:mod:`fiddlejax.fp8`)."""
+    ``matmul="fp8"``: each layer's dense matmuls in float8 (:mod:`fiddlejax.fp8`). ``also``:
+    automatic axes the FSDP shards also split over, inside ``data`` (``("context",)``: context
+    replicas hold the same parameters, so they store a share each, as data replicas do)."""
 
     dtype: Any = None
     matmul: str | None = None
+    also: tuple[str, ...] = ()
+    mesh: Any = None  # for gathers over ``also`` outside a shard_map over ``data``
 
     def leaf(self, x: jax.Array, dim: int, spec: P | None = None) -> jax.Array:
         if dim >= 0:
-            x = _per_device(lambda a: jax.lax.all_gather(a, "data", axis=dim, tiled=True), x,
-                            spec if spec is not None else P())
+            spec = spec if spec is not None else P()
+            stored = add_data_axis(spec, dim, self.also) if self.also else None
+            x = _per_device(lambda a: _gathered(a, dim, self.also), x, spec, stored,
+                            self.mesh)
         if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(self.dtype)
         return x

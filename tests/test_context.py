@@ -11,7 +11,7 @@ from helpers import reference_loss_and_grads, rel_err, tokens
 import fiddlejax as fj
 from fiddlejax.models.common import positions_of
 from fiddlejax.models.llama import Llama, LlamaConfig
-from fiddlejax.parallel import context
+from fiddlejax.parallel import context, flash
 
 SEQ = 16
 
@@ -48,9 +48,10 @@ def assert_exact(model, plan, batch):
 
 @pytest.mark.parametrize("kernel", ["ring", "allgather"])
 def test_context4_data2_matches_one_device(llama, kernel, monkeypatch):
-    """The ring on packed documents (segment ids travel with K/V), the all-gather on plain
-    rows."""
+    """The ring on packed documents (segment ids travel with K/V), its blocks cut into
+    one-token tiles; the all-gather on plain rows."""
     monkeypatch.setattr(context, "KERNEL", kernel)
+    monkeypatch.setattr(flash, "TILE", 1 if kernel == "ring" else flash.TILE)
     batch = packed(1, 4) if kernel == "ring" else tokens(1, 4, SEQ, 64)
     assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=2, context=4)), batch)
 
@@ -69,8 +70,19 @@ def test_packed_documents_context2_data4(llama):
 
 
 def test_fsdp_context4_data2(llama):
-    assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=2, context=4), zero=3),
-                 tokens(4, 4, SEQ, 64))
+    """zero=3 shards the parameters over data x context (context replicas hold the same
+    parameters): each device stores 1/8 of a layer's weights."""
+    plan = fj.Plan(mesh=fj.make_mesh(data=2, context=4), zero=3)
+    batch = tokens(4, 4, SEQ, 64)
+    ref_loss, ref_grads = reference_loss_and_grads(llama, batch)
+    trainer = fj.parallelize(llama, optax.sgd(0.1), plan)
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batch)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    w = state.params["blocks"]["w2"]
+    assert w.addressable_shards[0].data.size * 8 == w.size
+    assert ("data", "context") in tuple(w.sharding.spec)
 
 
 def test_split_keeps_targets_and_balances_chunks():

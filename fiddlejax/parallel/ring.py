@@ -11,14 +11,16 @@ its own shard's blocks; the only communication is what the kernel asks for:
 - :func:`ring_attention`: ``C`` steps; at step ``s`` shard ``i`` holds the K/V of shard
   ``i - s`` and passes them on (``jnp.roll`` by one shard along the sharded axis, which the
   partitioner lowers to one collective-permute, issued before the step's blocks so the
-  transfer overlaps them). The softmax is merged online in float32 (running max, sum and
-  output per query, as flash attention does). Only visible n x n blocks are computed: step 0
+  transfer overlaps them). Each block is :func:`fiddlejax.parallel.flash.attend` (tiled,
+  with its own backward: no n x n score matrix is ever held) and the blocks' softmaxes merge
+  exactly by their log-sum-exp (:func:`~fiddlejax.parallel.flash.merge`), in float32. Only
+  visible n x n blocks are computed: step 0
   three (the two diagonal blocks masked, the late queries over the early keys whole), every
   later step two (the late queries over the early keys whole, and either the early queries
   over the early keys, when the keys' shard precedes this one, or the late queries over the
   late keys, when it follows), so every shard computes ``3 + 2 (C - 1)`` blocks.
-- :func:`gathered_attention`: K/V all-gathered over ``context``, one masked softmax of each
-  shard's queries over the whole sequence (``4 C`` blocks' worth of scores, one collective).
+- :func:`gathered_attention`: K/V all-gathered over ``context``, each shard's queries over the
+  whole sequence in one tiled block (``4 C`` blocks' worth of scores, one collective).
 
 Writing the ring with the partitioner's collectives rather than a nested ``shard_map`` keeps
 it composable with the step's own manual axes (``data``, ``pipe``): jax 0.10 cannot
@@ -28,52 +30,13 @@ residuals are typed over the outer axes, which Shardy refuses).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
-
-
-def _init(qh: jax.Array, kv: int) -> tuple:
-    c, b, n, h, d = qh.shape
-    g = h // kv
-    return (jnp.full((c, b, kv, g, n), -jnp.inf, F32), jnp.zeros((c, b, kv, g, n), F32),
-            jnp.zeros((c, b, n, kv, g, d), F32))
-
-
-@jax.checkpoint
-def _block(acc: tuple, qh, kh, vh, mask) -> tuple:
-    """Merge one block of keys into the running (max, sum, output) of queries ``qh``.
-    ``mask[C, B, nq, nk]``: which query may see which key. Rematerialized: the backward
-    recomputes a block's scores rather than keeping every block's (the memory of flash
-    attention: one n x n block live at a time, for one more pass over the blocks)."""
-    m, s_, o = acc
-    c, b, nq, h, d = qh.shape
-    kv = kh.shape[3]
-    q6 = qh.reshape(c, b, nq, kv, h // kv, d).astype(F32) * (d ** -0.5)
-    scores = jnp.einsum("cbqkgd,cbskd->cbkgqs", q6, kh.astype(F32))
-    mask = mask[:, :, None, None]
-    blk = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    m_new = jax.lax.stop_gradient(jnp.maximum(m, blk))  # softmax is shift-invariant
-    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.where(mask, jnp.exp(jnp.where(mask, scores, safe[..., None]) - safe[..., None]), 0.0)
-    alpha = jnp.exp(m - safe)
-    o = o * jnp.moveaxis(alpha, -1, 2)[..., None] + jnp.einsum(
-        "cbkgqs,cbskd->cbqkgd", p, vh.astype(F32))
-    return m_new, s_ * alpha + p.sum(-1), o
-
-
-def _finish(acc: tuple, dtype) -> jax.Array:
-    _, s_, o = acc
-    out = o / jnp.moveaxis(s_, -1, 2)[..., None]
-    c, b, n, kv, g, d = out.shape
-    return out.reshape(c, b, n, kv * g, d).astype(dtype)
-
-
-def _same(sq, sk):
-    return sq[..., :, None] == sk[..., None, :]
+from fiddlejax.parallel import flash
 
 
 def _pick(flag, a, b):
@@ -81,44 +44,129 @@ def _pick(flag, a, b):
                         a, b)
 
 
+def _grouped(q: jax.Array, kv: int) -> jax.Array:
+    """``q[..., H, Dh]`` as ``[..., KV, H / KV, Dh]`` (grouped-query heads)."""
+    return q.reshape(*q.shape[:-2], kv, q.shape[-2] // kv, q.shape[-1])
+
+
+def _blocks(c: int, step: int, causal: bool, shard: jax.Array) -> list[tuple]:
+    """The visible blocks of one ring step, as (query chunk, key chunk) pairs: 0 the early
+    chunk, 1 the late one, or a per-shard flag (True: early)."""
+    if not causal:
+        return [(0, 0), (0, 1), (1, 0), (1, 1)]
+    if step == 0:  # own chunks: the diagonal blocks masked, late over early whole
+        return [(0, 0), (1, 0), (1, 1)]
+    # keys of shard j = i - step: its early chunk j precedes our late chunk always;
+    # j < i: it precedes our early chunk too (early queries, early keys);
+    # j > i: its late chunk 2C-1-j precedes our late one (late queries, late keys).
+    early = (shard - step) % c < shard
+    return [(1, 0), (early, early)]
+
+
+def _sel(which, pair):
+    return pair[which] if isinstance(which, int) else _pick(which, *pair)
+
+
+def _add(pair: list, which, x) -> None:
+    """Add ``x`` into the early or late entry of ``pair`` (per shard, for a flag)."""
+    if isinstance(which, int):
+        pair[which] = pair[which] + x
+        return
+    zero = jnp.zeros_like(x)
+    pair[0], pair[1] = pair[0] + _pick(which, x, zero), pair[1] + _pick(which, zero, x)
+
+
+def _halves(x: jax.Array) -> tuple:
+    return x[:, :, 0], x[:, :, 1]
+
+
+def _key_places(c: int, n: int, step: int, keep: Callable) -> tuple:
+    """The places in the sequence of the keys each shard holds at ``step`` (shard i - step's)."""
+    j = (jnp.arange(c) - step) % c
+    return (keep(j[:, None] * n + jnp.arange(n)),
+            keep((2 * c - 1 - j)[:, None] * n + jnp.arange(n)))
+
+
+def _roll(tree, keep: Callable):
+    """Each shard's arrays passed to the next shard (one collective-permute each)."""
+    return jax.tree.map(lambda x: keep(jnp.roll(x, 1, axis=0)), tree)
+
+
 def ring_attention(q, k, v, seg, causal: bool, keep: Callable) -> jax.Array:
     """Ring attention (see the module docstring); ``keep`` pins an array's leading axis to
-    ``context``."""
+    ``context``. Its backward (a ring of its own) keeps only the inputs, the output and the
+    log-sum-exp per query: nothing per block or per step."""
+    return _ring(causal, keep, q, k, v, seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(causal, keep, q, k, v, seg):
+    return _ring_fwd(causal, keep, q, k, v, seg)[0]
+
+
+def _ring_fwd(causal, keep, q, k, v, seg):
     c, n = q.shape[0], q.shape[3]
-    q0, q1 = q[:, :, 0], q[:, :, 1]
-    s0, s1 = seg[:, :, 0], seg[:, :, 1]
-    kv = k.shape[4]
-    acc0, acc1 = _init(q0, kv), _init(q1, kv)
-    diag = jnp.tril(jnp.ones((n, n), bool))
+    qs, ss = _halves(_grouped(q, k.shape[4])), _halves(seg)
+    places = keep(global_index(c, n))
+    ps = (places[:, :n], places[:, n:])
+    accs = [flash.empty(qs[0]), flash.empty(qs[1])]
     shard = jnp.arange(c)
     held = (k, v, seg)
     for step in range(c):
-        nxt = (jax.tree.map(lambda x: keep(jnp.roll(x, 1, axis=0)), held)
-               if step < c - 1 else None)
-        k0, k1 = held[0][:, :, 0], held[0][:, :, 1]
-        v0, v1 = held[1][:, :, 0], held[1][:, :, 1]
-        t0, t1 = held[2][:, :, 0], held[2][:, :, 1]
-        if not causal:
-            acc0 = _block(_block(acc0, q0, k0, v0, _same(s0, t0)), q0, k1, v1, _same(s0, t1))
-            acc1 = _block(_block(acc1, q1, k0, v0, _same(s1, t0)), q1, k1, v1, _same(s1, t1))
-        elif step == 0:  # own chunks: the diagonal blocks masked, late over early whole
-            acc0 = _block(acc0, q0, k0, v0, diag & _same(s0, t0))
-            acc1 = _block(acc1, q1, k0, v0, _same(s1, t0))
-            acc1 = _block(acc1, q1, k1, v1, diag & _same(s1, t1))
-        else:
-            # keys of shard j = i - step: its early chunk j precedes our late chunk always;
-            # j < i: it precedes our early chunk too (early queries, early keys);
-            # j > i: its late chunk 2C-1-j precedes our late one (late queries, late keys).
-            early = (shard - step) % c < shard
-            acc1 = _block(acc1, q1, k0, v0, _same(s1, t0))
-            merged = _block(_pick(early, acc0, acc1), _pick(early, q0, q1),
-                            _pick(early, k0, k1), _pick(early, v0, v1),
-                            _same(_pick(early, s0, s1), _pick(early, t0, t1)))
-            acc0, acc1 = _pick(early, merged, acc0), _pick(early, acc1, merged)
-        acc0, acc1 = jax.tree.map(keep, acc0), jax.tree.map(keep, acc1)
-        if nxt is not None:
-            held = nxt
-    return jnp.stack([_finish(acc0, q.dtype), _finish(acc1, q.dtype)], axis=2)
+        nxt = _roll(held, keep) if step < c - 1 else None  # overlaps the step's blocks
+        ks, vs, ts = (_halves(x) for x in held)
+        kps = _key_places(c, n, step, keep)
+        for qi, ki in _blocks(c, step, causal, shard):
+            out = flash.forward(_sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps),
+                                _sel(ki, kps), _sel(qi, ss), _sel(ki, ts), causal=causal,
+                                keep=keep)
+            if isinstance(qi, int):
+                accs[qi] = flash.merge(accs[qi], out)
+            else:
+                merged = flash.merge(_pick(qi, *accs), out)
+                accs = [_pick(qi, merged, accs[0]), _pick(qi, accs[1], merged)]
+        accs = [jax.tree.map(keep, a) for a in accs]
+        held = nxt
+    out = jnp.stack([accs[0][0], accs[1][0]], axis=2).reshape(q.shape).astype(q.dtype)
+    return out, (q, k, v, seg, *accs)
+
+
+def _ring_bwd(causal, keep, res, dout):
+    """The same blocks again; each shard's queries gather their gradient in place, while the
+    gradients of the keys and values travel around the ring with them and arrive home after
+    one more pass."""
+    q, k, v, seg, acc0, acc1 = res
+    c, n = q.shape[0], q.shape[3]
+    qs, ss = _halves(_grouped(q, k.shape[4])), _halves(seg)
+    dos = _halves(_grouped(dout, k.shape[4]).astype(jnp.float32))
+    outs, lses = (acc0[0], acc1[0]), (acc0[1], acc1[1])
+    places = keep(global_index(c, n))
+    ps = (places[:, :n], places[:, n:])
+    dq = [jnp.zeros_like(x, jnp.float32) for x in qs]
+    shard = jnp.arange(c)
+    held = (k, v, seg)
+    dheld = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    for step in range(c):
+        nxt = _roll(held, keep) if step < c - 1 else None
+        ks, vs, ts = (_halves(x) for x in held)
+        kps = _key_places(c, n, step, keep)
+        dk, dv = list(_halves(dheld[0])), list(_halves(dheld[1]))
+        for qi, ki in _blocks(c, step, causal, shard):
+            g_q, g_k, g_v = flash.backward(
+                _sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps), _sel(ki, kps),
+                _sel(qi, ss), _sel(ki, ts), _sel(qi, outs), _sel(qi, lses), _sel(qi, dos),
+                causal=causal, keep=keep)
+            _add(dq, qi, g_q)
+            _add(dk, ki, g_k)
+            _add(dv, ki, g_v)
+        # the sums travel with the keys: after the last step one more pass brings them home
+        dheld = _roll((jnp.stack(dk, axis=2), jnp.stack(dv, axis=2)), keep)
+        held = nxt
+    dq = jnp.stack(dq, axis=2).reshape(q.shape).astype(q.dtype)
+    return dq, dheld[0].astype(k.dtype), dheld[1].astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def global_index(c: int, n: int) -> jax.Array:
@@ -134,15 +182,14 @@ def gathered_attention(q, k, v, seg, causal: bool, keep: Callable,
     over ``context`` (the all-gather)."""
     c, b, _, n = q.shape[:4]
     kw, vw, sw = (whole(x) for x in (k, v, seg))
-    # [C, B, 2, n, ...] -> [B, C * 2n, ...] (shard-major, as global_index orders them)
-    kw, vw, sw = (jnp.moveaxis(x, 1, 0).reshape(b, c * 2 * n, *x.shape[4:]) for x in (kw, vw, sw))
-    ql = q.reshape(c * b, 2 * n, *q.shape[4:])
-    sl = seg.reshape(c, b, 2 * n)
-    mask = sl[..., :, None] == sw[None, :, None, :]  # [C, B, 2n, C 2n]
-    if causal:
-        g = global_index(c, n)
-        mask = mask & (g[:, None, :, None] >= g.reshape(-1)[None, None, None, :])
-    bcast = [keep(jnp.broadcast_to(x[None], (c, *x.shape))).reshape(c * b, *x.shape[1:])
-             for x in (kw, vw)]
-    out = jax.nn.dot_product_attention(ql, *bcast, mask=keep(mask).reshape(c * b, 1, 2 * n, -1))
-    return out.reshape(q.shape)
+    # [C, B, 2, n, ...] -> [B, C * 2n, ...] (shard-major, as global_index orders them), then
+    # one copy per shard
+    kw, vw, sw = (keep(jnp.broadcast_to(
+        jnp.moveaxis(x, 1, 0).reshape(b, c * 2 * n, *x.shape[4:])[None],
+        (c, b, c * 2 * n, *x.shape[4:]))) for x in (kw, vw, sw))
+    places = global_index(c, n)
+    kpos = keep(jnp.broadcast_to(places.reshape(1, -1), (c, c * 2 * n)))
+    ql = _grouped(q.reshape(c, b, 2 * n, *q.shape[4:]), k.shape[4])
+    out, _ = flash.attend(ql, kw, vw, keep(places), kpos, seg.reshape(c, b, 2 * n), sw,
+                          causal=causal, keep=keep)
+    return out.reshape(q.shape).astype(q.dtype)

@@ -2,8 +2,8 @@
 
 - ZeRO-1 (``zero=1``): each optimizer-state leaf also splits over ``data`` on its first free
   dimension that divides; ZeRO-2 (``zero=2``) reduce-scatters the gradients onto those shards.
-- ZeRO-3 (``zero=3``): the parameters split over ``data`` too (:func:`fiddlejax.compute.fsdp_dims`)
-  and the computation sees them through a :class:`~fiddlejax.compute.ParamView` that gathers
+- ZeRO-3 (``zero=3``): the parameters split over ``data`` too (:func:`fiddlejax.compute.fsdp_dims`),
+  and over ``context`` outside a pipeline (:func:`store_also`), and the computation sees them through a :class:`~fiddlejax.compute.ParamView` that gathers
   each layer's weights when it runs (``fsdp_gather="layer"``) or the whole tree once per step
   (``"step"``), in the compute dtype, keeping the ``pipe``/``tensor`` split.
 
@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax import compute
+from fiddlejax.mesh import axis_size
 from fiddlejax.plan import Plan
 
 
@@ -59,14 +60,22 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
         return getattr(path[0], "key", None) == stack
 
     dims, gather_specs = None, specs
-    if plan.zero == 3 and plan.data > 1:
-        dims = compute.fsdp_dims(internal, specs, plan.data,
+    also = store_also(plan, pipelined)
+    shards = plan.data * axis_size(plan.mesh, "context") if also else plan.data
+    if plan.zero == 3 and shards > 1:
+        dims = compute.fsdp_dims(internal, specs, shards,
                                  lambda path: lead if in_stack(path) else 0)
-        specs = compute.with_data_axis(specs, dims)
+        axes = ("data", *also) if plan.data > 1 else also
+        specs = compute.with_data_axis(specs, dims, axes if also else "data")
     dtype = None if plan.compute_dtype == "float32" else jnp.dtype(plan.compute_dtype)
     gather_step = dims is not None and plan.fsdp_gather == "step"
+    if gather_step and also:
+        raise ValueError(
+            f"fsdp_gather='step' gathers the FSDP shards over data once per step, but with "
+            f"context={axis_size(plan.mesh, 'context')} zero=3 also shards them over context; "
+            "use fsdp_gather='layer'")
     per_use = dims if not gather_step else None
-    view = (compute.ParamView(dtype, plan.matmul_dtype)
+    view = (compute.ParamView(dtype, plan.matmul_dtype, also, plan.mesh)
             if per_use is not None or dtype is not None else None)
     # Whole gradient sums are reduce-scattered after the microbatches: FSDP gathered once per
     # step, or ZeRO-2 (onto the optimizer state's shards).
@@ -88,6 +97,13 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
                                prefetch=plan.fsdp_prefetch and per_use is not None
                                and not pipelined)
     return zero, specs, lambda p: view.tree(p, outer, gather_specs)
+
+
+def store_also(plan: Plan, pipelined: bool) -> tuple[str, ...]:
+    """The axes besides ``data`` zero=3 shards the parameters over: ``context`` (its replicas
+    hold the same parameters; Megatron and MaxText shard over both) outside a pipeline."""
+    return ("context",) if plan.zero == 3 and not pipelined and axis_size(
+        plan.mesh, "context") > 1 else ()
 
 
 def grad_shardings(plan: Plan, specs: nnx.State, internal: nnx.State, params: Any) -> Any:

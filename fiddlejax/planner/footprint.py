@@ -27,7 +27,7 @@ Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtyp
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
 activations, stashes and messages; each layer's bf16 weight copy is a transient. ``zero=1``
 divides the optimizer state by ``data``; ``zero=3`` (FSDP) divides parameters, gradients and
-optimizer state, and adds to the working set what one layer's use materialises: the gathered
+optimizer state (by ``data``, and by ``context`` too outside a pipeline), and adds to the working set what one layer's use materialises: the gathered
 weights in the compute dtype, the next layer's prefetched, and the full-size float32 weight
 gradient before its reduce-scatter (or the embedding or head with its gradient, if larger).
 Gathered once per step (``fsdp_gather="step"``) the stage's weights are held gathered in the
@@ -235,8 +235,8 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     param_copies = 4 if two_bw else 1
     if two_bw:
         grads_copies = 3
-    opt = n * ob / (d if layout.zero else 1)
-    shard = d if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
+    shard = layout.fsdp_shards if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
+    opt = n * ob / (shard if layout.fsdp else d if layout.zero else 1)
     # FSDP gathered once per step: the stage's weights held gathered in the compute dtype and
     # the gradients accumulated at full size, reduce-scattered into their shards at the end.
     gathered, grad_shard = 0.0, shard

@@ -79,7 +79,11 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                 for sched, v in scheds:
                     k = steps_per_call if sched == "2bw" else 1
                     for remat in remats:
-                        for z in zero if d > 1 and sched != "2bw" else (0,):
+                        # FSDP also shards over context outside a pipeline
+                        stores = d > 1 or (c > 1 and p == 1)
+                        zs = (0,) if sched == "2bw" or not stores else zero if d > 1 else (
+                            tuple(z for z in zero if z in (0, 3)) or (0,))
+                        for z in zs:
                             m = global_batch // (d * e * mb)
                             for g in fsdp_gathers if z == 3 and m > 1 else ("layer",):
                                 yield Layout(tensor=t, pipe=p, data=d, context=c, expert=e,

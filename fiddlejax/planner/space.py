@@ -161,9 +161,16 @@ class Layout:
             1 if self.rank_order == "data-pipe-tensor" else self.data)
 
     @property
+    def fsdp_shards(self) -> int:
+        """Devices ZeRO-3 shards over: ``data``, and ``context`` outside a pipeline (context
+        replicas hold the same parameters; ``fiddlejax.parallel.zero.store_also``)."""
+        return self.data * (self.context if self.pipe == 1 else 1)
+
+    @property
     def fsdp(self) -> bool:
-        """ZeRO-3: parameters, gradients and optimizer state sharded over ``data``."""
-        return self.zero == 3 and self.data > 1
+        """ZeRO-3: parameters, gradients and optimizer state sharded over ``data`` (and
+        ``context``)."""
+        return self.zero == 3 and self.fsdp_shards > 1
 
     @property
     def gathers_once(self) -> bool:
@@ -294,6 +301,9 @@ def _check_options(lo: Layout, model: ModelSpec) -> None:
     if lo.fsdp_gather == "step" and lo.zero != 3:
         raise ValueError(f"fsdp_gather='step' gathers FSDP shards; zero={lo.zero} does not "
                          "shard the parameters: set zero=3")
+    if lo.fsdp_gather == "step" and lo.fsdp_shards > lo.data:
+        raise ValueError(f"fsdp_gather='step' gathers over data once per step, but zero=3 "
+                         f"also shards over context={lo.context}; use fsdp_gather='layer'")
     if lo.precision not in PRECISIONS:
         raise ValueError(f"precision={lo.precision!r} must be one of {PRECISIONS}")
     if lo.head not in HEADS:
