@@ -2,10 +2,12 @@
 
 - ZeRO-1 (``zero=1``): each optimizer-state leaf also splits over ``data`` on its first free
   dimension that divides; ZeRO-2 (``zero=2``) reduce-scatters the gradients onto those shards.
-- ZeRO-3 (``zero=3``): the parameters split over ``data`` too (:func:`fiddlejax.compute.fsdp_dims`),
-  and over ``context`` outside a pipeline (:func:`store_also`), and the computation sees them through a :class:`~fiddlejax.compute.ParamView` that gathers
-  each layer's weights when it runs (``fsdp_gather="layer"``) or the whole tree once per step
-  (``"step"``), in the compute dtype, keeping the ``pipe``/``tensor`` split.
+- ZeRO-3 (``zero=3``): the parameters split over ``data`` too
+  (:func:`fiddlejax.compute.fsdp_dims`), and over ``context`` outside a pipeline
+  (:func:`store_also`), and the computation sees them through a
+  :class:`~fiddlejax.compute.ParamView` that gathers each layer's weights when it runs
+  (``fsdp_gather="layer"``) or the whole tree once per step (``"step"``), in the compute
+  dtype, keeping the ``pipe``/``tensor`` split.
 
 :func:`lay_out` decides it once; the functions below apply it inside a step.
 """

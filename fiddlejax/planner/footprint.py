@@ -27,9 +27,10 @@ Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtyp
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
 activations, stashes and messages; each layer's bf16 weight copy is a transient. ``zero=1``
 divides the optimizer state by ``data``; ``zero=3`` (FSDP) divides parameters, gradients and
-optimizer state (by ``data``, and by ``context`` too outside a pipeline), and adds to the working set what one layer's use materialises: the gathered
-weights in the compute dtype, the next layer's prefetched, and the full-size float32 weight
-gradient before its reduce-scatter (or the embedding or head with its gradient, if larger).
+optimizer state (by ``data``, and by ``context`` too outside a pipeline), and adds to the
+working set what one layer's use materialises: the gathered weights in the compute dtype,
+the next layer's prefetched, and the full-size float32 weight gradient before its
+reduce-scatter (or the embedding or head with its gradient, if larger).
 Gathered once per step (``fsdp_gather="step"``) the stage's weights are held gathered in the
 compute dtype and its gradient accumulated at full size in float32 (plus its reduce-scattered
 shard).
