@@ -71,3 +71,9 @@ def test_merged_blocks_equal_one_block():
     assert rel_err(val, ref) < 1e-6
     assert rel_err(g, g_ref) < 1e-5
     assert all(np.isfinite(np.asarray(x)).all() for x in g)
+
+
+def test_planner_tile_is_the_kernels():
+    from fiddlejax.planner import footprint
+
+    assert footprint.ATTENTION_TILE == flash.TILE

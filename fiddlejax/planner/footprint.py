@@ -103,8 +103,8 @@ def layer_activations(model: ModelSpec, layout: Layout, policy: str,
     the model's figure over ``tensor``, its replicated part split over ``tensor`` too under
     sequence parallelism. Split over ``context``, each device holds 1/C of every token-wise
     activation, and the ring keeps no score block for the backward (each is recomputed);
-    ``live`` (the working set of a backward) adds the one n x n block (n = seq / 2C) it
-    recomputes at a time."""
+    ``live`` (the working set of a backward) adds what its tiled kernel holds
+    (:func:`_ring_live`)."""
     t, c, ab = layout.tensor, layout.context, activation_bytes(layout)
     raw = (model.stash_bytes if stashed else model.act_bytes)(policy, t, ab)
     raw += experts.padded_activations(model, policy, t, layout.expert) * ab
@@ -118,8 +118,22 @@ def layer_activations(model: ModelSpec, layout: Layout, policy: str,
     scores = SCORE_COPIES.get(policy, 0) * square
     f32 = model.act_f32.get(policy, 0.0) / t
     raw -= (scores - f32) * ab + f32 * 4  # XLA's whole-sequence scores: not in the ring
-    block = 4 * 4 * square / (2 * c) ** 2 if live else 0.0  # float32 scores, mask, exp, p
-    return raw / c + block
+    return raw / c + (_ring_live(model, layout) if live else 0.0)
+
+
+ATTENTION_TILE = 1024  # fiddlejax.parallel.flash.TILE (tests/test_flash.py checks they agree)
+
+
+def _ring_live(model: ModelSpec, layout: Layout) -> float:
+    """Bytes per sample the context kernels add to a layer's backward: one tile of float32
+    scores (scores, probabilities and their gradients: 4 copies; a block of n = seq / 2C is
+    cut into tiles of at most ``ATTENTION_TILE``, ``fiddlejax.parallel.flash``), and the
+    local queries' float32 output, its gradient and the queries' gradient (the ring's
+    backward keeps the output and log-sum-exp, nothing per block)."""
+    t, n = layout.tensor, model.seq_len // (2 * layout.context)
+    tile = max(d for d in range(1, min(n, ATTENTION_TILE) + 1) if n % d == 0)
+    per_query = 3 * 4 * model.hidden / t * model.seq_len / layout.context
+    return 4 * 4 * model.heads / t * tile * tile + per_query
 
 
 def schedule_steps(layout: Layout) -> int:
@@ -285,7 +299,9 @@ def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
     if vocab_parallel(layout) and (not layout.fsdp or layout.gathers_once):
         outer = max(_outer_leaf(k, split, layout) for k, split in model.outer_param_leaves())
         head += outer * (gb + (ab if ab < 4 else 0))
-    working = max(layer, head) if vocab_parallel(layout) else layer + head
+    # without a pipeline the head's forward and backward end before the first layer's
+    # backward begins: its logits are never live beside a layer's residuals either
+    working = max(layer, head) if vocab_parallel(layout) or p == 1 else layer + head
     if p > 1:
         working += inbox_slots(layout) * mb * model.boundary * ab / layout.context
     if layout.kind == "2bw":  # the update, computed inside the pipeline program; XLA keeps

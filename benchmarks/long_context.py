@@ -1,0 +1,142 @@
+"""Llama-3-8B at 128k tokens per sequence on 8 x 80 GB: the planner's layout, compile only.
+
+The planner searches every layout of one 8 x H100 (80 GB, 72 GiB usable) node for Llama-3-8B
+with ``seq_len`` tokens per sequence (one sequence per step, ``precision="bf16-mixed"``,
+remat as it picks) and takes the fastest that fits; that layout is built as an ``fj.Plan``
+around ``models.llama.Llama`` made with ``nnx.eval_shape`` (no weights exist) and one training
+step (AdamW) is lowered and compiled on 8 simulated CPU devices in a subprocess:
+``trainer.memory(1)["peak_bytes"]`` (argument + output + temp - aliased) against the
+planner's figure. Writes ``benchmarks/results/long_context.md``.
+
+    python benchmarks/long_context.py [--seq 131072 32768] [--layout T,C,SP,ZERO,REMAT]
+
+On the CPU XLA computes bf16 elementwise work in float32; the compiled bytes are XLA's CPU
+buffers, compared as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=8)
+
+
+def pick(seq: int, layout: str | None):
+    """The planner's fastest layout that fits (or the one ``layout`` names) and its
+    prediction."""
+    from fiddlejax import planner
+
+    spec = planner.preset("llama3-8b", seq=seq)
+    cluster = planner.cluster("h100", nodes=1)
+    if layout:
+        t, c, sp, zero, remat = layout.split(",")
+        lo = planner.Layout(tensor=int(t), context=int(c), data=8 // (int(t) * int(c)),
+                            sequence_parallel=sp == "sp", zero=int(zero), remat=remat,
+                            global_batch=8 // (int(t) * int(c)), precision="bf16-mixed")
+        return planner.predict(spec, cluster, lo)
+    return planner.search(spec, cluster, 1, precision="bf16-mixed", microbatch_sizes=(1,),
+                          top=1)[0]
+
+
+def compile_step(seq: int, lo: dict) -> dict:
+    """In the subprocess: compile one step of the layout ``lo`` (``Layout.to_dict()``)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import fiddlejax as fj
+    from fiddlejax.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(**SHAPE, seq_len=seq, max_position_embeddings=seq)
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    mesh = fj.make_mesh(data=lo["data"], pipe=lo["pipe"], context=lo["context"],
+                        tensor=lo["tensor"], devices=jax.devices()[:lo["gpus"]])
+    plan = fj.Plan(mesh=mesh, schedule=lo["schedule"], microbatches=lo["microbatches"],
+                   virtual_stages=lo["virtual_stages"], remat=lo["remat"], zero=lo["zero"],
+                   sequence_parallel=lo["sequence_parallel"], fsdp_gather=lo["fsdp_gather"],
+                   compute_dtype="bfloat16" if lo["precision"] == "bf16-mixed" else "float32")
+    t0 = time.perf_counter()
+    trainer = fj.parallelize(model, optax.adamw(1e-4), plan)
+    out = trainer.memory(lo["global_batch"])
+    return {**out, "compile_s": time.perf_counter() - t0}
+
+
+def measure(seq: int, layout: str | None) -> dict:
+    pr = pick(seq, layout)
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, __file__, "--compile", str(seq),
+                          json.dumps(pr.layout.to_dict())], env=env, capture_output=True,
+                         text=True, check=False)
+    if run.returncode:
+        raise RuntimeError(f"compile of {pr.layout.short()} at seq {seq} failed:\n"
+                           f"{run.stderr[-3000:]}")
+    compiled = json.loads(run.stdout.strip().splitlines()[-1])
+    mem = pr.memory.to_dict()
+    return {"seq": seq, "layout": pr.layout.short(), "predicted": mem["total"],
+            "breakdown": mem, "compiled": compiled, "tokens_per_second": pr.tokens_per_second,
+            "error": mem["total"] / compiled["peak_bytes"] - 1}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| seq | layout (planner's pick) | predicted | compiled peak | error | compiled "
+             "arguments | compiled temp | fits 80 GB | compile |", "|---" * 9 + "|"]
+    for r in rows:
+        c = r["compiled"]
+        lines.append(
+            f"| {r['seq']} | {r['layout']} | {r['predicted'] / GIB:.2f} GiB "
+            f"| {c['peak_bytes'] / GIB:.2f} GiB | {r['error']:+.1%} "
+            f"| {c['argument_bytes'] / GIB:.2f} GiB | {c['temp_bytes'] / GIB:.2f} GiB "
+            f"| {'yes' if c['peak_bytes'] <= 80e9 else 'NO'} | {c['compile_s']:.0f} s |")
+    lines += ["", "Predicted, by what it holds (GiB):", "",
+              "| seq | params | grads | optimizer | activations | working |", "|---" * 6 + "|"]
+    for r in rows:
+        b = r["breakdown"]
+        lines.append(f"| {r['seq']} | " + " | ".join(
+            f"{b[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations",
+                                           "working")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--layout", metavar="T,C,SP,ZERO,REMAT",
+                    help="this layout instead of the planner's pick, e.g. 1,8,-,3,full; "
+                    "prints its rows, writes nothing")
+    ap.add_argument("--compile", nargs=2, metavar=("SEQ", "LAYOUT_JSON"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_context.md"))
+    a = ap.parse_args()
+    if a.compile:
+        print(json.dumps(compile_step(int(a.compile[0]), json.loads(a.compile[1]))))
+        return 0
+    rows = []
+    for seq in a.seq:
+        rows.append(measure(seq, a.layout))
+        print(markdown(rows[-1:]).splitlines()[2], flush=True)
+    table = markdown(rows)
+    print(table)
+    if not a.layout:
+        Path(a.out).write_text(
+            "# Long context: Llama-3-8B at 128k tokens on 8 x 80 GB, compile only\n\n"
+            "`python benchmarks/long_context.py`: the planner picks the fastest layout of one "
+            "8 x H100 node (72 GiB usable per GPU) for one sequence per step in bf16-mixed; "
+            "the Trainer compiles one AdamW step of `models.llama.Llama` (Llama-3-8B shapes, "
+            "built with `nnx.eval_shape`) on 8 simulated CPU devices; compiled = "
+            "`trainer.memory(1)['peak_bytes']`; error = predicted / compiled - 1.\n\n"
+            + table)
+    return 0 if all(abs(r["error"]) < 0.10 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
