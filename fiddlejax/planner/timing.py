@@ -232,7 +232,8 @@ def _reduction(cluster: ClusterSpec, layout: Layout, n_params: float, d: int,
     if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
         # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce;
         # gathered once per step: one all-gather and one reduce-scatter
-        g, gs = (d, stride) if layout.fsdp_shards == d else (layout.fsdp_shards, t)
+        wide = layout.fsdp_shards // layout.data  # context too (outside a pipeline)
+        g, gs = (d, stride) if wide == 1 else (d * wide, layout.tensor)
         gather = allreduce_seconds(cluster, g, gs, n_params * ab) / 2
         scatter = allreduce_seconds(cluster, g, gs, n_params * gb) / 2
         dp = gather + scatter if layout.gathers_once else m * (2 * gather + scatter)
