@@ -69,10 +69,12 @@ def test_packed_documents_context2_data4(llama):
     assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=4, context=2)), batch)
 
 
-def test_fsdp_context4_data2(llama):
+@pytest.mark.parametrize("axes", [dict(data=2, context=4), dict(data=1, context=4, tensor=2)])
+def test_fsdp_over_data_and_context(llama, axes):
     """zero=3 shards the parameters over data x context (context replicas hold the same
-    parameters): each device stores 1/8 of a layer's weights."""
-    plan = fj.Plan(mesh=fj.make_mesh(data=2, context=4), zero=3)
+    parameters): each device stores 1/8 of a layer's weights. data=1 is the layout the
+    planner picks for Llama-3-8B at 128k (with tensor=2 and sequence parallelism)."""
+    plan = fj.Plan(mesh=fj.make_mesh(**axes), zero=3, sequence_parallel="tensor" in axes)
     batch = tokens(4, 4, SEQ, 64)
     ref_loss, ref_grads = reference_loss_and_grads(llama, batch)
     trainer = fj.parallelize(llama, optax.sgd(0.1), plan)
@@ -82,7 +84,7 @@ def test_fsdp_context4_data2(llama):
     assert rel_err(grads, ref_grads) < 1e-5
     w = state.params["blocks"]["w2"]
     assert w.addressable_shards[0].data.size * 8 == w.size
-    assert ("data", "context") in tuple(w.sharding.spec)
+    assert "context" in jax.tree.leaves(tuple(w.sharding.spec))
 
 
 def test_split_keeps_targets_and_balances_chunks():
