@@ -41,6 +41,10 @@ TRANSFORMER_MUON_AXES = {"w1": ((-2,), (-1,)), "w2": ((-2,), (-1,)), "wq": ((-3,
                          "wk": ((-3,), (-2, -1)), "wv": ((-3,), (-2, -1)),
                          "wo": ((-3, -2), (-1,))}
 LLAMA_MUON_AXES = {**TRANSFORMER_MUON_AXES, "w3": ((-2,), (-1,))}  # SwiGLU's up projection
+# A mixture's experts ([layers, E, d, f]): each expert's matrix on its own (E is a batch axis);
+# the router stays AdamW, like the other small non-square leaves Muon's authors leave out.
+MOE_MUON_AXES = {**{k: v for k, v in TRANSFORMER_MUON_AXES.items() if k not in ("w1", "w2")},
+                 **{f"moe.{k}": ((-2,), (-1,)) for k in ("w_gate", "w_up", "w_down")}}
 CNN_MUON_AXES = {"k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,))}
 
 
@@ -52,7 +56,8 @@ class ModelEntry:
     - ``batches(cfg, model, process_index, process_count)``: its :class:`Batches`.
     - ``flops_per_step(model, batch_size)``: analytic training FLOPs of one step (forward +
       backward, no remat) of the whole global batch, for TFLOP/s and MFU.
-    - ``muon_axes``: stacked block leaf name -> (reduction axes, output axes) for Muon.
+    - ``muon_axes``: stacked block leaf name (dotted below ``blocks``: ``"wq"``,
+      ``"moe.w_gate"``) -> (reduction axes, output axes) for Muon.
     - ``correct(model, batch)``: ``(examples classified right, examples)`` of a validation
       batch, traced under ``jax.jit``; a classifier gives it and the job reports validation
       accuracy (None: loss only).
@@ -74,8 +79,8 @@ class ModelEntry:
 
         def dims(path, _):
             keys = [getattr(k, "key", None) for k in path]
-            axes = (self.muon_axes.get(keys[1]) if len(keys) > 1 and keys[0] == "blocks"
-                    else None)
+            axes = (self.muon_axes.get(".".join(str(k) for k in keys[1:] if k is not None))
+                    if len(keys) > 1 and keys[0] == "blocks" else None)
             return MuonDimensionNumbers(*axes) if axes else None
 
         return jax.tree_util.tree_map_with_path(dims, params)
@@ -248,7 +253,8 @@ REGISTRY: dict[str, ModelEntry] = {
 for _family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
                 "mixtral", "qwen3_moe"):
     REGISTRY[_family] = ModelEntry(_family, _llama_build, _gpt_batches, _llama_flops,
-                                   LLAMA_MUON_AXES)
+                                   MOE_MUON_AXES if _family in ("mixtral", "qwen3_moe")
+                                   else LLAMA_MUON_AXES)
 
 
 def get(name: str) -> ModelEntry:
