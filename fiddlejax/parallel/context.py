@@ -48,9 +48,10 @@ from fiddlejax.parallel import ring
 
 KERNELS = ("auto", "ring", "allgather")
 KERNEL = "auto"  # which kernel new layouts use; tests and benchmarks force one
-# From this many tokens per shard the ring wins (benchmarks/results/context.md, context=4):
-# less temp memory at every length (0.62x at 256 tokens per shard, 0.36x at 1024) and a faster
-# step from 256 (0.79x; 0.72x at 512); at 128 the all-gather's one collective is 1.5x faster.
+# From this many tokens per shard the ring wins (benchmarks/results/context.md, context=4): a
+# faster step from 256 (0.82x; 0.71x at 512); at 128 the all-gather's one collective is 1.3x
+# faster. Both kernels are tiled (temp memory within 1.3x of each other up to 1024 tokens per
+# shard), but the all-gather holds the whole sequence's K/V on every device.
 RING_FROM_TOKENS = 256
 SEQ_KEYS = ("tokens", "segment_ids", "positions")
 
