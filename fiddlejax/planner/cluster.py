@@ -6,8 +6,10 @@ GPU per direction, so NVIDIA's bidirectional "600 GB/s" NVLink3 is 300 GB/s here
 - ``a100-80gb``: DGX A100 80GB: 312 TFLOP/s, 80 GiB HBM2e at 2.04 TB/s, NVLink3 + NVSwitch
   300 GB/s, 8 x 200 Gb/s HDR InfiniBand per node (one 25 GB/s NIC per GPU). This is Selene, the
   cluster of the Megatron-LM 2021 measurements.
-- ``h100``: DGX H100: 989 TFLOP/s, 80 GiB HBM3 at 3.35 TB/s, NVLink4 450 GB/s, 8 x 400 Gb/s NDR.
-- ``h200``: HGX H200: 989 TFLOP/s, 141 GB HBM3e at 4.8 TB/s, NVLink4 450 GB/s, 8 x 400 Gb/s NDR.
+- ``h100``: DGX H100: 989 TFLOP/s (1979 in fp8), 80 GiB HBM3 at 3.35 TB/s, NVLink4 450 GB/s,
+  8 x 400 Gb/s NDR.
+- ``h200``: HGX H200: 989 TFLOP/s (1979 in fp8), 141 GB HBM3e at 4.8 TB/s, NVLink4 450 GB/s,
+  8 x 400 Gb/s NDR.
 - ``jean-zay-a100``: the Jean Zay A100 partition BLOOM-176B trained on: the same 8 A100-80GB
   per node on NVLink/NVSwitch, but 4 x 100 Gb/s Omni-Path per node (6.25 GB/s per GPU), a
   quarter of Selene's 25 GB/s (BLOOM's model card and bigscience tr11-176B-ml README).
@@ -26,6 +28,12 @@ the published training runs the planner is validated against. ``hbm_efficiency``
 counterpart for memory-bound kernels: STREAM-style kernels reach about 85-90% of the HBM
 datasheet bandwidth (NVIDIA CCCL's babelstream benchmarks report 87-88% utilisation, PR #9881),
 never all of it.
+
+``fp8_flops`` is the dense fp8 tensor-core peak (NVIDIA's H100/H200 SXM datasheets: 1979
+TFLOP/s without sparsity, twice bf16); ``None`` where the device has no fp8 tensor cores (A100,
+the simulated CPU), so ``matmul_dtype="fp8"`` is refused there by name. fp8 GEMMs are priced at
+the same ``gemm_efficiency`` as bf16: no public figure for these shapes says otherwise
+(docs/planner.md compares the result with the one H200 measurement).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ class GPUSpec:
     hbm_bandwidth: float  # bytes/s
     gemm_efficiency: float = 0.8
     hbm_efficiency: float = 0.9  # share of hbm_bandwidth a streaming (elementwise) kernel reaches
+    fp8_flops: float | None = None  # dense fp8 FLOP/s; None: no fp8 tensor cores
 
     @property
     def hbm_achieved(self) -> float:
@@ -115,8 +124,8 @@ class ClusterSpec:
 
 
 A100_80GB = GPUSpec("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12, 0.8)
-H100 = GPUSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 0.75)
-H200 = GPUSpec("H200-SXM-141GB", 989e12, 141e9, 4.8e12, 0.75)
+H100 = GPUSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 0.75, fp8_flops=1979e12)
+H200 = GPUSpec("H200-SXM-141GB", 989e12, 141e9, 4.8e12, 0.75, fp8_flops=1979e12)
 CPU_SIM = GPUSpec("simulated CPU device", 1e11, 64 * GIB, 2e10, 1.0, 1.0)
 
 PRESETS = {
@@ -138,6 +147,11 @@ def cluster(name: str, nodes: int = 1, gpus_per_node: int = 8, **overrides) -> C
         raise ValueError(f"unknown cluster {name!r}; presets: {', '.join(PRESETS)}")
     fields = {**PRESETS[name], **overrides}
     return ClusterSpec(name=name, nodes=nodes, gpus_per_node=gpus_per_node, **fields)
+
+
+def fp8_clusters() -> list[str]:
+    """Presets whose GPU has dense fp8 tensor cores (``matmul_dtype="fp8"`` runs there)."""
+    return [n for n, f in PRESETS.items() if f["gpu"].fp8_flops]
 
 
 def nodes_for(gpus: int, gpus_per_node: int = 8) -> int:

@@ -5,6 +5,7 @@
     fiddlejax plan predict ... --pipe 8 --schedule 2bw --steps-per-call 4   # PipeDream-2BW
     fiddlejax plan search --model gpt3-175b --cluster h100 --nodes 64 --global-batch 1536 \\
         [--top 10] [--schedules 1f1b zb-h1 2bw --steps-per-call 4] [--json]
+    fiddlejax plan predict ... --matmul-dtype fp8           # fp8 matmuls (H100/H200)
     fiddlejax plan validate [--json]       # every published run: predicted vs published;
                                            # exit 1 when one is off by more than 10%
     fiddlejax plan predict --model bloom-176b --cluster jean-zay-a100 --nodes 48 --tensor 4 \
@@ -29,6 +30,7 @@ from fiddlejax.planner.space import (
     FSDP_GATHERS,
     GRAD_ACCUMULATIONS,
     HEADS,
+    MATMUL_DTYPES,
     P2PS,
     PARTITIONS,
     PRECISIONS,
@@ -48,6 +50,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"'gpt' or 'llama' (with the flags below) or a preset: {presets}")
     for f in ("layers", "hidden", "heads", "kv-heads", "seq", "vocab", "ffn"):
         g.add_argument(f"--{f}", type=int)
+    g.add_argument("--tied", action="store_true",
+                   help="gpt/llama: the head multiplies by the embedding (no matrix of its own)")
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="h100", choices=sorted(CLUSTERS))
     c.add_argument("--nodes", type=int, default=1)
@@ -55,6 +59,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     c.add_argument("--global-batch", type=int, required=True, help="samples per step")
     c.add_argument("--precision", choices=PRECISIONS,
                    help="default: bf16-mixed on GPUs, fp32 on cpu-sim")
+    c.add_argument("--matmul-dtype", choices=[d for d in MATMUL_DTYPES if d],
+                   help="fp8: each layer's dense matmuls in float8 (fj.Plan(matmul_dtype="
+                   "'fp8'), job key plan.matmul_dtype=fp8); needs a GPU with fp8 (h100, h200)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -68,12 +75,16 @@ def _model(a: argparse.Namespace) -> workload.ModelSpec:
         raise ValueError(f"--model {a.model} needs {' '.join(missing)} (or a preset such as "
                          "--model gpt3-175b or --model llama3-8b)")
     if a.model == "llama":
-        return workload.llama(a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.seq, a.vocab)
-    return workload.gpt(a.layers, a.hidden, a.heads, a.seq, a.vocab, ffn=a.ffn)
+        return workload.llama(a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.seq, a.vocab,
+                              tied=a.tied)
+    return workload.gpt(a.layers, a.hidden, a.heads, a.seq, a.vocab, ffn=a.ffn, tied=a.tied)
 
 
 def _precision(a: argparse.Namespace) -> str:
-    return a.precision or ("fp32" if a.cluster == "cpu-sim" else "bf16-mixed")
+    """The job's default: bf16 on GPUs and with fp8 matmuls (``plan.compute_dtype=auto``)."""
+    if a.precision:
+        return a.precision
+    return "fp32" if a.cluster == "cpu-sim" and not a.matmul_dtype else "bf16-mixed"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,7 +157,9 @@ def _print_predict(pr: Prediction) -> None:
     con.print(f"[bold]{pr.model.name}[/] ({pr.model.params / 1e9:.2f}B params) on "
               f"{pr.cluster.describe()}")
     con.print(f"layout: {lo.short()}  microbatches={lo.microbatches}  "
-              f"global_batch={lo.global_batch}  precision={lo.precision}")
+              f"global_batch={lo.global_batch}  precision={lo.precision}"
+              + ("  matmuls=fp8 (dense; attention, embedding and head bf16)"
+                 if lo.matmul_dtype == "fp8" else ""))
     if lo.pipe > 1:
         con.print("embedding and head: " + (
             "first and last stage (Megatron-LM's placement)" if lo.head == "last-stage"
@@ -186,7 +199,8 @@ def _print_search(model, clus, ranked: list[Prediction]) -> None:
 
     con = Console(width=max(Console().width, 150))
     con.print(f"[bold]{model.name}[/] ({model.params / 1e9:.2f}B params) on {clus.describe()}")
-    t = Table(title=f"best {len(ranked)} layouts that fit")
+    fp8 = " (fp8 matmuls)" if ranked and ranked[0].layout.matmul_dtype == "fp8" else ""
+    t = Table(title=f"best {len(ranked)} layouts that fit{fp8}")
     for c in ("#", "layout", "m", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
               "memory GiB"):
         t.add_column(c, justify="left" if c == "layout" else "right", no_wrap=True)
@@ -233,7 +247,7 @@ def plan_command(argv: list[str]) -> int:
                         precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap,
                         fsdp_gather=a.fsdp_gather, p2p=a.p2p, grad_bytes=a.grad_bytes,
                         grad_accumulation=a.grad_accumulation, partition=a.partition,
-                        rank_order=a.rank_order)
+                        rank_order=a.rank_order, matmul_dtype=a.matmul_dtype)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))
@@ -244,7 +258,7 @@ def plan_command(argv: list[str]) -> int:
             raise ValueError(f"--top {a.top} must be >= 1")
         ranked = search(model, clus, a.global_batch, top=a.top, remats=tuple(a.remat),
                         schedules=tuple(a.schedules), steps_per_call=a.steps_per_call,
-                        precision=_precision(a))
+                        precision=_precision(a), matmul_dtype=a.matmul_dtype)
         if a.json:
             print(json.dumps({"model": model.name, "cluster": clus.name, "gpus": clus.num_gpus,
                               "layouts": [_row(p) for p in ranked]}, indent=2))

@@ -78,8 +78,20 @@ def moe_llama(layers: int, hidden: int, heads: int, kv_heads: int, seq: int, voc
     act = {p: (sp, rp + extra[p] * s) for p, (sp, rp) in base.act.items()}
     f32 = {p: v + (2 * e * s if p == "none" else 0) for p, v in base.act_f32.items()}
     dense_mlp_flops = 2.0 * s * mlp
+    # fp8 (fiddlejax.fp8): attention's projections; the experts only with capacity dispatch
+    # (einsums; dropless ragged_dot stays bf16); never the router
+    attn = base.dense.weights - mlp
+    q = base.dense.act[0] / s - base.ffn
+    dense = workload.DenseMatmuls(flops=2.0 * s * attn, weights=attn, act=(q * s, h * s),
+                                  grad=((base.dense.grad[0] / s - 2 * base.ffn) * s, h * s))
+    if cf is not None:  # k x cf rows per token through gate/up (input h) and down (input f)
+        rows = k * cf * s
+        dense = dataclasses.replace(
+            dense, flops=dense.flops + dense_mlp_flops * cf, expert_weights=3 * h * f * e,
+            act=(dense.act[0] + rows * f, dense.act[1] + rows * h),
+            grad=(dense.grad[0] + 2 * rows * f, dense.grad[1] + rows * h))
     return dataclasses.replace(
-        base, name=name or f"moe-l{layers}-h{hidden}-e{experts}k{top_k}",
+        base, dense=dense, name=name or f"moe-l{layers}-h{hidden}-e{experts}k{top_k}",
         layer_params=(split - mlp, rep + h * e), moe=moe,
         layer_flops=(base.layer_flops - dense_mlp_flops + dense_mlp_flops * (cf or 1.0)
                      + 2.0 * s * h * e),

@@ -21,7 +21,8 @@ vocabulary-parallel head never runs beside a layer, so the larger of the two cou
 its float32 logits and their gradient, its weight shard's fresh float32 gradient (before it is
 added into the accumulator) and, in bf16, the shard's bf16 copy. The stash stores 16-bit
 residuals as their bits, so XLA's CPU compile (which computes bf16 in float32) holds what a GPU
-does: one prediction serves both.
+does: one prediction serves both. With fp8 matmuls the working set adds one layer's fp8
+weights and quantized activations (``fp8_copies``).
 
 Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
@@ -292,6 +293,7 @@ def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
     vocab_shards = t * p if vocab_parallel(layout) else t  # devices splitting the logits
     layer = (mb * layer_activations(model, layout, "none", live=True)
              + _weights_in_use(model, layout))
+    layer += fp8_copies(model, layout)
     if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
         # gradient is live beside the recomputed residuals until it is added in place
         layer += model.layer_share(t, layout.expert) * gb
@@ -308,6 +310,19 @@ def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
         # each further step's optimizer state (measured)
         working += n * pb + (schedule_steps(layout) - 1) * n * ob
     return working
+
+
+def fp8_copies(model: ModelSpec, layout: Layout) -> float:
+    """Bytes of one layer's fp8 operands (``matmul_dtype="fp8"``): its dense weights and
+    quantized input activations, one byte each, live while that layer runs (a transient
+    beside its residuals). What the backward keeps of them across layers without remat
+    (qwix's residuals) is not counted."""
+    dn = model.dense
+    if layout.matmul_dtype != "fp8" or dn is None:
+        return 0.0
+    t = layout.tensor
+    acts = layout.microbatch_size * (dn.act[0] / t + dn.act[1]) / layout.context
+    return dn.weights / t + dn.expert_weights / (t * layout.expert) + acts
 
 
 def _weights_in_use(model: ModelSpec, layout: Layout) -> float:

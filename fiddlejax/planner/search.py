@@ -12,6 +12,8 @@ the prediction.
 ``2bw`` is considered only when named in ``schedules``: its updates use one-step-stale
 gradients, a different training rule than the flushing schedules. It is tried with
 ``steps_per_call`` steps per call and without ZeRO (which the runtime refuses with it).
+``matmul_dtype="fp8"`` prices every candidate with fp8 matmuls (refused up front on a GPU
+without fp8).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fiddlejax.pipeline.schedules import interleaves
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.experts import expert_sizes
 from fiddlejax.planner.predict import Prediction, memory, predict
-from fiddlejax.planner.space import Layout, schedule_kinds, validate
+from fiddlejax.planner.space import Layout, check_matmul_dtype, schedule_kinds, validate
 from fiddlejax.planner.workload import ModelSpec
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
@@ -53,7 +55,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                schedules: Sequence[str] = DEFAULT_SCHEDULES, steps_per_call: int = 1,
                remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 2, 3),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-               precision: str = "fp32", max_tensor: int | None = None,
+               precision: str = "fp32", matmul_dtype: str | None = None,
+               max_tensor: int | None = None,
                fsdp_gathers: Sequence[str] = ("layer", "step"),
                experts: Sequence[int] | None = None) -> Iterator[Layout]:
     """Every layout worth predicting (unvalidated); FSDP with several microbatches both
@@ -91,7 +94,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                                              microbatch_size=mb, global_batch=global_batch,
                                              schedule=sched, remat=remat, zero=z,
                                              precision=precision, steps_per_call=k,
-                                             fsdp_gather=g)
+                                             fsdp_gather=g, matmul_dtype=matmul_dtype)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: int | None = None,
@@ -106,6 +109,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: in
     k = kw.get("steps_per_call", 1)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"steps_per_call={k!r} must be a positive int")
+    # refused by name up front: per layout, validation errors only drop candidates
+    check_matmul_dtype(kw.get("matmul_dtype"), kw.get("precision", "fp32"), model, cluster)
     fits: list[Prediction] = []
     for lo in candidates(model, cluster, global_batch, **kw):
         try:

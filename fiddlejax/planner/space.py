@@ -14,6 +14,7 @@ from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.workload import ModelSpec
 
 PRECISIONS = ("fp32", "bf16-mixed")
+MATMUL_DTYPES = (None, "fp8")  # fj.Plan(matmul_dtype=)
 HEADS = ("vocab-parallel", "last-stage")
 P2PS = ("async", "batched", "blocking")  # how stage-to-stage transfers wait (Layout.p2p)
 PARTITIONS = ("layers", "layers+head")
@@ -55,6 +56,9 @@ class Layout:
     before use (``fsdp_gather="layer"``, every microbatch) or a stage's weights once per step
     (``"step"``: held gathered in the compute dtype with a full-size float32 gradient;
     ``Plan(fsdp_gather=)``).
+    ``matmul_dtype="fp8"`` is ``fj.Plan(compute_dtype="bfloat16", matmul_dtype="fp8")``
+    (needs ``bf16-mixed`` and a GPU with fp8 tensor cores): each layer's dense matmuls at the
+    fp8 peak plus their per-tensor quantization (``timing``); everything else as bf16.
     ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under the
     backward (0 for fiddlejax, which reduces after the last microbatch).
 
@@ -127,6 +131,7 @@ class Layout:
     context: int = 1
     sequence_parallel: bool = False
     expert: int = 1
+    matmul_dtype: str | None = None
 
     @property
     def gpus(self) -> int:
@@ -189,6 +194,7 @@ class Layout:
             s += " partition=layers+head" if self.partition == "layers+head" else ""
             s += f" p2p={self.p2p}" if self.p2p != "async" else ""
         s += f" remat={self.remat}" + (f" zero{self.zero}" if self.zero else "")
+        s += " fp8" if self.matmul_dtype == "fp8" else ""
         s += " gather=step" if self.fsdp_gather == "step" else ""
         s += f" overlap={self.dp_overlap:g}" if self.dp_overlap else ""
         s += " grads=fp16" if self.grad_bytes == 2 else ""
@@ -211,10 +217,37 @@ def _positive(name: str, v: object) -> None:
 
 def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> Layout:
     """Raise ``ValueError`` naming the first thing that cannot run, and how to fix it."""
+    check_matmul_dtype(layout.matmul_dtype, layout.precision, model, cluster)
     _check_sizes(layout, model, cluster)
     _check_schedule(layout)
     _check_options(layout, model)
     return layout
+
+
+def check_matmul_dtype(matmul_dtype: str | None, precision: str, model: ModelSpec | None,
+                       cluster: ClusterSpec | None) -> None:
+    """fp8 matmuls need bf16 around them, a model that says which FLOPs are dense matmuls,
+    and a GPU with fp8 tensor cores: refused here, before anything is priced."""
+    if matmul_dtype not in MATMUL_DTYPES:
+        raise ValueError(f"matmul_dtype={matmul_dtype!r} must be None (matmuls in the compute "
+                         "dtype) or 'fp8'")
+    if matmul_dtype is None:
+        return
+    if precision != "bf16-mixed":
+        raise ValueError(f"matmul_dtype='fp8' keeps everything but the dense matmuls in bf16; "
+                         f"precision={precision!r} does not: use precision='bf16-mixed' "
+                         "(--precision bf16-mixed)")
+    if cluster is not None and not cluster.gpu.fp8_flops:
+        from fiddlejax.planner.cluster import fp8_clusters
+
+        raise ValueError(f"matmul_dtype='fp8' on {cluster.name} ({cluster.gpu.name}): that "
+                         "GPU has no fp8 tensor cores; drop --matmul-dtype fp8 or use one of "
+                         f"{fp8_clusters()}")
+    if model is not None and model.dense is None:
+        raise ValueError(f"matmul_dtype='fp8' needs to know which of {model.name}'s FLOPs are "
+                         "dense matmuls (ModelSpec.dense), and this model does not say (a "
+                         "from_flax measurement); use the analytic gpt/llama/moe_llama "
+                         "description or drop fp8")
 
 
 def _check_sizes(lo: Layout, model: ModelSpec, cluster: ClusterSpec | None) -> None:

@@ -29,6 +29,10 @@ ZeRO-3 (FSDP) pays, per microbatch, an all-gather forward and backward and a red
 the stage's weights instead of one gradient all-reduce per step; gathered once per step
 (``fsdp_gather="step"``), one all-gather and one reduce-scatter per step.
 
+fp8 matmuls (``matmul_dtype="fp8"``, :func:`fp8_layer`): a layer's dense matmuls at the fp8
+peak, plus their per-tensor quantization as elementwise HBM traffic; attention's dots, the
+embedding and the head stay at the bf16 peak.
+
 zb-h1's I and W split one backward: I runs the input-gradient chain and keeps every layer's
 output cotangent, W turns each into its layer's weight gradient without re-running the chain
 (``Pipeline._layerwise_fns``), so I + W cost one backward (I = W = B/2 in the simulator).
@@ -51,6 +55,7 @@ from fiddlejax.planner.footprint import (
     state_bytes,
     vocab_parallel,
 )
+from fiddlejax.planner.fp8 import QUANT_BYTES
 from fiddlejax.planner.space import Layout, schedule_for
 from fiddlejax.planner.workload import ModelSpec
 
@@ -260,6 +265,31 @@ def _stage_transfer(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     return one * (1 if layout.p2p == "batched" else 2), lat
 
 
+def fp8_layer(model: ModelSpec, cluster: ClusterSpec,
+              layout: Layout) -> tuple[float, float, float]:
+    """(matmul seconds, forward quantization seconds, backward quantization seconds) of one
+    layer and one microbatch on one rank with ``matmul_dtype="fp8"``: the dense matmuls
+    (``ModelSpec.dense``) at the fp8 peak, the rest (attention's scores and context, a MoE
+    router, dropless experts) at the bf16 peak, both times ``gemm_efficiency``. Per-tensor
+    current scaling is memory-bound elementwise work at the achieved HBM bandwidth,
+    ``QUANT_BYTES`` per element: forward, each weight (once per microbatch) and each
+    distinct input activation; backward, each dot's incoming gradient (to e5m2), the forward's
+    fp8 weight and activation being reused. The amax's all-reduce over ``tensor`` (a scalar)
+    is not counted."""
+    gpu, dn = cluster.gpu, model.dense
+    t, c, mb = layout.tensor, layout.context, layout.microbatch_size
+    eff = gpu.gemm_efficiency
+    total = model.layer_flops + experts.padded_flops(model, layout.expert)
+    fp8 = dn.flops + (experts.padded_flops(model, layout.expert)
+                      if model.moe is not None and model.moe.capacity_factor else 0.0)
+    mm = mb * ((total - fp8) / (gpu.peak_flops * eff) + fp8 / (gpu.fp8_flops * eff)) / t / c
+    weights = dn.weights / t + dn.expert_weights / (t * layout.expert)
+    per = QUANT_BYTES / gpu.hbm_achieved
+    q_fwd = (weights + mb * (dn.act[0] / t + dn.act[1]) / c) * per
+    q_bwd = mb * (dn.grad[0] / t + dn.grad[1]) / c * per
+    return mm, q_fwd, q_bwd
+
+
 def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
               simulate: bool = True) -> tuple[StepTime, float]:
     """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
@@ -274,6 +304,9 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     # One layer, one microbatch, one tensor rank (and 1/context of each sequence).
     c = layout.context
     mm = mb * (model.layer_flops + experts.padded_flops(model, layout.expert)) / t / c / flop_rate
+    q_fwd, q_bwd = 0.0, 0.0
+    if layout.matmul_dtype == "fp8":
+        mm, q_fwd, q_bwd = fp8_layer(model, cluster, layout)
     split, rep = model.act["none"]
     rep = rep / t if layout.sequence_parallel else rep
     ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved / c
@@ -282,7 +315,8 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     # an MoE layer's dispatch and combine (the backward sends as much; full remat re-sends)
     a2a = experts.alltoall_seconds(model, cluster, layout, mb * model.seq_len / c, ab)
     ar += a2a
-    recompute = {"none": 0.0, "full": mm + ew}.get(layout.remat, ew)
+    fwd, bwd = mm + ew + q_fwd, 2 * (mm + ew) + q_bwd  # one layer, one microbatch
+    recompute = {"none": 0.0, "full": fwd}.get(layout.remat, ew)
     recompute_ar = ar if layout.remat == "full" else 0.0
     # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)
     # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
@@ -296,11 +330,11 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
         # Megatron-DeepSpeed's type:transformer|embedding: the embedding and the head count as
         # a layer each when splitting, so the first and last stage hold one layer fewer.
         units = math.ceil((model.num_layers + 2) / p)
-        per_layer = 3 * (mm + ew) + recompute + 2 * ar + recompute_ar
+        per_layer = fwd + bwd + recompute + 2 * ar + recompute_ar
         layers, head = ((units, 0.0) if per_layer >= 3 * head
                         else (units - 1, head))
-    f_comp = layers * (mm + ew) + head
-    b_comp = layers * (2 * (mm + ew) + recompute) + 2 * head
+    f_comp = layers * fwd + head
+    b_comp = layers * (bwd + recompute) + 2 * head
     n_params = stage_params(model, layout)
     if layout.grad_accumulation != "fused":  # each microbatch's gradient (compute dtype)
         # added into the accumulator by its own kernel: read both, write the accumulator;

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fiddlejax.planner.fp8 import DenseMatmuls
+
 POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal")
 
 
@@ -48,6 +50,8 @@ class ModelSpec:
       Megatron tensor parallelism (backward repeats them).
     - ``layer_costs``: relative cost of each layer when layers differ (PipeDream's partition).
     - ``moe``: a mixture of experts' experts (``planner.experts``), not in ``layer_params``.
+    - ``dense``: the dense matmuls fp8 speeds up (``planner.fp8.DenseMatmuls``); ``None``
+      (``from_flax``): fp8 refused.
     """
 
     name: str
@@ -73,6 +77,7 @@ class ModelSpec:
     act_f32: Mapping[str, float] = dataclasses.field(default_factory=dict)
     act_stashed: tuple[float, float] | None = None
     moe: Any = None  # planner.experts.MoESpec
+    dense: DenseMatmuls | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -197,7 +202,11 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
     # A pipeline's explicit jax.vjp residuals per token (buffer shapes of the compiled step):
     # q,k,v and the attention output (4h), the MLP's six, eight model-width values whole.
     stashed = ((4 * h + 4 * a * s + 6 * f + 2 * a) * s, (8 * h + 4) * s)
-    return ModelSpec(
+    # fp8 (q, k, v, out, MLP in, out): inputs x twice (whole), attention and GELU outputs;
+    # output gradients of q, k, v, MLP in (split), out, MLP out (whole)
+    dense = DenseMatmuls(flops=2.0 * s * (4 * h * h + 2 * h * f), weights=4 * h * h + 2 * h * f,
+                         act=((h + f) * s, 2 * h * s), grad=((3 * h + f) * s, 2 * h * s))
+    return ModelSpec(dense=dense,
         name=name or f"gpt-l{layers}-h{hidden}", act_f32=_scores_f32(a, s), act_stashed=stashed,
         num_layers=layers, seq_len=s, hidden=h,
         layer_params=(layer_split, layer_rep),
@@ -243,8 +252,13 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: in
         "minimal": (q + 2 * k + 2 * f, 2 * h),
     }
     act = {key: (sp * s, rp * s) for key, (sp, rp) in act.items()}
+    w = 2 * h * q + 2 * h * k + 3 * h * f
+    # fp8 (q, k, v, o, gate, up, down): inputs x twice (whole), attention output and SwiGLU
+    # product; output gradients of q, k, v, gate, up (split), o and down (whole)
+    dense = DenseMatmuls(flops=2.0 * s * w, weights=w, act=((q + f) * s, 2 * h * s),
+                         grad=((q + 2 * k + 2 * f) * s, 2 * h * s))
     return ModelSpec(
-        name=name or f"llama-l{layers}-h{hidden}", act_f32=_scores_f32(a, s),
+        name=name or f"llama-l{layers}-h{hidden}", act_f32=_scores_f32(a, s), dense=dense,
         num_layers=layers, seq_len=s, hidden=h,
         layer_params=(2 * h * q + 2 * h * k + 3 * h * f, 2 * h),
         prologue_params=(v * h, 0), epilogue_params=(0 if tied else h * v, h),
@@ -379,10 +393,8 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
         name=name or type(model).__name__.lower(),
         num_layers=n_layers, seq_len=seq, hidden=int(x.shape[-1]),
         layer_params=(ls // n_layers, lr // n_layers), prologue_params=pro, epilogue_params=epi,
-        layer_flops=layer_cost / 3.0, prologue_flops=pro_cost / 3.0,
-        epilogue_flops=epi_cost / 3.0,
+        layer_flops=layer_cost / 3.0, prologue_flops=pro_cost / 3.0, epilogue_flops=epi_cost / 3.0,
         act=act, act_none_full=float(sum(act["none"])), boundary=int(math.prod(x.shape[1:])),
         logits=0, heads=getattr(getattr(model, "config", None), "n_heads", None),
         vocab=getattr(getattr(model, "config", None), "vocab_size", None),
-        outer_leaves=outer_leaves,
-    )
+        outer_leaves=outer_leaves)
