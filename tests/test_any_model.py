@@ -39,6 +39,9 @@ LAYOUTS = [  # (data, pipe, tensor, schedule, microbatches, virtual stages)
     (2, 2, 2, "1f1b", 4, 1),
     (2, 2, 2, "interleaved-1f1b", 4, 2),
 ]
+# lm1b and UMT5 without the interleaved layout (CI time): Gemma 3 and nanoGPT
+# (tests/test_any_model_round2.py) run interleaved as outside models.
+TWO_LAYOUTS = LAYOUTS[:2]
 
 
 def parallelize(model, optimizer, plan, **kw):
@@ -108,7 +111,7 @@ def lm1b_loss(logits, batch):
     return (ce * weights).sum(), weights.sum()
 
 
-@pytest.mark.parametrize("layout_", LAYOUTS, ids=lambda t: f"{t[:3]}-{t[3]}")
+@pytest.mark.parametrize("layout_", TWO_LAYOUTS, ids=lambda t: f"{t[:3]}-{t[3]}")
 def test_lm1b_unmodified(lm1b, layout_):
     model, batch = lm1b
     check_exact(model, lambda m: m(batch["inputs"]), lm1b_loss, batch,
@@ -138,7 +141,7 @@ def umt5_loss(hidden, batch):
     return (((hidden - batch["target"]) ** 2).sum(-1) * w).sum(), w.sum()
 
 
-@pytest.mark.parametrize("layout_", LAYOUTS, ids=lambda t: f"{t[:3]}-{t[3]}")
+@pytest.mark.parametrize("layout_", TWO_LAYOUTS, ids=lambda t: f"{t[:3]}-{t[3]}")
 def test_umt5_unmodified(umt5, layout_):
     model, batch = umt5
     check_exact(model, lambda m: m(batch["input_ids"], batch["attention_mask"]), umt5_loss,
@@ -291,14 +294,9 @@ def bundled(name):
     ``loss``, and a batch of 8."""
     from fiddlejax.models.bert import BERT, BERTConfig, mlm_batch
     from fiddlejax.models.cnn import CNN, CNNConfig
-    from fiddlejax.models.gpt import GPT, GPTConfig
     from fiddlejax.models.llama import Llama, LlamaConfig
 
     tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 63)
-    if name == "gpt":
-        cfg = GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_heads=2, n_layers=4, d_ff=32)
-        return GPT(cfg, rngs=nnx.Rngs(0)), lambda m: m(tokens[:, :-1]), next_token, {
-            "tokens": tokens}
     if name == "llama":  # grouped-query attention: 4 heads, 2 key/value heads
         cfg = LlamaConfig(vocab_size=63, hidden_size=16, intermediate_size=32,
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -315,7 +313,7 @@ def bundled(name):
             lambda m: m(batch["images"]), classification, batch)
 
 
-@pytest.mark.parametrize("name, m", [("gpt", 2), ("bert", 4), ("cnn", 2), ("llama", 4)])
+@pytest.mark.parametrize("name, m", [("bert", 4), ("cnn", 2), ("llama", 4)])  # GPT: as Llama
 @pytest.mark.filterwarnings("ignore:tensor=2, but no parameter of CNN")  # channels: no rule
 def test_bundled_model_through_the_new_form_and_the_protocol(name, m):
     """``layers="blocks"`` names the model's ``stack``: its prologue and head with the user's loss
