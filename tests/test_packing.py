@@ -89,7 +89,9 @@ def packed_batch(rows=8, seed=0):
     return {k: v[:rows] for k, v in out.items()}
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+# One schedule of each kind the executor runs (plain, interleaved, V-shaped zero-bubble); the
+# tables differ by schedule, the channels that carry segments and positions do not.
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-v"])
 def test_packed_batch_through_the_pipeline_equals_one_device(schedule):
     model, batch = llama() if schedule in ("1f1b", "zb-v") else gpt(), packed_batch()
     virtual = 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
