@@ -34,25 +34,9 @@ def microbatch_loss(lay: Layout, remat: Callable, params: nnx.State,
                     batch: dict) -> tuple[jax.Array, Sums]:
     """(loss sum, Sums) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
     s = lay.model
-    x = s.prologue(params, batch)
-    # 16-bit activations travel between layers as their bits, so what a rematerialized layer
-    # keeps (its input) stays 16-bit on XLA's CPU, which widens 16-bit buffers to float32
-    # (the pipeline's stash does the same, fiddlejax.pipeline.stage); a bitcast costs nothing.
-    dtypes = jax.tree.map(lambda a: a.dtype, x)
-    h = remat_.run_stack(remat, lambda lp, h: _bits(s.layer(lp, _unbits(h, dtypes))),
-                         params[s.stack], _bits(x), unroll=unrolled(lay.plan))
-    return s.weighted_loss(params, _unbits(h, dtypes), batch)
-
-
-def _bits(tree):
-    """16-bit float leaves as ``uint16`` bit patterns; others as they are."""
-    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
-                        if a.dtype in (jnp.bfloat16, jnp.float16) else a, tree)
-
-
-def _unbits(tree, dtypes):
-    return jax.tree.map(lambda a, d: a if a.dtype == d else jax.lax.bitcast_convert_type(a, d),
-                        tree, dtypes)
+    x = remat_.run_stack(remat, s.layer, params[s.stack], s.prologue(params, batch),
+                         unroll=unrolled(lay.plan))
+    return s.weighted_loss(params, x, batch)
 
 
 def unrolled(plan: Plan) -> bool:
