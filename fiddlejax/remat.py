@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from fiddlejax import checks
 
@@ -27,11 +28,13 @@ def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
         if policy in (None, "none"):
             return lambda f: f
         resolved = policies.resolve(policy)
-        return lambda f: policies.remat_layer(f, resolved)
-    jax_policy = policies.resolve(None if policy == "none" else policy).jax_policy
-    wrap = lambda f: zero.view.layer(f, zero.layer_dims, jax_policy, zero.layer_specs)
+        wrap = lambda f: policies.remat_layer(f, resolved)
+        return InputsOnly(wrap) if resolved.name == "full" else wrap
+    resolved = policies.resolve(None if policy == "none" else policy)
+    wrap = lambda f: zero.view.layer(f, zero.layer_dims, resolved.jax_policy, zero.layer_specs)
     if not zero.prefetch:
-        return wrap
+        return InputsOnly(wrap) if resolved.name == "full" else wrap
+    jax_policy = resolved.jax_policy
     return Prefetched(wrap, lambda f, unroll=False: zero.view.stack(
         f, zero.layer_dims, jax_policy, zero.layer_specs, unroll=unroll))
 
@@ -48,14 +51,68 @@ class Prefetched:
         return self.wrap(f)
 
 
+@dataclasses.dataclass(frozen=True)
+class InputsOnly:
+    """A layer wrapper for ``remat="full"``: each layer keeps only its inputs for the backward,
+    so a stack of them (:func:`run_stack`) may keep those as it likes (:func:`inputs_as_bits`).
+    """
+
+    wrap: Callable[[Callable], Callable]
+
+    def __call__(self, f: Callable) -> Callable:
+        return self.wrap(f)
+
+
+def inputs_as_bits(f: Callable) -> Callable:
+    """``f(lp, x)`` (a layer that keeps only its inputs) keeping its 16-bit float inputs as
+    ``uint16`` bits, as the pipeline's stash does: XLA's CPU widens 16-bit buffers to float32,
+    so the kept inputs of a stack would take twice a GPU's bytes. The backward recomputes
+    ``f``, as full remat does anyway. Only what is kept is bits: ``x`` itself stays a float
+    (an integer carry has no cotangent, which would stop the gradient between layers)."""
+
+    def run(lp, x):
+        dtypes = jax.tree.map(lambda a: a.dtype, x)
+        if not any(jnp.dtype(d) in (jnp.bfloat16, jnp.float16) for d in jax.tree.leaves(dtypes)):
+            return f(lp, x)
+
+        @jax.custom_vjp
+        def kept(lp, x):
+            return f(lp, x)
+
+        def fwd(lp, x):
+            return f(lp, x), (lp, _bits(x))
+
+        def bwd(res, ct):
+            lp, xb = res
+            return jax.vjp(f, lp, _unbits(xb, dtypes))[1](ct)
+
+        kept.defvjp(fwd, bwd)
+        return kept(lp, x)
+
+    return run
+
+
+def _bits(tree):
+    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+                        if a.dtype in (jnp.bfloat16, jnp.float16) else a, tree)
+
+
+def _unbits(tree, dtypes):
+    return jax.tree.map(lambda a, d: a if a.dtype == d else jax.lax.bitcast_convert_type(a, d),
+                        tree, dtypes)
+
+
 def run_stack(remat: Callable, layer: Callable, stacked: Any, x: Any,
               unroll: bool = False) -> Any:
     """``x`` through the scanned stack of ``layer`` (``stacked``: parameters with a leading
-    layer axis), each layer wrapped by ``remat``; prefetched where ``remat`` says so;
+    layer axis), each layer wrapped by ``remat``; prefetched where ``remat`` says so; under
+    ``remat="full"`` each layer keeps its 16-bit inputs as bits (:func:`inputs_as_bits`);
     ``unroll``: as straight-line code (``Plan.unroll_layers``)."""
     if isinstance(remat, Prefetched):
         return remat.stack(layer, unroll=unroll)(stacked, x)
     wrapped = remat(layer)
+    if isinstance(remat, InputsOnly):
+        wrapped = inputs_as_bits(wrapped)
     return jax.lax.scan(lambda h, lp: (wrapped(lp, h), None), x, stacked, unroll=unroll)[0]
 
 

@@ -66,13 +66,20 @@ def test_microbatch_accumulation_matches(gpt_reference):
     assert rel_err(grads, ref_grads) < 1e-5
 
 
-def test_bf16_gradients_reach_every_layer(gpt_reference):
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_bf16_gradients_reach_every_layer(gpt_reference, remat):
     """bf16 compute without a pipeline: every layer's gradients within 5% of float32's (a
-    16-bit carry stored as integer bits once cut the backward between layers: rel. err. 1)."""
+    16-bit carry stored as integer bits once cut the backward between layers: rel. err. 1).
+    remat="full" keeps each layer's bf16 input as bits (remat.inputs_as_bits): the same."""
     model, batches, _, ref_grads, *_ = gpt_reference
-    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 1), compute_dtype="bfloat16"))
-    _, grads = trainer.loss_and_grads(trainer.init(), batches[0])
+    trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 1), compute_dtype="bfloat16",
+                                                 remat=remat))
+    loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
     assert rel_err(grads["blocks"], ref_grads["blocks"]) < 0.05
+    if remat == "full":
+        plain = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 1), compute_dtype="bfloat16"))
+        loss0, grads0 = plain.loss_and_grads(plain.init(), batches[0])
+        assert float(loss) == float(loss0) and rel_err(grads, grads0) < 1e-6
 
 
 def test_unrolled_layers_match_and_leave_no_loop(gpt_reference):
