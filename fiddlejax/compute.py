@@ -267,6 +267,26 @@ class ParamView:
                               lambda g: scatter_whole(g, dims, specs), keep, unroll)
 
 
+def storage_dtype(dtype) -> jnp.dtype:
+    """How a kept residual is stored (the pipeline's stash, a full-remat layer's input): 16-bit
+    floats as their bits (``uint16``), so that a backend without native 16-bit arithmetic
+    (XLA's CPU) does not convert the whole buffer to float32 around the loops that slice it; a
+    bitcast costs nothing anywhere."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def to_storage(x: jax.Array) -> jax.Array:
+    """``x`` as :func:`storage_dtype` stores it."""
+    to = storage_dtype(x.dtype)
+    return x if to == x.dtype else jax.lax.bitcast_convert_type(x, to)
+
+
+def from_storage(x: jax.Array, dtype) -> jax.Array:
+    """The inverse of :func:`to_storage` for an array of ``dtype``."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 class ViewedModel:
     """A staged model whose prologue and epilogue see the outer parameters through a view.
 

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from fiddlejax import checks
+from fiddlejax import checks, compute
 
 
 def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
@@ -72,7 +71,7 @@ def inputs_as_bits(f: Callable) -> Callable:
 
     def run(lp, x):
         dtypes = jax.tree.map(lambda a: a.dtype, x)
-        if not any(jnp.dtype(d) in (jnp.bfloat16, jnp.float16) for d in jax.tree.leaves(dtypes)):
+        if all(compute.storage_dtype(d) == d for d in jax.tree.leaves(dtypes)):
             return f(lp, x)
 
         @jax.custom_vjp
@@ -80,26 +79,16 @@ def inputs_as_bits(f: Callable) -> Callable:
             return f(lp, x)
 
         def fwd(lp, x):
-            return f(lp, x), (lp, _bits(x))
+            return f(lp, x), (lp, jax.tree.map(compute.to_storage, x))
 
         def bwd(res, ct):
             lp, xb = res
-            return jax.vjp(f, lp, _unbits(xb, dtypes))[1](ct)
+            return jax.vjp(f, lp, jax.tree.map(compute.from_storage, xb, dtypes))[1](ct)
 
         kept.defvjp(fwd, bwd)
         return kept(lp, x)
 
     return run
-
-
-def _bits(tree):
-    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
-                        if a.dtype in (jnp.bfloat16, jnp.float16) else a, tree)
-
-
-def _unbits(tree, dtypes):
-    return jax.tree.map(lambda a, d: a if a.dtype == d else jax.lax.bitcast_convert_type(a, d),
-                        tree, dtypes)
 
 
 def run_stack(remat: Callable, layer: Callable, stacked: Any, x: Any,

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fiddlejax.compute import from_storage, storage_dtype, to_storage
 from fiddlejax.pipeline import tables as tb
 
 
@@ -77,23 +78,6 @@ def write_at(buf, idx: tuple, x):
     return jax.lax.dynamic_update_slice(buf, x, (*idx, *([0] * (buf.ndim - len(idx)))))
 
 
-def storage_dtype(dtype) -> jnp.dtype:
-    """How the stash stores a residual: 16-bit floats as their bits (``uint16``), so that a
-    backend without native 16-bit arithmetic (XLA's CPU) does not convert the whole buffer to
-    float32 around the loops that slice it; a bitcast costs nothing anywhere."""
-    dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.uint16) if dtype in (jnp.bfloat16, jnp.float16) else dtype
-
-
-def _pack(x):
-    to = storage_dtype(x.dtype)
-    return x if to == x.dtype else jax.lax.bitcast_convert_type(x, to)
-
-
-def _unpack(x, dtype):
-    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
-
-
 def add_at(buf, idx: tuple, x):
     """``buf[idx] += x`` in place."""
     return write_at(buf, idx, read_at(buf, idx) + x.astype(buf.dtype))
@@ -140,13 +124,13 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
         return jax.tree.map(lambda a, o: jnp.where(live, a, o), new, old)
 
     def res_of(stash, i):  # a layer's residuals, unpacked to their dtypes
-        return [_unpack(read_at(s, (*slot, i)), r.dtype)
+        return [from_storage(read_at(s, (*slot, i)), r.dtype)
                 for s, r in zip(stash, layers.residuals)]
 
     def fwd(i, c):
         h, stash = c
         out, res = layers.forward(params(i), h)
-        res = keep(forward, i, [_pack(r) for r in res],
+        res = keep(forward, i, [to_storage(r) for r in res],
                    [read_at(s, (*slot, i)) for s in stash] if lockstep is not None else None)
         return (vary(keep(forward, i, out, h)),
                 [write_at(s, (*slot, i), r) for s, r in zip(stash, res)])
