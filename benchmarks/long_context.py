@@ -172,9 +172,10 @@ def main() -> int:
                  "`jax_mock_gpu_topology=1x8x1`, with the job's GPU XLA flags)")
         Path(a.out).write_text(
             "# Long context: Llama-3-8B at 128k tokens on 8 x 80 GB, compile only\n\n"
-            f"`python benchmarks/long_context.py --platform {a.platform}`: the planner picks the fastest layout of one "
-            "8 x H100 node (72 GiB usable per GPU) for one 131,072-token sequence per step in "
-            "bf16-mixed (the 32k row compiles the same layout, for the trend); "
+            f"`python benchmarks/long_context.py --platform {a.platform}`: the planner picks "
+            "the fastest layout of one 8 x H100 node (72 GiB usable per GPU) for one "
+            "131,072-token sequence per step in bf16-mixed (the 32k row compiles the same "
+            "layout, for the trend); "
             "the Trainer compiles one AdamW step of `models.llama.Llama` (Llama-3-8B shapes, "
             f"built with `nnx.eval_shape`) {where}; compiled = "
             "`trainer.memory(1)['peak_bytes']`; error = predicted / compiled - 1.\n\n"

@@ -1,6 +1,8 @@
 """Context parallelism (issue 35): sequences split over the ``context`` axis, attention joined by
 ring attention or all-gathered K/V; loss and gradients equal one device's (float32)."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import optax
@@ -190,3 +192,24 @@ def test_gpt_learned_positions_context2_tensor2():
                           d_ff=64), rngs=nnx.Rngs(0))
     assert_exact(model, fj.Plan(mesh=fj.make_mesh(data=2, context=2, tensor=2)),
                  tokens(6, 4, SEQ, 64))
+
+
+def test_long_context_benchmark_compiles_for_mock_gpus():
+    """The GPU row of benchmarks/long_context.py: XLA's GPU compiler with 8 mock GPUs (one
+    real), the job's GPU flags, no autotuning; the CPU row: 8 simulated CPU devices."""
+    import importlib.util
+
+    from fiddlejax import xla_flags
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gpu = bench.compile_env("gpu")
+    assert (gpu["JAX_PLATFORMS"], gpu["JAX_MOCK_GPU_TOPOLOGY"]) == ("cuda", "1x8x1")
+    flags = gpu["XLA_FLAGS"].split()
+    assert "--xla_gpu_autotune_level=0" in flags
+    assert all(f"--{k}={v}" in flags for k, v in xla_flags.GPU_FLAGS.items())
+    cpu = bench.compile_env("cpu")
+    assert cpu["JAX_PLATFORMS"] == "cpu" and "JAX_MOCK_GPU_TOPOLOGY" not in cpu
+    assert "--xla_force_host_platform_device_count=8" in cpu["XLA_FLAGS"].split()
