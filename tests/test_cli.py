@@ -22,8 +22,8 @@ def test_overrides_parse_and_unknown_keys_fail():
         config.load(None, ["train.steps"])
 
 
-def test_cli_rejects_unknown_key_before_compiling():
-    r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "train", "modle.name=gpt"],
+def test_cli_rejects_unknown_key_before_compiling():  # and `python -m fiddlejax` runs the CLI
+    r = subprocess.run([sys.executable, "-m", "fiddlejax", "train", "modle.name=gpt"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "unknown config key 'modle'" in r.stderr
