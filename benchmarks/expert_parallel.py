@@ -37,54 +37,12 @@ sys.path.insert(0, str(ROOT))
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import fiddlejax as fj  # noqa: E402
-from fiddlejax.models import moe_loss  # noqa: E402
-from fiddlejax.models.common import cross_entropy, param, stacked  # noqa: E402
-from fiddlejax.models.moe import MoE, MoEConfig  # noqa: E402
+from fiddlejax.models.moe import MoEConfig  # noqa: E402
+from fiddlejax.models.moe_lm import MoELM  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "expert_parallel.md"
 KINDS = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
-
-
-class Block(nnx.Module):
-    """x + MoE(rmsnorm(x)), the router-loss tally carried after the activation."""
-
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        self.cfg, self.moe = cfg, MoE(cfg, rngs=rngs)
-
-    def __call__(self, msg):
-        x, tally = moe_loss.split(msg, self.cfg.num_experts)
-        h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
-        out = self.moe(h)
-        return moe_loss.join(x + out.output, moe_loss.accumulate(tally, out))
-
-
-class MoELM(nnx.Module):
-    """A language model of MoE blocks in the staged protocol (router losses included)."""
-
-    stack = "blocks"
-
-    def __init__(self, cfg: MoEConfig, vocab: int, layers: int, rngs: nnx.Rngs):
-        self.cfg, self.vocab = cfg, vocab
-        normal = jax.nn.initializers.normal(0.5)
-        self.embed = param(rngs, normal, (vocab, cfg.hidden_size), ("vocab", "embed"))
-        self.blocks = stacked(layers, lambda r: Block(cfg, r), rngs)
-        self.lm_head = param(rngs, normal, (cfg.hidden_size, vocab), ("embed", "vocab"))
-
-    def prologue(self, batch):
-        x = jnp.take(self.embed[...], batch["tokens"][:, :-1], axis=0)
-        return moe_loss.join(x, moe_loss.empty(x.shape[:-1], self.cfg.num_experts, x.dtype))
-
-    def head(self, msg):
-        x, tally = moe_loss.split(msg, self.cfg.num_experts)
-        return x @ self.lm_head[...], tally
-
-    def loss(self, outputs, batch):
-        logits, tally = outputs
-        ce = cross_entropy(logits, batch["tokens"][:, 1:], self.vocab).mean()
-        c = self.cfg
-        return moe_loss.add_router_losses(ce, tally, c.num_experts_per_tok,
-                                          c.router_aux_loss_coef, c.router_z_loss_coef)
 
 
 def collectives(hlo: str) -> dict:
@@ -105,7 +63,7 @@ def batch(rows: int, seq: int, vocab: int, seed: int = 3) -> dict:
 
 
 def build(cfg: MoEConfig, expert: int, layers: int, vocab: int, **plan):
-    model = MoELM(cfg, vocab, layers, nnx.Rngs(0))
+    model = MoELM(cfg, vocab, layers, nnx.Rngs(0), report=False)
     sizes = {"data": 8 // expert, "expert": expert} if "mesh" not in plan else {}
     mesh = plan.pop("mesh", None) or fj.make_mesh(**sizes)
     trainer = fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=mesh, **plan))

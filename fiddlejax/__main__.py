@@ -5,4 +5,5 @@ import sys
 
 from fiddlejax.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing it (a module scan) runs nothing
+    sys.exit(main())

@@ -17,8 +17,9 @@ from helpers import reference_loss_and_grads, rel_err, tokens
 
 import fiddlejax as fj
 from fiddlejax.models import moe_loss
-from fiddlejax.models.common import cross_entropy, param, scan_layers, stacked
+from fiddlejax.models.common import scan_layers
 from fiddlejax.models.moe import MoE, MoEConfig, route
+from fiddlejax.models.moe_lm import MoELM as TinyMoE
 
 CFG = MoEConfig(hidden_size=16, intermediate_size=24, num_experts=4, num_experts_per_tok=2)
 
@@ -225,47 +226,6 @@ def _hf_aux(logits, e, k, mask=None):
         probs += (p * w[:, None]).sum(0)
         rows += w.sum()
     return e * np.sum((counts / rows) * (probs / rows))
-
-
-# -- a tiny MoE language model in the staged protocol, for the layouts ------------------------
-class Block(nnx.Module):
-    """x + MoE(norm(x)), the tally carried after the activation."""
-
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        self.cfg, self.moe = cfg, MoE(cfg, rngs=rngs)
-
-    def __call__(self, msg):
-        x, tally = moe_loss.split(msg, self.cfg.num_experts)
-        h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
-        out = self.moe(h)
-        return moe_loss.join(x + out.output, moe_loss.accumulate(tally, out))
-
-
-class TinyMoE(nnx.Module):
-    stack = "blocks"
-
-    def __init__(self, cfg: MoEConfig, vocab: int, layers: int, rngs: nnx.Rngs):
-        self.cfg, self.vocab = cfg, vocab
-        normal = jax.nn.initializers.normal(0.5)
-        self.embed = param(rngs, normal, (vocab, cfg.hidden_size), ("vocab", "embed"))
-        self.blocks = stacked(layers, lambda r: Block(cfg, r), rngs)
-        self.lm_head = param(rngs, normal, (cfg.hidden_size, vocab), ("embed", "vocab"))
-
-    def prologue(self, batch):
-        x = jnp.take(self.embed[...], batch["tokens"][:, :-1], axis=0)
-        return moe_loss.join(x, moe_loss.empty(x.shape[:-1], self.cfg.num_experts, x.dtype))
-
-    def head(self, msg):
-        x, tally = moe_loss.split(msg, self.cfg.num_experts)
-        return x @ self.lm_head[...], tally
-
-    def loss(self, outputs, batch):
-        logits, tally = outputs
-        ce = cross_entropy(logits, batch["tokens"][:, 1:], self.vocab).mean()
-        c = self.cfg
-        return moe_loss.add_router_losses(ce, tally, c.num_experts_per_tok,
-                                          c.router_aux_loss_coef, c.router_z_loss_coef,
-                                          report=True)
 
 
 # Dropless on (2, 2, 2) 1F1B: tests/test_hf_moe.py (a Mixtral) and tests/test_expert.py.
