@@ -15,9 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
-from fiddlejax.config import AUTO_CHECKPOINT_DIR
+from fiddlejax.app import runs
 from fiddlejax.model_names import DECODERS
 
 
@@ -28,28 +26,13 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     in Hugging Face's layout of the run's family; returns the step written. ``dtype``: None
     writes the dtype of the checkpoint the run started from (float32 from scratch)."""
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no config.yaml; pass the run.dir of a "
-                                "`fiddlejax train` run")
-    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg = runs.run_config(run_dir)
     if cfg["model"]["name"] not in DECODERS:
         raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
                          "Hugging Face twin here; export writes the decoder families (llama, "
                          "mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text) as "
                          "themselves and GPT runs as gpt2 directories")
-    ckpt = checkpoint_dir or cfg["checkpoint"]["dir"]
-    if not ckpt:
-        raise ValueError(f"{run_dir} saved no checkpoints (checkpoint.dir was null); train with "
-                         "checkpoint.dir=auto (the default) or DIR, or pass --checkpoint-dir")
-    if ckpt == AUTO_CHECKPOINT_DIR:  # the run's own: wherever the run directory is now
-        ckpt = run_dir / "checkpoints"
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir() and not ckpt.is_absolute() and (run_dir / ckpt).is_dir():
-        ckpt = run_dir / ckpt  # a relative checkpoint.dir, seen from the run directory
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist; pass "
-                                "--checkpoint-dir")
+    ckpt = runs.checkpoint_dir(cfg, run_dir, checkpoint_dir)
 
     from fiddlejax.app import build
 
