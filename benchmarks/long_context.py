@@ -49,11 +49,12 @@ def pick(seq: int, layout):
         t, c, sp, zero, remat = layout.split(",")
         layout = planner.Layout(tensor=int(t), context=int(c), data=8 // (int(t) * int(c)),
                                 sequence_parallel=sp == "sp", zero=int(zero), remat=remat,
-                                global_batch=8 // (int(t) * int(c)), precision="bf16-mixed")
+                                global_batch=8 // (int(t) * int(c)), precision="bf16-mixed",
+                                attention="xla")  # what XLA compiles here
     if layout is not None:
         return planner.predict(spec, cluster, layout)
     return planner.search(spec, cluster, 1, precision="bf16-mixed", microbatch_sizes=(1,),
-                          top=1)[0]
+                          top=1, attention="xla")[0]
 
 
 def compile_step(seq: int, lo: dict) -> dict:

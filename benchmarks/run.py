@@ -93,7 +93,8 @@ def measure(model_name: str, cfg: tuple) -> dict:
            "bubble_measured": None}
     if spec is not None:
         lo = planner.Layout(tensor=t, pipe=p, data=d, virtual_stages=v, microbatch_size=MB,
-                            global_batch=GLOBAL_BATCH, schedule=sched, remat=remat)
+                            global_batch=GLOBAL_BATCH, schedule=sched, remat=remat,
+                            attention="xla")
         pred = planner.memory(spec, lo).total
         row["predicted_mib"] = pred / 2**20
         row["memory_error"] = pred / device - 1

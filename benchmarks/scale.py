@@ -85,7 +85,7 @@ def pick_layout(spec: planner.ModelSpec, cluster: planner.ClusterSpec,
     ``benchmarks/fsdp_gather_once.py``; XLA's CPU would hold its bf16 weights in float32)."""
     ranked = planner.search(spec, cluster, global_batch, zero=(3,), precision="bf16-mixed",
                             remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
-                            fsdp_gathers=("layer",))
+                            fsdp_gathers=("layer",), attention="xla")  # XLA's CPU compile
     piped = [pr for pr in ranked if pr.layout.pipe > 1 and pr.layout.zero == 3]
     if not piped:
         raise ValueError(f"no pipelined zero=3 layout of {spec.name} fits {cluster.describe()}")
@@ -188,7 +188,8 @@ def main() -> int:
             t, p, d, mb = (int(x) for x in a.layout.split(","))
             given = planner.Layout(tensor=t, pipe=p, data=d, microbatch_size=mb,
                                    global_batch=shape.global_batch, schedule="1f1b",
-                                   remat="full", zero=3, precision="bf16-mixed")
+                                   remat="full", zero=3, precision="bf16-mixed",
+                                   attention="xla")
         row = measure(shape, a.seq, cluster, a.layers, given)
         rows.append(row)
         print(markdown([row]).splitlines()[-1], f"({row['compile_s']:.0f} s)", flush=True)

@@ -74,7 +74,7 @@ def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec,
     ``pipelined`` the fastest such layout with pipe > 1 (scale.py's rule)."""
     ranked = planner.search(model, cluster, global_batch, zero=(3,), precision="bf16-mixed",
                             remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
-                            fsdp_gathers=("layer",))
+                            fsdp_gathers=("layer",), attention="xla")  # XLA's CPU compile
     sharded = [pr for pr in ranked if pr.layout.zero == 3 and pr.layout.data > 1
                and (pr.layout.pipe > 1 or not pipelined)]
     if not sharded:

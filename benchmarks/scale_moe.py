@@ -69,7 +69,7 @@ def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec) -> plann
     """The planner's fastest bf16, full-remat layout that fits (1F1B when pipelined)."""
     return planner.search(model, cluster, GLOBAL_BATCH, precision="bf16-mixed",
                           remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
-                          fsdp_gathers=("layer",),
+                          fsdp_gathers=("layer",), attention="xla",  # XLA's CPU compile
                           experts=None if has_expert_axis() else (1,))[0]
 
 
@@ -97,7 +97,8 @@ def measure(seq: int, layers: int | None, given: tuple[int, ...] | None) -> dict
         t, p, d, e, mb = given
         lo = planner.validate(planner.Layout(
             tensor=t, pipe=p, data=d, expert=e, microbatch_size=mb, global_batch=GLOBAL_BATCH,
-            schedule="1f1b" if p > 1 else None, remat="full", precision="bf16-mixed"),
+            schedule="1f1b" if p > 1 else None, remat="full", precision="bf16-mixed",
+            attention="xla"),
             model, cluster)
     else:
         lo = pick_layout(model, cluster).layout

@@ -68,7 +68,7 @@ def test_memory_within_10_percent_of_compiled(row):
     model = planner.preset("tiny")
     lo = Layout(tensor=t, pipe=p, data=d, microbatch_size=MB, global_batch=d * m * MB,
                 schedule=schedule, remat=remat, precision=precision, zero=zero,
-                fsdp_gather=gather)
+                fsdp_gather=gather, attention="xla")  # what XLA's CPU compiles
     predicted = planner.memory(model, lo).total
     measured = compiled_bytes(d, p, t, schedule, m, remat, zero, precision, gather)
     err = predicted / measured - 1
@@ -171,7 +171,7 @@ def test_cli_2bw_amortizes_the_bubble_over_steps_per_call(capsys):
     for sched, k in (("1f1b", 1), ("2bw", 1), ("2bw", 4)):
         code, out, _ = run_cli(capsys, "predict", *GPT_FLAGS, "--tensor", "2", "--pipe", "4",
                                "--global-batch", "16", "--schedule", sched,
-                               "--steps-per-call", str(k), "--json")
+                               "--steps-per-call", str(k), "--attention", "xla", "--json")
         assert code == 0
         rows[sched, k] = json.loads(out)
     one, k1, k4 = rows["1f1b", 1], rows["2bw", 1], rows["2bw", 4]
@@ -489,7 +489,8 @@ def test_bloom_shaped_memory_within_10_percent_of_compiled(d, p, t, m):
     spec = planner.gpt(c["n_layers"], c["d_model"], c["n_heads"], c["seq_len"],
                        c["vocab_size"], ffn=c["d_ff"], tied=True)
     lo = Layout(tensor=t, pipe=p, data=d, microbatch_size=mb, global_batch=d * m * mb,
-                schedule="1f1b", remat="full", zero=1, precision="bf16-mixed")
+                schedule="1f1b", remat="full", zero=1, precision="bf16-mixed",
+                attention="xla")  # what XLA's CPU compiles
     pred = planner.memory(spec, lo)
     assert pred.params + pred.optimizer == pytest.approx(compiled["argument_bytes"], rel=1e-3)
     measured = compiled["argument_bytes"] + compiled["temp_bytes"]
@@ -525,7 +526,7 @@ def test_bloom_176b_fits_its_published_layout(capsys):
     flags = ["predict", "--model", "bloom-176b", "--cluster", "jean-zay-a100", "--nodes", "48",
              "--tensor", "4", "--pipe", "12", "--microbatch-size", "2", "--global-batch", "2048",
              "--remat", "full", "--zero", "1", "--p2p", "blocking", "--grad-accumulation",
-             "cast-add", "--rank-order", "pipe-data-tensor", "--json"]
+             "cast-add", "--rank-order", "pipe-data-tensor", "--attention", "xla", "--json"]
     code, out, _ = run_cli(capsys, *flags)
     r = json.loads(out)
     assert code == 0 and r["fits"] and r["memory"]["total"] < 0.9 * 80 * 2**30

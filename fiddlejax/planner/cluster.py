@@ -56,6 +56,7 @@ class GPUSpec:
     gemm_efficiency: float = 0.8
     hbm_efficiency: float = 0.9  # share of hbm_bandwidth a streaming (elementwise) kernel reaches
     fp8_flops: float | None = None  # dense fp8 FLOP/s; None: no fp8 tensor cores
+    fused_attention: bool = True  # cuDNN's fused attention runs there in bf16 (planner.attention)
 
     @property
     def hbm_achieved(self) -> float:
@@ -126,7 +127,8 @@ class ClusterSpec:
 A100_80GB = GPUSpec("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12, 0.8)
 H100 = GPUSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 0.75, fp8_flops=1979e12)
 H200 = GPUSpec("H200-SXM-141GB", 989e12, 141e9, 4.8e12, 0.75, fp8_flops=1979e12)
-CPU_SIM = GPUSpec("simulated CPU device", 1e11, 64 * GIB, 2e10, 1.0, 1.0)
+CPU_SIM = GPUSpec("simulated CPU device", 1e11, 64 * GIB, 2e10, 1.0, 1.0,
+                  fused_attention=False)
 
 PRESETS = {
     "a100-80gb": dict(gpu=A100_80GB, nvlink_bandwidth=300 * GB, nic_bandwidth=25 * GB,

@@ -21,6 +21,8 @@ import json
 import sys
 
 from fiddlejax.planner import experts, workload
+from fiddlejax.planner.attention import ATTENTIONS
+from fiddlejax.planner.attention import kind as attention_kind
 from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
 from fiddlejax.planner.experts import MOE_PRESETS
@@ -62,6 +64,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     c.add_argument("--matmul-dtype", choices=[d for d in MATMUL_DTYPES if d],
                    help="fp8: each layer's dense matmuls in float8 (fj.Plan(matmul_dtype="
                    "'fp8'), job key plan.matmul_dtype=fp8); needs a GPU with fp8 (h100, h200)")
+    c.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="fused: cuDNN's flash attention (no s x s scores in memory); xla: "
+                   "XLA's (keeps them, what the CPU compiles); auto (default): fused in "
+                   "bf16-mixed on a GPU, else xla")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -157,7 +163,8 @@ def _print_predict(pr: Prediction) -> None:
     con.print(f"[bold]{pr.model.name}[/] ({pr.model.params / 1e9:.2f}B params) on "
               f"{pr.cluster.describe()}")
     con.print(f"layout: {lo.short()}  microbatches={lo.microbatches}  "
-              f"global_batch={lo.global_batch}  precision={lo.precision}"
+              f"global_batch={lo.global_batch}  precision={lo.precision}  "
+              f"attention={attention_kind(pr.model, lo, pr.cluster)}"
               + ("  matmuls=fp8 (dense; attention, embedding and head bf16)"
                  if lo.matmul_dtype == "fp8" else ""))
     if lo.pipe > 1:
@@ -247,7 +254,8 @@ def plan_command(argv: list[str]) -> int:
                         precision=_precision(a), head=a.head, dp_overlap=a.dp_overlap,
                         fsdp_gather=a.fsdp_gather, p2p=a.p2p, grad_bytes=a.grad_bytes,
                         grad_accumulation=a.grad_accumulation, partition=a.partition,
-                        rank_order=a.rank_order, matmul_dtype=a.matmul_dtype)
+                        rank_order=a.rank_order, matmul_dtype=a.matmul_dtype,
+                        attention=a.attention)
             pr = predict(model, clus, lo)
             if a.json:
                 print(json.dumps(_row(pr), indent=2))
@@ -258,7 +266,8 @@ def plan_command(argv: list[str]) -> int:
             raise ValueError(f"--top {a.top} must be >= 1")
         ranked = search(model, clus, a.global_batch, top=a.top, remats=tuple(a.remat),
                         schedules=tuple(a.schedules), steps_per_call=a.steps_per_call,
-                        precision=_precision(a), matmul_dtype=a.matmul_dtype)
+                        precision=_precision(a), matmul_dtype=a.matmul_dtype,
+                        attention=a.attention)
         if a.json:
             print(json.dumps({"model": model.name, "cluster": clus.name, "gpus": clus.num_gpus,
                               "layouts": [_row(p) for p in ranked]}, indent=2))

@@ -15,14 +15,16 @@ layers per chunk x the remat policy's residuals per layer (without remat, the ex
 layer reads and writes in place (no slot is copied out and back); for ``zb-h1`` the per-layer
 output cotangents its split backward keeps from I until W, buffered the same way; and a working
 set: one layer's full residuals on this rank (XLA's attention keeps its scores float32 in any
-compute dtype) with the weights it uses (and, for a whole backward in a pipeline, that layer's
-fresh float32 gradient before it is added in place), the logits, the pipeline inboxes. A
-vocabulary-parallel head never runs beside a layer, so the larger of the two counts; it holds
-its float32 logits and their gradient, its weight shard's fresh float32 gradient (before it is
-added into the accumulator) and, in bf16, the shard's bf16 copy. The stash stores 16-bit
-residuals as their bits, so XLA's CPU compile (which computes bf16 in float32) holds what a GPU
-does: one prediction serves both. With fp8 matmuls the working set adds one layer's fp8
-weights and quantized activations (``fp8_copies``).
+compute dtype; cuDNN's fused attention keeps none, but its backward holds a float32 dQ
+accumulator: ``planner.attention``) with the weights it uses (and, for a whole backward in a
+pipeline, that layer's fresh float32 gradient before it is added in place), the logits, the
+pipeline inboxes. A vocabulary-parallel head never runs beside a layer, so the larger of the
+two counts; it holds its float32 logits and their gradient, its weight shard's fresh float32
+gradient (before it is added into the accumulator) and, in bf16, the shard's bf16 copy. The
+stash stores 16-bit residuals as their bits, so XLA's CPU compile (which computes bf16 in
+float32) holds what a GPU does with the same attention: ``attention="xla"`` predicts the CPU's
+compile. With fp8 matmuls the working set adds one layer's fp8 weights and quantized
+activations (``fp8_copies``).
 
 Precision and ZeRO as the runtime does them. ``bf16-mixed`` (``Plan(compute_dtype=
 "bfloat16")``) keeps float32 parameters, gradients and Adam moments in the state and halves the
@@ -53,7 +55,9 @@ import dataclasses
 import math
 
 from fiddlejax.pipeline.schedules import interleaves
-from fiddlejax.planner import experts
+from fiddlejax.planner import attention, experts
+from fiddlejax.planner.attention import SCORE_COPIES
+from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.space import MAX_BUILT_ACTIONS, Layout, schedule_for
 from fiddlejax.planner.workload import ModelSpec
 
@@ -93,9 +97,6 @@ def state_bytes(layout: Layout) -> tuple[int, int, int]:
 def activation_bytes(layout: Layout) -> int:
     """Bytes per activation element in the layout's compute dtype."""
     return 4 if layout.precision == "fp32" else 2
-
-
-SCORE_COPIES = {"none": 4, "dots": 1}  # s x s arrays a layer keeps per head (workload.llama)
 
 
 def layer_activations(model: ModelSpec, layout: Layout, policy: str,
@@ -235,8 +236,11 @@ def stage_expert_params(model: ModelSpec, layout: Layout) -> float:
 # ----------------------------------------------------------------------------- memory
 
 
-def memory(model: ModelSpec, layout: Layout) -> Memory:
-    """Predicted bytes per GPU of a layout (see the module docstring for what is counted)."""
+def memory(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None) -> Memory:
+    """Predicted bytes per GPU of a layout (see the module docstring for what is counted),
+    its attention as ``layout.attention`` says on ``cluster`` (``planner.attention``)."""
+    fused = attention.kind(model, layout, cluster) == "fused"
+    model = attention.fused(model) if fused else model
     p, d = layout.pipe, layout.data
     pb, gb, ob = state_bytes(layout)
     ab = activation_bytes(layout)
@@ -261,7 +265,7 @@ def memory(model: ModelSpec, layout: Layout) -> Memory:
     return Memory(params=n * pb * param_copies / shard + gathered,
                   grads=n * gb * grads_copies / grad_shard,
                   optimizer=opt, activations=_stash(model, layout),
-                  working=_working_set(model, layout, n))
+                  working=_working_set(model, layout, n, fused))
 
 
 def _stash(model: ModelSpec, layout: Layout) -> float:
@@ -279,14 +283,15 @@ def _stash(model: ModelSpec, layout: Layout) -> float:
     return stash
 
 
-def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
+def _working_set(model: ModelSpec, layout: Layout, n: float, fused: bool = False) -> float:
     """Transient bytes: one layer's full residuals on this rank (a backward or a recomputation
     materialises them) with the weights it uses, the fp32 logits and their gradient, and
     (pipelines) the inboxes that receive activations and cotangents (sized by the schedule's
     tick table). A vocabulary-parallel head runs between the stage programs, never beside a
     layer: the larger of the two counts. It holds, besides its logits and their gradient, the
     fresh float32 gradient of its weight shard (added into the accumulator after the matmul)
-    and, in bf16, the weight shard's compute-dtype copy. ``n``: the stage's parameters."""
+    and, in bf16, the weight shard's compute-dtype copy. ``n``: the stage's parameters;
+    ``fused``: attention's fused backward adds its float32 dQ accumulator."""
     t, p, mb = layout.tensor, layout.pipe, layout.microbatch_size
     pb, gb, ob = state_bytes(layout)
     ab = activation_bytes(layout)
@@ -294,6 +299,7 @@ def _working_set(model: ModelSpec, layout: Layout, n: float) -> float:
     layer = (mb * layer_activations(model, layout, "none", live=True)
              + _weights_in_use(model, layout))
     layer += fp8_copies(model, layout)
+    layer += mb * attention.live_bytes(model, layout) if fused else 0.0
     if p > 1 and layout.kind not in ("zb-h1", "zb-v", "interleaved-zb"):  # B: a fresh layer
         # gradient is live beside the recomputed residuals until it is added in place
         layer += model.layer_share(t, layout.expert) * gb

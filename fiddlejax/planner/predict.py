@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fiddlejax.planner import attention
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.footprint import (
     VOCAB_PARALLEL_MIN,
@@ -75,6 +76,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.name, "cluster": self.cluster.name,
+            "attention": attention.kind(self.model, self.layout, self.cluster),
             "gpus": self.layout.gpus, "layout": self.layout.to_dict(),
             "step_time_s": self.time.total, "time": self.time.to_dict(),
             "bubble_fraction": self.bubble_fraction, "held_microbatches": self.held,
@@ -93,7 +95,7 @@ def predict(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     validate(layout, model, cluster)
     time, bubble = step_time(model, cluster, layout, simulate)
     return Prediction(model=model, cluster=cluster, layout=layout, time=time,
-                      memory=memory(model, layout), bubble_fraction=bubble,
+                      memory=memory(model, layout, cluster), bubble_fraction=bubble,
                       held=held_microbatches(layout))
 
 

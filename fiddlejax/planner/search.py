@@ -13,7 +13,7 @@ the prediction.
 gradients, a different training rule than the flushing schedules. It is tried with
 ``steps_per_call`` steps per call and without ZeRO (which the runtime refuses with it).
 ``matmul_dtype="fp8"`` prices every candidate with fp8 matmuls (refused up front on a GPU
-without fp8).
+without fp8); ``attention`` (``Layout.attention``) likewise.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from fiddlejax.pipeline.schedules import interleaves
+from fiddlejax.planner import attention as attn
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.experts import expert_sizes
 from fiddlejax.planner.predict import Prediction, memory, predict
@@ -56,7 +57,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                remats: Sequence[str] = ("none", "full"), zero: Sequence[int] = (0, 1, 2, 3),
                microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
                precision: str = "fp32", matmul_dtype: str | None = None,
-               max_tensor: int | None = None,
+               attention: str = "auto", max_tensor: int | None = None,
                fsdp_gathers: Sequence[str] = ("layer", "step"),
                experts: Sequence[int] | None = None) -> Iterator[Layout]:
     """Every layout worth predicting (unvalidated); FSDP with several microbatches both
@@ -94,7 +95,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                                              microbatch_size=mb, global_batch=global_batch,
                                              schedule=sched, remat=remat, zero=z,
                                              precision=precision, steps_per_call=k,
-                                             fsdp_gather=g, matmul_dtype=matmul_dtype)
+                                             fsdp_gather=g, matmul_dtype=matmul_dtype,
+                                             attention=attention)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: int | None = None,
@@ -111,13 +113,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *, top: in
         raise ValueError(f"steps_per_call={k!r} must be a positive int")
     # refused by name up front: per layout, validation errors only drop candidates
     check_matmul_dtype(kw.get("matmul_dtype"), kw.get("precision", "fp32"), model, cluster)
+    attn.check(kw.get("attention", "auto"), kw.get("precision", "fp32"), model, cluster)
     fits: list[Prediction] = []
     for lo in candidates(model, cluster, global_batch, **kw):
         try:
             validate(lo, model, cluster)
         except ValueError:
             continue
-        if memory(model, lo).total > cluster.memory_budget:
+        if memory(model, lo, cluster).total > cluster.memory_budget:
             continue
         fits.append(predict(model, cluster, lo, simulate=False))
     if not fits:

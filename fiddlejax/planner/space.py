@@ -10,6 +10,7 @@ import dataclasses
 import functools
 
 from fiddlejax.pipeline.schedules import interleaves
+from fiddlejax.planner import attention
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.workload import ModelSpec
 
@@ -61,6 +62,8 @@ class Layout:
     fp8 peak plus their per-tensor quantization (``timing``); everything else as bf16.
     ``dp_overlap`` is the share of the data-parallel gradient reduction hidden under the
     backward (0 for fiddlejax, which reduces after the last microbatch).
+    ``attention``: ``fused`` (cuDNN's flash attention: no s x s scores in HBM), ``xla`` (XLA's,
+    which keeps them) or ``auto``: fused for ``bf16-mixed`` on a GPU (``planner.attention``).
 
     ``head``: where a pipeline runs the embedding and the output head. ``vocab-parallel`` is
     fiddlejax's runtime: sharded over ``pipe`` x ``tensor`` on every stage, run once per
@@ -132,6 +135,7 @@ class Layout:
     sequence_parallel: bool = False
     expert: int = 1
     matmul_dtype: str | None = None
+    attention: str = "auto"
 
     @property
     def gpus(self) -> int:
@@ -218,6 +222,7 @@ def _positive(name: str, v: object) -> None:
 def validate(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> Layout:
     """Raise ``ValueError`` naming the first thing that cannot run, and how to fix it."""
     check_matmul_dtype(layout.matmul_dtype, layout.precision, model, cluster)
+    attention.check(layout.attention, layout.precision, model, cluster)
     _check_sizes(layout, model, cluster)
     _check_schedule(layout)
     _check_options(layout, model)

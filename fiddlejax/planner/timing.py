@@ -29,6 +29,9 @@ ZeRO-3 (FSDP) pays, per microbatch, an all-gather forward and backward and a red
 the stage's weights instead of one gradient all-reduce per step; gathered once per step
 (``fsdp_gather="step"``), one all-gather and one reduce-scatter per step.
 
+Attention as the target runs it (``planner.attention``): cuDNN's fused kernel writes no s x s
+scores, so only XLA's attention pays their elementwise traffic.
+
 fp8 matmuls (``matmul_dtype="fp8"``, :func:`fp8_layer`): a layer's dense matmuls at the fp8
 peak, plus their per-tensor quantization as elementwise HBM traffic; attention's dots, the
 embedding and the head stay at the bf16 peak.
@@ -44,7 +47,7 @@ import dataclasses
 import functools
 import math
 
-from fiddlejax.planner import experts
+from fiddlejax.planner import attention, experts
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.footprint import (
     activation_bytes,
@@ -295,6 +298,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
     the schedules' closed-form bubbles (fast, for searching)."""
     gpu = cluster.gpu
+    model = attention.as_run(model, layout, cluster)  # fused: no s x s scores in HBM
     t, p, d, v, mb, m = (layout.tensor, layout.pipe, layout.data, layout.virtual_stages,
                          layout.microbatch_size, layout.microbatches)
     k = schedule_steps(layout)

@@ -52,6 +52,7 @@ class ModelSpec:
     - ``moe``: a mixture of experts' experts (``planner.experts``), not in ``layer_params``.
     - ``dense``: the dense matmuls fp8 speeds up (``planner.fp8.DenseMatmuls``); ``None``
       (``from_flax``): fp8 refused.
+    - ``attn_width``: attention's output per token (heads x head_dim; ``None``: ``hidden``).
     """
 
     name: str
@@ -78,6 +79,7 @@ class ModelSpec:
     act_stashed: tuple[float, float] | None = None
     moe: Any = None  # planner.experts.MoESpec
     dense: DenseMatmuls | None = None
+    attn_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -209,11 +211,9 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, *, ffn: int 
     return ModelSpec(dense=dense,
         name=name or f"gpt-l{layers}-h{hidden}", act_f32=_scores_f32(a, s), act_stashed=stashed,
         num_layers=layers, seq_len=s, hidden=h,
-        layer_params=(layer_split, layer_rep),
-        prologue_params=pro, epilogue_params=epi,
+        layer_params=(layer_split, layer_rep), prologue_params=pro, epilogue_params=epi,
         layer_flops=2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h,
-        prologue_flops=0.0,
-        epilogue_flops=2.0 * s * h * v,
+        prologue_flops=0.0, epilogue_flops=2.0 * s * h * v,
         act=act, act_none_full=float(sum(act["none"])), boundary=s * h, logits=s * v,
         heads=a, vocab=v, ffn=f, outer_leaves=tuple(x for x in outer if x[0]),
     )
@@ -227,8 +227,8 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: in
 
     FLOPs per layer and sample: 2s(2h*a*dh + 2h*kv*dh + 3h*ffn) for the projections and MLP,
     4s^2*a*dh for attention. Activations per policy as JAX's autodiff keeps them for
-    ``models.llama.LlamaBlock`` (XLA's attention, which keeps the s x s scores: what the CPU
-    compiles; cuDNN's fused attention on a GPU keeps less).
+    ``models.llama.LlamaBlock`` with XLA's attention (the s x s scores; ``planner.attention``
+    takes them out for cuDNN's fused one).
     """
     for n, v in (("layers", layers), ("hidden", hidden), ("heads", heads),
                  ("kv_heads", kv_heads), ("ffn", ffn), ("seq", seq), ("vocab", vocab)):
@@ -265,7 +265,7 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: in
         layer_flops=2.0 * s * (2 * h * q + 2 * h * k + 3 * h * f) + 4.0 * s * s * q,
         prologue_flops=0.0, epilogue_flops=2.0 * s * h * v,
         act=act, act_none_full=float(sum(act["none"])), boundary=s * h, logits=s * v,
-        heads=a, vocab=v, ffn=f,
+        heads=a, vocab=v, ffn=f, attn_width=q,
         outer_leaves=((v * h, True),) + (() if tied else ((h * v, True),)) + ((h, False),),
     )
 
