@@ -178,10 +178,17 @@ def test_planner_models_context_and_sequence_parallelism():
     # remat=full keeps each layer's input, 2 bytes x hidden per token, replicated over tensor
     removed = m.num_layers * m.seq_len * m.hidden * 2 * (1 - 1 / 4)
     assert one.activations - sp.activations == pytest.approx(removed)
+    # with XLA's attention (its s x s scores) the search splits the sequence over context;
+    # cuDNN's fused attention (bf16 on a GPU: attention="auto") keeps no scores, and at 32k
+    # tensor=8 with sequence parallelism fits without the ring
     best = search(m, cluster("h100", nodes=1), 1, precision="bf16-mixed",
-                  microbatch_sizes=(1,), top=3)
+                  microbatch_sizes=(1,), top=3, attention="xla")
     assert best[0].layout.context > 1 and best[0].layout.sequence_parallel
     assert best[0].memory.total < cluster("h100").memory_budget
+    fused = search(m, cluster("h100", nodes=1), 1, precision="bf16-mixed",
+                   microbatch_sizes=(1,), top=1)[0]
+    assert fused.to_dict()["attention"] == "fused" and fused.layout.sequence_parallel
+    assert fused.time.total < best[0].time.total and fused.fits
 
 
 def test_gpt_learned_positions_context2_tensor2():
