@@ -23,6 +23,7 @@ size, once after the last (:func:`scatter_whole`): 1/m of the traffic for a whol
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 # (norm scales, biases); a larger one is an error that names it.
 SMALL = 1 << 16
 
-# Primitives whose results a layer's checkpoint never saves: the gathered and cast weights.
+# Primitives whose results a layer's checkpoint never saves: the gathered and cast weights
+# (and :func:`_fsdp_gather_16bit`'s, a ``custom_vjp_call``: see :func:`_not_saved`).
 _NOT_SAVED = ("all_gather", "all_gather_invariant", "convert_element_type")
 
 
@@ -137,17 +139,70 @@ def scatter_whole(grads: Any, dims: Any, specs: Any) -> Any:
     return _per_leaf(leaf, dims, grads, specs)
 
 
-def _gathered(x: jax.Array, d: int, also: tuple[str, ...]) -> jax.Array:
+def _gathered(x: jax.Array, d: int, also: tuple[str, ...], data: bool | None = None
+              ) -> jax.Array:
     """``x`` all-gathered on dimension ``d``: over the (manual) ``also`` axes, then over
-    ``data`` when it is manual. Over ``also`` the result is invariant (every device of the
-    axis holds the same), so the backward slices the cotangent the partitioner has summed."""
+    ``data`` when it is manual (``data``: whether it is, when known). Over ``also`` the result
+    is invariant (every device of the axis holds the same), so the backward slices the
+    cotangent the partitioner has summed."""
     from jax._src.lax.parallel import all_gather_invariant  # not yet public in jax 0.10
 
+    if data is None:
+        data = "data" in jax.sharding.get_abstract_mesh().manual_axes  # else data=1
     if also:
         x = all_gather_invariant(x, also, axis=d, tiled=True)
-    if "data" in jax.sharding.get_abstract_mesh().manual_axes:  # else data=1
+    if data:
         x = jax.lax.all_gather(x, "data", axis=d, tiled=True)
     return x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _fsdp_gather_16bit(x: jax.Array, d: int, also: tuple[str, ...], data: bool,
+                       dtype: Any) -> jax.Array:
+    """``x`` cast to the 16-bit float ``dtype`` and then gathered as :func:`_gathered` does,
+    as its bits (``uint16``: XLA's CPU would otherwise send the 16-bit floats as float32): half
+    the traffic and the transient memory of gathering ``x`` and casting after. The gradient is
+    that of gathering first: the cotangent back in ``x``'s dtype (float32), then the gather's
+    transpose, so that the reduction over ``data`` (a reduce-scatter) and ``also`` sums
+    float32. (The bits are integers, which autodiff would give no cotangent.) A layer's
+    checkpoint never saves the result (:func:`_not_saved`)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16)
+    return jax.lax.bitcast_convert_type(_gathered(bits, d, also, data), dtype)
+
+
+def _fsdp_gather_16bit_fwd(x, d, also, data, dtype):
+    return _fsdp_gather_16bit(x, d, also, data, dtype), x  # x: the stored shard, held anyway
+
+
+def _fsdp_gather_16bit_bwd(d, also, data, dtype, x, ct):
+    transpose = jax.linear_transpose(lambda a: _gathered(a, d, also, data), x)
+    return transpose(ct.astype(x.dtype))
+
+
+_fsdp_gather_16bit.defvjp(_fsdp_gather_16bit_fwd, _fsdp_gather_16bit_bwd)
+
+
+def _not_saved(prim, params: dict) -> bool:
+    """Whether a layer's checkpoint must not save this equation's results: a gather or a cast
+    of the weights (:data:`_NOT_SAVED`), or :func:`_fsdp_gather_16bit` (a ``custom_vjp_call``,
+    known by its function's name)."""
+    if prim.name in _NOT_SAVED:
+        return True
+    if prim.name != "custom_vjp_call":
+        return False
+    jaxpr = params.get("call_jaxpr")
+    info = getattr(getattr(jaxpr, "jaxpr", jaxpr), "debug_info", None)
+    return getattr(info, "func_name", None) == _fsdp_gather_16bit.__name__
+
+
+def _keeping(policy: Callable | None) -> Callable:
+    """``policy`` (``None``: save everything) that never saves a gathered or cast weight."""
+    base = policy or jax.checkpoint_policies.everything_saveable
+
+    def keep(prim, *args, **params):
+        return False if _not_saved(prim, params) else base(prim, *args, **params)
+
+    return keep
 
 
 def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
@@ -210,12 +265,20 @@ class ParamView:
     mesh: Any = None  # for gathers over ``also`` outside a shard_map over ``data``
 
     def leaf(self, x: jax.Array, dim: int, spec: P | None = None) -> jax.Array:
+        cast = (self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+                and x.dtype != self.dtype)
         if dim >= 0:
             spec = spec if spec is not None else P()
             stored = add_data_axis(spec, dim, self.also) if self.also else None
+            if cast and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16):
+                def gather(a):  # cast first: the gather in the compute dtype
+                    data = "data" in jax.sharding.get_abstract_mesh().manual_axes
+                    return _fsdp_gather_16bit(a, dim, self.also, data, jnp.dtype(self.dtype))
+
+                return _per_device(gather, x, spec, stored, self.mesh)
             x = _per_device(lambda a: _gathered(a, dim, self.also), x, spec, stored,
                             self.mesh)
-        if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        if cast:
             x = x.astype(self.dtype)
         return x
 
@@ -228,10 +291,7 @@ class ParamView:
               prevent_cse: bool = True) -> Callable:
         """``layer(params, x)`` on gathered, cast parameters, under a checkpoint ``policy``
         (``None``: save everything else) that never saves the gathered or cast weights."""
-        base = policy or jax.checkpoint_policies.everything_saveable
-
-        def keep(prim, *args, **kwargs):
-            return False if prim.name in _NOT_SAVED else base(prim, *args, **kwargs)
+        keep = _keeping(policy)
 
         def viewed(lp, x):
             if self.matmul == "fp8":
@@ -251,10 +311,7 @@ class ParamView:
 
         if specs is None:
             specs = jax.tree.map(lambda _: P(), dims)
-        base = policy or jax.checkpoint_policies.everything_saveable
-
-        def keep(prim, *args, **kwargs):
-            return False if prim.name in _NOT_SAVED else base(prim, *args, **kwargs)
+        keep = _keeping(policy)
 
         def apply(w, x):
             if self.matmul == "fp8":
