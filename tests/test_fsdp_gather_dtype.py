@@ -1,0 +1,122 @@
+"""FSDP's per-layer gathers in the compute dtype (``ParamView.leaf``): with bf16 compute each
+float32 shard is cast first and all-gathered as its 16-bit bits, and its gradient is reduced
+in float32 as the float32 gather's transpose, exactly what gathering first and casting after
+computes. Paths: ``fsdp_prefetch=False``, data=1 with the shards over context, and the
+embedding and head on every path (the prefetching stack: tests/test_prefetch.py)."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import rel_err, tokens
+from jax.sharding import PartitionSpec as P
+
+import fiddlejax as fj
+from fiddlejax import compute
+from fiddlejax.models.llama import Llama, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fsdp_gather_dtype import collective_bytes  # noqa: E402
+
+SEQ = 16
+BF16 = "bfloat16"
+
+
+def gather_then_cast(self, x, dim, spec=None):
+    """``ParamView.leaf`` before: the float32 shard gathered, then cast."""
+    if dim >= 0:
+        spec = spec if spec is not None else P()
+        stored = compute.add_data_axis(spec, dim, self.also) if self.also else None
+        x = compute._per_device(lambda a: compute._gathered(a, dim, self.also), x, spec,
+                                stored, self.mesh)
+    if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(self.dtype)
+    return x
+
+
+def llama(hidden=32, ff=64, heads=4):
+    return LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=ff,
+                       num_hidden_layers=2, num_attention_heads=heads,
+                       num_key_value_heads=heads // 2, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(llama(), rngs=nnx.Rngs(0))
+
+
+def grads_of(model, plan, batch):
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+    return trainer.loss_and_grads(trainer.init(), batch)
+
+
+@pytest.mark.parametrize("axes,remat", [(dict(data=8), "none"), (dict(data=8), "full"),
+                                        (dict(data=1, context=4, tensor=2), "none")])
+def test_bf16_gradients_reach_every_leaf_as_before(model, axes, remat, monkeypatch):
+    """zero=3, bf16, each layer gathering its own weights: every leaf's gradient nonzero,
+    within bf16 error of zero=0's on the same mesh, and bitwise what gathering the float32
+    shards and casting after gives (the cotangent reduced in float32 either way)."""
+    batch = tokens(4, 8, SEQ, 64)
+    mesh = fj.make_mesh(**axes)
+    plan = dict(mesh=mesh, compute_dtype=BF16, remat=remat)
+    loss, grads = grads_of(model, fj.Plan(zero=3, fsdp_prefetch=False, **plan), batch)
+    _, ref = grads_of(model, fj.Plan(**plan), batch)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        assert np.any(np.asarray(g)) and rel_err(g, r) < 2e-2
+    monkeypatch.setattr(compute.ParamView, "leaf", gather_then_cast)
+    loss0, grads0 = grads_of(model, fj.Plan(zero=3, fsdp_prefetch=False, **plan), batch)
+    assert float(loss) == float(loss0)
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0), strict=True):
+        assert np.asarray(g).tobytes() == np.asarray(g0).tobytes()
+
+
+def step_text(model, plan):
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+    batch = {"tokens": jax.ShapeDtypeStruct((8, SEQ + 1), jnp.int32)}
+    return trainer.lower_step(trainer.abstract_state(), batch).compile().as_text()
+
+
+def test_gathers_send_16_bits_and_gradients_reduce_in_float32(monkeypatch):
+    """The compiled step (data=8, zero=3, bf16, prefetch off): every all-gather carries 16-bit
+    elements, half the bytes of gathering float32; every reduce-scatter float32."""
+    model = nnx.eval_shape(lambda: Llama(llama(), rngs=nnx.Rngs(0)))
+    plan = fj.Plan(mesh=fj.make_mesh(data=8), zero=3, compute_dtype=BF16,
+                   fsdp_prefetch=False, remat="full")
+    now = collective_bytes(step_text(model, plan))
+    assert {ty for kind, ty in now if kind == "all-gather"} == {"u16"}, now
+    assert {ty for kind, ty in now if kind == "reduce-scatter"} == {"f32"}, now
+    monkeypatch.setattr(compute.ParamView, "leaf", gather_then_cast)
+    before = collective_bytes(step_text(model, plan))
+    assert {ty for kind, ty in before if kind == "all-gather"} == {"f32"}, before
+    assert now["all-gather", "u16"] * 2 == before["all-gather", "f32"]
+    assert now["reduce-scatter", "f32"] == before["reduce-scatter", "f32"]
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_gathered_weights_are_not_saved(remat, monkeypatch):
+    """A layer's checkpoint refuses the 16-bit gather (a ``custom_vjp_call``) as it refuses
+    ``all_gather``: the compiled step holds no more than gathering float32 did (less: no
+    float32 copy), while a policy that saved it would keep every layer's weights."""
+    model = nnx.eval_shape(lambda: Llama(llama(256, 1024, 4), rngs=nnx.Rngs(0)))
+    plan = fj.Plan(mesh=fj.make_mesh(data=8), zero=3, compute_dtype=BF16,
+                   fsdp_prefetch=False, remat=remat)
+
+    def temp():
+        return fj.parallelize(model, optax.sgd(0.1), plan).memory(8)["temp_bytes"]
+
+    # one layer's weights in bf16 (2 layers, 2 bytes each)
+    layer = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model.blocks)))
+    now = temp()
+    with monkeypatch.context() as m:
+        m.setattr(compute.ParamView, "leaf", gather_then_cast)
+        before = temp()
+    assert now <= before, (now, before)
+    monkeypatch.setattr(compute, "_not_saved", lambda prim, params: prim.name in
+                        compute._NOT_SAVED)
+    if remat == "none":  # the pitfall: the gathered weights saved, every layer's held
+        assert temp() >= now + layer, (now, layer)
