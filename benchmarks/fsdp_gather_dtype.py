@@ -10,9 +10,10 @@ Written to ``benchmarks/results/fsdp_gather_dtype.md``: per compiled step of a L
 simulated CPU devices, data=8, zero=3, bf16), the all-gathers' and reduce-scatters' result
 bytes per step by element type (an op inside a layer loop counted once per iteration, from the
 loop's known trip count) and ``memory_analysis``'s temp bytes, for prefetch off/on and remat
-none/full.
+none/full; each beside the same step with ``ParamView.leaf`` as it was before
+(:func:`gather_then_cast`: the float32 shards gathered, then cast).
 
-    python benchmarks/fsdp_gather_dtype.py [--hidden 512 --layers 8 --seq 256 --batch 16]
+    python benchmarks/fsdp_gather_dtype.py [--hidden 512 --layers 8 --shapes 256x16,32x8]
 """
 
 from __future__ import annotations
@@ -73,40 +74,80 @@ def collective_bytes(hlo: str) -> Counter:
     return out
 
 
+def gather_then_cast(self, x, dim, spec=None):
+    """``fiddlejax.compute.ParamView.leaf`` before the gathers moved to the compute dtype: the
+    float32 shard all-gathered, then cast (for comparison; the tests use it too)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from fiddlejax import compute
+
+    if dim >= 0:
+        spec = spec if spec is not None else P()
+        stored = compute.add_data_axis(spec, dim, self.also) if self.also else None
+        x = compute._per_device(lambda a: compute._gathered(a, dim, self.also), x, spec,
+                                stored, self.mesh)
+    if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(self.dtype)
+    return x
+
+
 def main() -> int:
-    from fsdp_prefetch import compiled
+    from fiddlejax import compute
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--shapes", default="256x16,32x8",
+                    help="sequence x batch per step, comma-separated (the second: activations "
+                         "small beside the weights)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"
                                          / "fsdp_gather_dtype.md"))
     a = ap.parse_args()
     out = ["# FSDP: all-gathers in the compute dtype", "",
            f"Reproduce: `python benchmarks/fsdp_gather_dtype.py --hidden {a.hidden} --layers "
-           f"{a.layers} --seq {a.seq} --batch {a.batch}`. One training step compiled on 8 "
-           f"simulated CPU devices: Llama hidden {a.hidden}, {a.layers} layers, MLP "
-           f"{4 * a.hidden}, seq {a.seq}, batch {a.batch}, vocabulary 1024; data=8, zero=3, "
-           "bf16 compute, float32 master weights. Per device and step: the collectives' result "
-           "bytes by element type (AG all-gather, RS reduce-scatter, AR all-reduce), "
-           "`memory_analysis` temp bytes.", "",
-           "| prefetch | remat | AG u16/bf16 | AG f32 | RS f32 | AR f32 | temp |",
-           "|---|---|---|---|---|---|---|"]
-    for prefetch in (False, True):
-        for remat in ("none", "full"):
-            mem, hlo = compiled(a.hidden, a.layers, a.seq, a.batch, prefetch, "bfloat16",
-                                remat)
-            b = collective_bytes(hlo)
-            ag16 = b["all-gather", "u16"] + b["all-gather", "bf16"]
-            out.append(f"| {'on' if prefetch else 'off'} | {remat} | {ag16 / MIB:.2f} MiB | "
-                       f"{b['all-gather', 'f32'] / MIB:.2f} MiB | "
-                       f"{b['reduce-scatter', 'f32'] / MIB:.2f} MiB | "
-                       f"{b['all-reduce', 'f32'] / MIB:.2f} MiB | {mem['temp'] / MIB:.2f} MiB |")
-            print(out[-1], dict(b), flush=True)
+           f"{a.layers} --shapes {a.shapes}`. One training step compiled on 8 simulated CPU "
+           f"devices: Llama hidden {a.hidden}, {a.layers} layers, MLP {4 * a.hidden}, "
+           "vocabulary 1024; data=8, zero=3, bf16 compute, float32 master weights. Per device "
+           "and step: the collectives' result bytes by element type (AG all-gather, RS "
+           "reduce-scatter, AR all-reduce; a gather's result is the whole weight, a scatter's "
+           "the shard), `memory_analysis` temp bytes. *leaf*: `ParamView.leaf` (the layers' "
+           "gathers with prefetch off, the embedding's and head's always) before (float32 "
+           "gathered, cast after) and now."]
+    leaf = compute.ParamView.leaf
+    for shape in a.shapes.split(","):
+        seq, batch = map(int, shape.split("x"))
+        out += ["", f"Sequence {seq}, batch {batch}:", "",
+                "| prefetch | remat | leaf | AG u16/bf16 | AG f32 | RS f32 | AR f32 | temp |",
+                "|---|---|---|---|---|---|---|---|"]
+        table(out, a.hidden, a.layers, seq, batch, leaf)
     Path(a.out).write_text("\n".join(out) + "\n")
     return 0
+
+
+def table(out: list, hidden: int, layers: int, seq: int, batch: int, leaf) -> None:
+    from fsdp_prefetch import compiled
+
+    from fiddlejax import compute
+
+    for prefetch in (False, True):
+        for remat in ("none", "full"):
+            for name, how in (("gather, cast (before)", gather_then_cast),
+                              ("cast, gather", leaf)):
+                compute.ParamView.leaf = how
+                try:
+                    mem, hlo = compiled(hidden, layers, seq, batch, prefetch, "bfloat16",
+                                        remat)
+                finally:
+                    compute.ParamView.leaf = leaf
+                b = collective_bytes(hlo)
+                ag16 = b["all-gather", "u16"] + b["all-gather", "bf16"]
+                out.append(f"| {'on' if prefetch else 'off'} | {remat} | {name} | "
+                           f"{ag16 / MIB:.2f} MiB | {b['all-gather', 'f32'] / MIB:.2f} MiB | "
+                           f"{b['reduce-scatter', 'f32'] / MIB:.2f} MiB | "
+                           f"{b['all-reduce', 'f32'] / MIB:.2f} MiB | "
+                           f"{mem['temp'] / MIB:.2f} MiB |")
+                print(out[-1], flush=True)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """How the computation sees the parameters: cast to the compute dtype and, under FSDP, gathered.
 
 Parameters are stored float32 (master weights) and, with ``Plan(zero=3)``, sharded over ``data``
-on one dimension each. A layer sees them only through :meth:`ParamView.layer`, which all-gathers
-its shards over ``data`` and casts them to ``Plan(compute_dtype=)`` just before use. The layer
-runs under one ``jax.checkpoint`` whose policy never saves a gathered or cast weight, so the
-backward gathers again instead of keeping a full copy: nothing is held longer than one layer
-needs it, and the stash holds activations only. The transpose of the all-gather is a
-reduce-scatter, so each replica's gradient arrives already summed and sharded; the transpose of
-the cast returns float32 gradients, accumulated and reduced in float32.
+on one dimension each. A layer sees them only through :meth:`ParamView.layer`, which casts its
+shards to ``Plan(compute_dtype=)`` and all-gathers them over ``data`` just before use (a 16-bit
+dtype as its bits: half the bytes of gathering float32). The layer runs under one
+``jax.checkpoint`` whose policy never saves a gathered or cast weight, so the backward gathers
+again instead of keeping a full copy: nothing is held longer than one layer needs it, and the
+stash holds activations only. The gradient is that of gathering the float32 shard and casting
+after: the cotangent back in float32, then the all-gather's transpose, a reduce-scatter, so each
+replica's gradient arrives already summed (in float32) and sharded.
 
 Without a pipeline the stack runs as :meth:`ParamView.stack` instead: the same gathers and
 casts, one layer ahead (:mod:`fiddlejax.prefetch`).

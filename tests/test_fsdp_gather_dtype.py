@@ -14,29 +14,16 @@ import optax
 import pytest
 from flax import nnx
 from helpers import rel_err, tokens
-from jax.sharding import PartitionSpec as P
 
 import fiddlejax as fj
 from fiddlejax import compute
 from fiddlejax.models.llama import Llama, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from fsdp_gather_dtype import collective_bytes  # noqa: E402
+from fsdp_gather_dtype import collective_bytes, gather_then_cast  # noqa: E402
 
 SEQ = 16
 BF16 = "bfloat16"
-
-
-def gather_then_cast(self, x, dim, spec=None):
-    """``ParamView.leaf`` before: the float32 shard gathered, then cast."""
-    if dim >= 0:
-        spec = spec if spec is not None else P()
-        stored = compute.add_data_axis(spec, dim, self.also) if self.also else None
-        x = compute._per_device(lambda a: compute._gathered(a, dim, self.also), x, spec,
-                                stored, self.mesh)
-    if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-        x = x.astype(self.dtype)
-    return x
 
 
 def llama(hidden=32, ff=64, heads=4):
