@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+from fiddlejax.storage import from_storage, to_storage
 
 # Parameters this small with no dimension divisible by ``data`` stay replicated under zero=3
 # (norm scales, biases); a larger one is an error that names it.
@@ -109,31 +112,49 @@ def grad_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
-def gather_whole(params: Any, dims: Any, specs: Any, dtype: Any = None) -> Any:
+def gather_whole(params: Any, dims: Any, specs: Any, dtype: Any = None,
+                 over: tuple[Any, tuple[str, ...]] | None = None) -> Any:
     """Every leaf cast to ``dtype`` (``None``: kept) and then, on its FSDP dimension,
     all-gathered over ``data``: half the traffic of gathering float32 and casting after. Inside
     ``shard_map`` over ``data``; the gradient of the result is reduced by :func:`scatter_whole`.
 
     ``specs``: each leaf's sharding without ``data`` (its pipe and tensor split), which the
-    gathered leaf keeps."""
+    gathered leaf keeps. ``over=(mesh, axes)``: the shards are over the automatic ``axes``
+    (``context``) alone, with no ``shard_map`` over ``data`` (data=1): gathered over them in a
+    ``shard_map`` on ``mesh`` (16-bit floats as their bits, as over ``data``)."""
     def leaf(x, d, spec):
         if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
         if d < 0:
             return x
+        if over is not None:  # over the manual ``axes`` inside a shard_map of its own
+            mesh, axes = over
+            return _per_device(
+                lambda a: from_storage(_gathered(to_storage(a), d, axes, False), a.dtype),
+                x, spec, add_data_axis(spec, d, axes), mesh)
         return _per_device(lambda a: _bits_gathered(a, d), x, spec)
 
     return _per_leaf(leaf, dims, params, specs)
 
 
-def scatter_whole(grads: Any, dims: Any, specs: Any) -> Any:
+def scatter_whole(grads: Any, dims: Any, specs: Any,
+                  over: tuple[Any, tuple[str, ...]] | None = None) -> Any:
     """Each replica's full-size gradient (of :func:`gather_whole`'s result) summed over
     ``data`` and scattered back to its FSDP shard, in float32, split as ``specs`` say;
-    replicated leaves unchanged."""
+    replicated leaves unchanged. ``over=(mesh, axes)``: as :func:`gather_whole`'s; the sum over
+    ``axes`` is the partitioner's (an all-reduce), each device keeping its shard."""
     def leaf(g, d, spec):
         g = g.astype(grad_dtype(g.dtype))
         if d < 0:
             return g
+        if over is not None:  # the partitioner sums the replicas; each keeps its slice
+            mesh, axes = over
+
+            def own_slice(a):  # the transpose of _gathered's tiled gather over ``axes``
+                size = a.shape[d] // math.prod(mesh.shape[ax] for ax in axes)
+                return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(axes) * size, size, d)
+
+            return _per_device(own_slice, g, add_data_axis(spec, d, axes), spec, mesh)
         return _per_device(lambda a: jax.lax.psum_scatter(a, "data", scatter_dimension=d,
                                                           tiled=True), g, spec)
 
@@ -321,28 +342,12 @@ class ParamView:
                 return fp8.layer(layer, w, x)
             return layer(w, x)
 
-        return prefetch.stack(apply, lambda lp: gather_whole(lp, dims, specs, self.dtype),
-                              lambda g: scatter_whole(g, dims, specs), keep, unroll)
-
-
-def storage_dtype(dtype) -> jnp.dtype:
-    """How a kept residual is stored (the pipeline's stash, a full-remat layer's input): 16-bit
-    floats as their bits (``uint16``), so that a backend without native 16-bit arithmetic
-    (XLA's CPU) does not convert the whole buffer to float32 around the loops that slice it; a
-    bitcast costs nothing anywhere."""
-    dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.uint16) if dtype in (jnp.bfloat16, jnp.float16) else dtype
-
-
-def to_storage(x: jax.Array) -> jax.Array:
-    """``x`` as :func:`storage_dtype` stores it."""
-    to = storage_dtype(x.dtype)
-    return x if to == x.dtype else jax.lax.bitcast_convert_type(x, to)
-
-
-def from_storage(x: jax.Array, dtype) -> jax.Array:
-    """The inverse of :func:`to_storage` for an array of ``dtype``."""
-    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+        # data=1 with the shards over ``also`` (context): no shard_map over data encloses the
+        # stack, the gathers are the partitioner's, placed by sharding constraints
+        over = (self.mesh, self.also) if self.also and "data" not in \
+            jax.sharding.get_abstract_mesh().manual_axes else None
+        return prefetch.stack(apply, lambda lp: gather_whole(lp, dims, specs, self.dtype, over),
+                              lambda g: scatter_whole(g, dims, specs, over), keep, unroll)
 
 
 class ViewedModel:

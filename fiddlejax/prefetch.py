@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fiddlejax.storage import from_storage, to_storage
+
 
 def _take(stacked: Any, i) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)
@@ -39,11 +41,11 @@ def _put(stacked: Any, i, one: Any) -> Any:
 def _source(leaf, w) -> tuple[str, Any]:
     """Where the backward finds a residual leaf: ``("weight", index)`` into the layer's gathered
     weights (gathered again, never saved), ``("const", value)`` for a constant the layer closes
-    over (a mask or rotary table: saved once, not per layer), else ``("saved", None)``."""
+    over (a mask or rotary table: saved once, not per layer), else ``("saved", dtype)``."""
     k = next((k for k, c in enumerate(jax.tree.leaves(w)) if leaf is c), None)
     if k is not None:
         return "weight", k
-    return ("saved", None) if isinstance(leaf, jax.core.Tracer) else ("const", leaf)
+    return ("saved", leaf.dtype) if isinstance(leaf, jax.core.Tracer) else ("const", leaf)
 
 
 def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable,
@@ -76,8 +78,9 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
             h, vjp = jax.vjp(ckpt, w, h)
             leaves, treedef = jax.tree.flatten(vjp)
             layouts[shapes] = treedef, [_source(leaf, w) for leaf in leaves]
-            return (h, nxt), [r for r, (kind, _) in zip(leaves, layouts[shapes][1], strict=True)
-                              if kind == "saved"]
+            # kept 16-bit floats as their bits (what a GPU holds; XLA's CPU would widen them)
+            return (h, nxt), [to_storage(r) for r, (kind, _) in
+                              zip(leaves, layouts[shapes][1], strict=True) if kind == "saved"]
 
         (h, last), res = jax.lax.scan(body, (x, gather(_take(stacked, 0))), jnp.arange(n),
                                       unroll=unroll)
@@ -102,8 +105,8 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
             prev = gather(_take(stacked, jnp.maximum(i - 1, 0)))  # issued before the layer
             w_leaves, it = jax.tree.leaves(w), iter(r)
             vjp = jax.tree.unflatten(treedef, [
-                next(it) if kind == "saved" else w_leaves[v] if kind == "weight" else v
-                for kind, v in src])
+                from_storage(next(it), v) if kind == "saved" else
+                w_leaves[v] if kind == "weight" else v for kind, v in src])
             dw, dh = vjp(dh)
             # layer i+1's gradient, scattered while layer i's backward computes
             grads = _put(grads, jnp.minimum(i + 1, n - 1), scatter(pending))

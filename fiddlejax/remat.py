@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from fiddlejax import checks, compute
+from fiddlejax import checks, storage
 
 
 def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
@@ -71,7 +71,7 @@ def inputs_as_bits(f: Callable) -> Callable:
 
     def run(lp, x):
         dtypes = jax.tree.map(lambda a: a.dtype, x)
-        if all(compute.storage_dtype(d) == d for d in jax.tree.leaves(dtypes)):
+        if all(storage.storage_dtype(d) == d for d in jax.tree.leaves(dtypes)):
             return f(lp, x)
 
         @jax.custom_vjp
@@ -79,11 +79,11 @@ def inputs_as_bits(f: Callable) -> Callable:
             return f(lp, x)
 
         def fwd(lp, x):
-            return f(lp, x), (lp, jax.tree.map(compute.to_storage, x))
+            return f(lp, x), (lp, jax.tree.map(storage.to_storage, x))
 
         def bwd(res, ct):
             lp, xb = res
-            return jax.vjp(f, lp, jax.tree.map(compute.from_storage, xb, dtypes))[1](ct)
+            return jax.vjp(f, lp, jax.tree.map(storage.from_storage, xb, dtypes))[1](ct)
 
         kept.defvjp(fwd, bwd)
         return kept(lp, x)

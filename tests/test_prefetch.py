@@ -92,3 +92,34 @@ def test_stack_matches_a_scan_and_saves_no_weight_or_constant_per_layer():
     kinds = {(tuple(a.shape), str(a.dtype)) for a in saved}
     assert ((3, 4, 8), "float32") in kinds, kinds
     assert not {((3, 8, 8), "bfloat16"), ((3, 1, 8), "float32")} & kinds, kinds
+
+
+def test_shards_over_context_alone_are_gathered_one_layer_ahead():
+    """data=1 x context=4 x tensor=2 (sequence parallelism), zero=3 stores the shards over
+    context: the stack's weight gathers (bf16, sent as uint16 bits) feed no dot of their own
+    iteration in either loop, where without prefetch each feeds its layer's. The activations'
+    gathers of sequence parallelism (float32 on the CPU) feed their dots either way.
+    Exactness: tests/test_context.py::test_fsdp_over_data_and_context."""
+    from fiddlejax.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, seq_len=32)
+    weight_gathers = {}
+    for prefetch in (False, True):
+        model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+        trainer = fj.parallelize(model, optax.sgd(1e-3), fj.Plan(
+            mesh=fj.make_mesh(data=1, context=4, tensor=2), zero=3, remat="full",
+            sequence_parallel=True, compute_dtype="bfloat16", fsdp_prefetch=prefetch))
+        text = trainer.lower_step(trainer.abstract_state(), {
+            "tokens": jax.ShapeDtypeStruct((2, 33), jnp.int32)}).compile().as_text()
+        loops = loop_bodies(text)
+        assert len(loops) == 2, [lp["order"] for lp in loops]
+        u16 = {line.split("=")[0].strip().lstrip("%") for line in text.splitlines()
+               if " = u16[" in line and "all-gather(" in line}
+        weight_gathers[prefetch] = [
+            feeds for lp in loops
+            for (kind, name), feeds in zip([o for o in lp["order"] if o[0] == "AG"],
+                                           lp["gather_feeds_dot"], strict=True)
+            if name in u16]
+    assert len(weight_gathers[False]) >= 2 * 9 and all(weight_gathers[False])
+    assert len(weight_gathers[True]) >= 2 * 9 and not any(weight_gathers[True])

@@ -95,11 +95,9 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
         lambda _, v: P(*tuple(v.get_value() if isinstance(v, nnx.Variable) else v)[lead:]),
         layer_dims, gather_specs[stack])
     outer = jax.tree_util.tree_map_with_path(lambda path, d: -1 if in_stack(path) else d, used)
-    # the prefetching stack gathers over data (manual) alone; with data=1 and the shards over
-    # context, each layer gathers its own (ParamView.layer)
     zero = dataclasses.replace(zero, view=view, layer_dims=layer_dims, layer_specs=layer_specs,
                                prefetch=plan.fsdp_prefetch and per_use is not None
-                               and not pipelined and not (also and plan.data == 1))
+                               and not pipelined)
     return zero, specs, lambda p: view.tree(p, outer, gather_specs)
 
 

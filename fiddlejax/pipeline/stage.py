@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fiddlejax.compute import from_storage, storage_dtype, to_storage
 from fiddlejax.pipeline import tables as tb
+from fiddlejax.storage import from_storage, storage_dtype, to_storage
 
 
 class Buffers(NamedTuple):
