@@ -24,11 +24,10 @@ planner's model descriptions cannot express softcap, so they never ask for one.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fiddlejax.planner.cluster import ClusterSpec
-    from fiddlejax.planner.space import Layout
     from fiddlejax.planner.workload import ModelSpec
 
 ATTENTIONS = ("auto", "fused", "xla")
@@ -57,8 +56,9 @@ def check(attention: str, precision: str, model: ModelSpec | None,
                          "heads) to take out its scores; use attention='xla'")
 
 
-def kind(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None) -> str:
-    """The attention a layout runs: ``ring`` (``context`` > 1), ``fused`` or ``xla``."""
+def kind(model: ModelSpec, layout: Any, cluster: ClusterSpec | None = None) -> str:
+    """The attention ``layout`` (a ``planner.Layout``, not imported: ``space`` imports this
+    module) runs: ``ring`` (``context`` > 1), ``fused`` or ``xla``."""
     if layout.context > 1 and model.heads is not None:
         return "ring"
     if layout.attention != "auto":
@@ -68,7 +68,7 @@ def kind(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None) -
     return "fused" if fused else "xla"
 
 
-def as_run(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None) -> ModelSpec:
+def as_run(model: ModelSpec, layout: Any, cluster: ClusterSpec | None = None) -> ModelSpec:
     """``model`` as ``layout`` runs its attention: :func:`fused` or unchanged."""
     return fused(model) if kind(model, layout, cluster) == "fused" else model
 
@@ -95,7 +95,7 @@ def fused(model: ModelSpec) -> ModelSpec:
                                act_none_full=float(sum(act["none"])))
 
 
-def live_bytes(model: ModelSpec, layout: Layout) -> float:
+def live_bytes(model: ModelSpec, layout: Any) -> float:
     """Bytes per sample the fused backward adds to a layer's working set on one rank: its
     float32 dQ accumulator (FlashAttention-2's and cuDNN's backward sum dQ over key blocks in
     float32)."""
