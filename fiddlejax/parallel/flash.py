@@ -11,8 +11,10 @@ pass keeps a score matrix.
 
 A block returns ``(out, lse)``; blocks over different keys merge exactly with :func:`merge`
 (plain JAX, differentiated by autodiff), which is how the ring joins its steps. The mask of a
-tile is built from each token's place in the whole sequence (causal) and its segment id
-(packed documents), never stored.
+tile is built from each token's place in the whole sequence (causal, and a sliding window) and
+its segment id (packed documents), never stored. The model options of :class:`Mode` (window,
+Gemma 2's soft-capped scores, a custom query scale) are static, like ``causal``; the backward
+recomputes the capped scores and applies the cap's derivative ``1 - tanh^2``.
 
 Layouts (the leading ``C`` axis is the context shards, pinned by the caller's ``keep``):
 ``q[C, B, nq, KV, G, Dh]`` (grouped-query heads: ``G`` query heads per KV head),
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,29 +73,46 @@ def _rows(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, -1, 2)[..., None]
 
 
+class Mode(NamedTuple):
+    """The static options of a block: ``causal``; ``window`` (a query at place ``p`` sees keys
+    at ``p - window + 1 .. p``, Hugging Face's ``sliding_window``); ``softcap`` (scores become
+    ``softcap * tanh(scores / softcap)``, Gemma 2); ``scale`` (None: ``Dh ** -0.5``)."""
+
+    causal: bool
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+
 def attend(q, k, v, qpos, kpos, qseg, kseg, *, causal: bool, keep: Callable = lambda x: x,
-           tile: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse)`` of queries ``q`` over keys ``k, v`` (see the module docstring),
-    differentiable (the backward is :func:`backward`)."""
+           tile: int | None = None, window: int | None = None, softcap: float | None = None,
+           scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of queries ``q`` over keys ``k, v`` (see the module docstring and
+    :class:`Mode` for the options), differentiable (the backward is :func:`backward`)."""
     tq, tk = tile_size(q.shape[2], tile), tile_size(k.shape[2], tile)
-    return _attend(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
+    mode = Mode(causal, window, softcap, scale)
+    return _attend(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
 
 
 def forward(q, k, v, qpos, kpos, qseg, kseg, *, causal: bool, keep: Callable = lambda x: x,
-            tile: int | None = None) -> tuple[jax.Array, jax.Array]:
+            tile: int | None = None, window: int | None = None, softcap: float | None = None,
+            scale: float | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`attend` without its custom gradient: for a caller with a backward of its own."""
     tq, tk = tile_size(q.shape[2], tile), tile_size(k.shape[2], tile)
-    return _forward(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
+    mode = Mode(causal, window, softcap, scale)
+    return _forward(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
 
 
 def backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, dlse=None, *, causal: bool,
-             keep: Callable = lambda x: x, tile: int | None = None) -> tuple:
+             keep: Callable = lambda x: x, tile: int | None = None, window: int | None = None,
+             softcap: float | None = None, scale: float | None = None) -> tuple:
     """``(dq, dk, dv)`` in float32 of one block, given the output ``out`` and log-sum-exp
     ``lse`` of the queries over *all* their keys (this block's and others'; the ring passes
     the merged ones) and their cotangents (``dlse`` ``None``: zero)."""
     tq, tk = tile_size(q.shape[2], tile), tile_size(k.shape[2], tile)
     dlse = jnp.zeros_like(lse) if dlse is None else dlse
-    return _grads(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, dlse)
+    mode = Mode(causal, window, softcap, scale)
+    return _grads(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, dlse)
 
 
 def _split(x: jax.Array, axis: int, t: int) -> jax.Array:
@@ -108,16 +128,32 @@ def _join(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
 
 
-def _mask(causal, qpos, kpos, qseg, kseg):
+def _mask(mode, qpos, kpos, qseg, kseg):
     """``[C, B, 1, 1, tq, tk]``: which query may see which key."""
     mask = qseg[..., :, None] == kseg[..., None, :]
-    if causal:
-        mask = mask & (qpos[:, None, :, None] >= kpos[:, None, None, :])
+    ahead = qpos[:, None, :, None] - kpos[:, None, None, :]  # the query's place minus the key's
+    if mode.causal:
+        mask = mask & (ahead >= 0)
+    if mode.window is not None:
+        mask = mask & (ahead < mode.window)
     return mask[:, :, None, None]
+
+
+def _scale(mode, d: int) -> float:
+    return d ** -0.5 if mode.scale is None else mode.scale
 
 
 def _scores(q, k):
     return jnp.einsum("cbqkgd,cbskd->cbkgqs", q, k.astype(F32))
+
+
+def _capped(mode, s):
+    """``(scores, tanh)``: the soft-capped scores of the scaled scores ``s`` and
+    ``tanh(s / softcap)`` (None without a cap), which the backward's chain rule needs."""
+    if mode.softcap is None:
+        return s, None
+    t = jnp.tanh(s / mode.softcap)
+    return mode.softcap * t, t
 
 
 def _key_tiles(k, v, kpos, kseg, tk):
@@ -125,25 +161,25 @@ def _key_tiles(k, v, kpos, kseg, tk):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attend(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
-    return _forward(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
+def _attend(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
+    return _forward(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
 
 
-def _forward(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
-    d = q.shape[-1]
+def _forward(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
+    scale = _scale(mode, q.shape[-1])
     keys = _key_tiles(k, v, kpos, kseg, tk)
 
     def one_query_tile(_, xs):
         qt, qp, qs = xs
-        qt = keep(qt.astype(F32) * (d ** -0.5))
+        qt = keep(qt.astype(F32) * scale)
         row = _per_query(qt)
         init = (row - jnp.inf, row, jnp.zeros_like(qt))
 
         def one_key_tile(acc, ys):
             kt, vt, kp, ks = ys
             m, s_, o = acc
-            mask = _mask(causal, qp, kp, qs, ks)
-            scores = _scores(qt, keep(kt))
+            mask = _mask(mode, qp, kp, qs, ks)
+            scores = _capped(mode, _scores(qt, keep(kt)))[0]
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1))
             safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.where(mask, jnp.exp(scores - safe[..., None]), 0.0)
@@ -161,21 +197,20 @@ def _forward(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
     return keep(_join(o, 2)), keep(_join(lse, 4))
 
 
-def _attend_fwd(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
-    out = _forward(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
+def _attend_fwd(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg):
+    out = _forward(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg)
     return out, (q, k, v, qpos, kpos, qseg, kseg, *out)
 
 
-def _attend_bwd(causal, keep, tq, tk, res, cotangents):
+def _attend_bwd(mode, keep, tq, tk, res, cotangents):
     q, k, v, qpos, kpos, qseg, kseg, out, lse = res
-    dq, dk, dv = _grads(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse,
+    dq, dk, dv = _grads(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse,
                         *cotangents)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
-def _grads(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, dlse):
-    d = q.shape[-1]
-    scale = d ** -0.5
+def _grads(mode, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, dlse):
+    scale = _scale(mode, q.shape[-1])
     # D_i = dO_i . O_i - dlse_i: dL/ds_ij = P_ij (dP_ij - D_i), dP_ij = dO_i . V_j
     dout = dout.astype(F32)
     delta = jnp.moveaxis(jnp.sum(dout * out, -1), 2, -1) - dlse
@@ -189,10 +224,13 @@ def _grads(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse, dout
         def one_key_tile(dq, ys):
             kt, vt, kp, ks = ys
             kt, vt = keep(kt).astype(F32), keep(vt).astype(F32)
-            mask = _mask(causal, qp, kp, qs, ks)
-            p = jnp.where(mask, jnp.exp(_scores(qt, kt) - lt[..., None]), 0.0)
+            mask = _mask(mode, qp, kp, qs, ks)
+            capped, t = _capped(mode, _scores(qt, kt))
+            p = jnp.where(mask, jnp.exp(capped - lt[..., None]), 0.0)
             dp = jnp.einsum("cbqkgd,cbskd->cbkgqs", dot, vt)
-            ds = p * (dp - dt[..., None])
+            ds = p * (dp - dt[..., None])  # by the capped scores
+            if t is not None:  # d(c tanh(s / c)) / ds = 1 - tanh^2
+                ds = ds * (1.0 - t * t)
             dq = dq + jnp.einsum("cbkgqs,cbskd->cbqkgd", ds, kt) * scale
             dk = jnp.einsum("cbkgqs,cbqkgd->cbskd", ds, qt)  # qt carries the scale
             dv = jnp.einsum("cbkgqs,cbqkgd->cbskd", p, dot)
@@ -211,4 +249,4 @@ def _grads(causal, keep, tq, tk, q, k, v, qpos, kpos, qseg, kseg, out, lse, dout
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
-__all__ = ["TILE", "attend", "backward", "empty", "forward", "merge", "tile_size"]
+__all__ = ["TILE", "Mode", "attend", "backward", "empty", "forward", "merge", "tile_size"]
