@@ -89,6 +89,35 @@ def test_fsdp_over_data_and_context(llama, axes):
     assert "context" in jax.tree.leaves(tuple(w.sharding.spec))
 
 
+@pytest.mark.parametrize("kernel,axes", [("ring", dict(data=2, context=4)),
+                                         ("allgather", dict(data=4, context=2))])
+def test_gemma2_window_softcap_scale_matches_one_device(kernel, axes, monkeypatch):
+    """Gemma 2 (the transformers fixture): sliding windows of 5 tokens on alternate layers,
+    soft-capped scores, query_pre_attn_scalar; sequences of 16 tokens, so the window crosses
+    chunks and shards (context=4: chunks of 2 tokens, and the ring skips the blocks wholly
+    outside the window), packed documents on the ring."""
+    from fiddlejax import models
+
+    monkeypatch.setattr(context, "KERNEL", kernel)
+    model = models.from_pretrained(Path(__file__).parent / "fixtures" / "hf_gemma2",
+                                   seq_len=SEQ)
+    cfg = model.config
+    assert cfg.sliding_window == 5 < SEQ and cfg.attn_logit_softcapping is not None
+    assert cfg.attention_scale is not None and len(cfg.kinds) == 2
+    # ids from 1: the fixture's pad row 0 is all zeros (see test_hf_families)
+    batch = packed(7, 4) if kernel == "ring" else tokens(7, 4, SEQ, 64)
+    batch["tokens"] = 1 + np.asarray(batch["tokens"])
+    assert_exact(model, fj.Plan(mesh=fj.make_mesh(**axes)), batch)
+
+
+def test_unknown_attention_option_is_refused_by_name():
+    split = context.Split(size=2, seq=8, mesh=fj.make_mesh(data=4, context=2))
+    x = np.zeros((8, 2, 2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"sets \['sinks'\].*mesh context=1"):
+        with context.tracing(split):
+            context.attention(x, x, x, causal=True, window=3, sinks=1.0)
+
+
 def test_split_keeps_targets_and_balances_chunks():
     """Shard i holds chunks i and 2C-1-i, each with its next token; positions are global."""
     split = context.Split(size=2, seq=8, mesh=fj.make_mesh(data=4, context=2))
@@ -114,6 +143,31 @@ def test_ring_blocks_balance():
                 blocks += sum(qc >= kc for qc in mine for kc in theirs)  # visible blocks
             per_shard.append(blocks)
         assert per_shard == [3 + 2 * (c - 1)] * c, per_shard
+
+
+def test_ring_skips_only_blocks_outside_the_window():
+    """A ring block is skipped exactly when no shard has a query within the window of a key
+    in it (brute force over places); at 128k on context=8 with a 4096-token window (n = 8192)
+    a shard computes 5 blocks, not 17."""
+    from fiddlejax.parallel import ring
+
+    for c, n, window in [(2, 4, 3), (4, 2, 5), (4, 4, 4), (8, 8, 9), (8, 8, 1)]:
+        shard = np.arange(c)
+        for step in range(c):
+            for qi, ki in ring._blocks(c, step, True, shard):
+                seen = False
+                for i in range(c):
+                    j = (i - step) % c
+                    q_early = qi == 0 if isinstance(qi, int) else qi[i]
+                    k_early = ki == 0 if isinstance(ki, int) else ki[i]
+                    qc = i if q_early else 2 * c - 1 - i
+                    kc = j if k_early else 2 * c - 1 - j
+                    ahead = (qc * n + np.arange(n))[:, None] - (kc * n + np.arange(n))[None]
+                    seen |= bool(((ahead >= 0) & (ahead < window)).any())
+                assert ring._in_window(c, n, step, qi, ki, window) == seen, (c, step, qi, ki)
+    blocks = sum(ring._in_window(8, 8192, s, qi, ki, 4096)
+                 for s in range(8) for qi, ki in ring._blocks(8, s, True, np.arange(8)))
+    assert blocks == 5
 
 
 def test_refusals(llama):

@@ -54,6 +54,7 @@ KERNEL = "auto"  # which kernel new layouts use; tests and benchmarks force one
 # shard), but the all-gather holds the whole sequence's K/V on every device.
 RING_FROM_TOKENS = 256
 SEQ_KEYS = ("tokens", "segment_ids", "positions")
+OPTIONS = ("window", "softcap", "scale")  # the model attention's options the kernels take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,14 +172,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
               segment_ids: jax.Array | None = None, **options) -> jax.Array:
     """Attention of ``q[R, n, H, Dh]`` over the whole sequences of the split rows (``k, v``
     ``[R, n, KV, Dh]``; ``R = C * B * 2``, rows sharded over ``context``). ``options`` of the
-    model's attention (a sliding window, soft-capping, a custom scale) are refused by name."""
+    model's attention: ``window``, ``softcap`` and ``scale`` (as
+    :func:`fiddlejax.models.common.attention` takes them; the window counts places in the whole
+    sequence); any other is refused by name."""
     split = active()
-    used = sorted(name for name, value in options.items() if value is not None)
+    used = sorted(name for name, value in options.items()
+                  if value is not None and name not in OPTIONS)
     if used:
         raise ValueError(
-            f"context={split.size} joins the shards' attention with the plain scaled softmax; "
-            f"this model's attention sets {used}, which the split does not support yet; "
-            "train it with mesh context=1")
+            f"context={split.size} joins the shards' attention supporting only the options "
+            f"{list(OPTIONS)}; this model's attention sets {used}, which the split does not "
+            "support yet; train it with mesh context=1")
+    opts = {name: options.get(name) for name in OPTIONS}
     _ACTIVE.calls += 1
     c, n = split.size, split.chunk
     kernel = split.kernel_for(2 * n)
@@ -193,9 +198,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
 
     q, k, v, seg = (keep(x.reshape(c, b, 2, *x.shape[1:])) for x in (q, k, v, seg))
     if kernel == "ring":
-        out = ring.ring_attention(q, k, v, seg, causal, keep)
+        out = ring.ring_attention(q, k, v, seg, causal, keep, **opts)
     else:
-        out = ring.gathered_attention(q, k, v, seg, causal, keep, whole)
+        out = ring.gathered_attention(q, k, v, seg, causal, keep, whole, **opts)
     return constrain_rows(out.reshape(c * b * 2, *out.shape[3:]), split)
 
 

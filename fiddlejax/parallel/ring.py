@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fiddlejax.parallel import flash
 
@@ -61,6 +62,23 @@ def _blocks(c: int, step: int, causal: bool, shard: jax.Array) -> list[tuple]:
     # j > i: its late chunk 2C-1-j precedes our late one (late queries, late keys).
     early = (shard - step) % c < shard
     return [(1, 0), (early, early)]
+
+
+def _in_window(c: int, n: int, step: int, qi, ki, window: int | None) -> bool:
+    """Whether some shard's block (``qi``, ``ki``) at ``step`` has a query within ``window`` of
+    a key: a block whose keys all lie a window or more before its queries on every shard is
+    fully masked, and skipped (statically: which chunks a shard holds is known)."""
+    if window is None:
+        return True
+
+    def chunk(which, shard):  # the chunk each shard's early (0, flag True) or late half holds
+        early = which == 0 if isinstance(which, int) else np.asarray(which)
+        return np.where(early, shard, 2 * c - 1 - shard)
+
+    i = np.arange(c)
+    qc, kc = chunk(qi, i), chunk(ki, (i - step) % c)
+    nearest = (qc - kc - 1) * n + 1  # the first query's place minus the last key's
+    return bool((nearest < window).any())
 
 
 def _sel(which, pair):
@@ -92,34 +110,38 @@ def _roll(tree, keep: Callable):
     return jax.tree.map(lambda x: keep(jnp.roll(x, 1, axis=0)), tree)
 
 
-def ring_attention(q, k, v, seg, causal: bool, keep: Callable) -> jax.Array:
+def ring_attention(q, k, v, seg, causal: bool, keep: Callable, *, window: int | None = None,
+                   softcap: float | None = None, scale: float | None = None) -> jax.Array:
     """Ring attention (see the module docstring); ``keep`` pins an array's leading axis to
-    ``context``. Its backward (a ring of its own) keeps only the inputs, the output and the
-    log-sum-exp per query: nothing per block or per step."""
-    return _ring(causal, keep, q, k, v, seg)
+    ``context``; ``window``, ``softcap`` and ``scale`` as :class:`flash.Mode` says. Its backward
+    (a ring of its own) keeps only the inputs, the output and the log-sum-exp per query:
+    nothing per block or per step."""
+    return _ring(flash.Mode(causal, window, softcap, scale), keep, q, k, v, seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(causal, keep, q, k, v, seg):
-    return _ring_fwd(causal, keep, q, k, v, seg)[0]
+def _ring(mode, keep, q, k, v, seg):
+    return _ring_fwd(mode, keep, q, k, v, seg)[0]
 
 
-def _ring_fwd(causal, keep, q, k, v, seg):
+def _ring_fwd(mode, keep, q, k, v, seg):
     c, n = q.shape[0], q.shape[3]
     qs, ss = _halves(_grouped(q, k.shape[4])), _halves(seg)
     places = keep(global_index(c, n))
     ps = (places[:, :n], places[:, n:])
     accs = [flash.empty(qs[0]), flash.empty(qs[1])]
-    shard = jnp.arange(c)
+    shard = np.arange(c)
     held = (k, v, seg)
     for step in range(c):
         nxt = _roll(held, keep) if step < c - 1 else None  # overlaps the step's blocks
         ks, vs, ts = (_halves(x) for x in held)
         kps = _key_places(c, n, step, keep)
-        for qi, ki in _blocks(c, step, causal, shard):
+        for qi, ki in _blocks(c, step, mode.causal, shard):
+            if not _in_window(c, n, step, qi, ki, mode.window):
+                continue
             out = flash.forward(_sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps),
-                                _sel(ki, kps), _sel(qi, ss), _sel(ki, ts), causal=causal,
-                                keep=keep)
+                                _sel(ki, kps), _sel(qi, ss), _sel(ki, ts), keep=keep,
+                                **mode._asdict())
             if isinstance(qi, int):
                 accs[qi] = flash.merge(accs[qi], out)
             else:
@@ -131,7 +153,7 @@ def _ring_fwd(causal, keep, q, k, v, seg):
     return out, (q, k, v, seg, *accs)
 
 
-def _ring_bwd(causal, keep, res, dout):
+def _ring_bwd(mode, keep, res, dout):
     """The same blocks again; each shard's queries gather their gradient in place, while the
     gradients of the keys and values travel around the ring with them and arrive home after
     one more pass."""
@@ -143,7 +165,7 @@ def _ring_bwd(causal, keep, res, dout):
     places = keep(global_index(c, n))
     ps = (places[:, :n], places[:, n:])
     dq = [jnp.zeros_like(x, jnp.float32) for x in qs]
-    shard = jnp.arange(c)
+    shard = np.arange(c)
     held = (k, v, seg)
     dheld = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     for step in range(c):
@@ -151,11 +173,13 @@ def _ring_bwd(causal, keep, res, dout):
         ks, vs, ts = (_halves(x) for x in held)
         kps = _key_places(c, n, step, keep)
         dk, dv = list(_halves(dheld[0])), list(_halves(dheld[1]))
-        for qi, ki in _blocks(c, step, causal, shard):
+        for qi, ki in _blocks(c, step, mode.causal, shard):
+            if not _in_window(c, n, step, qi, ki, mode.window):
+                continue
             g_q, g_k, g_v = flash.backward(
                 _sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps), _sel(ki, kps),
                 _sel(qi, ss), _sel(ki, ts), _sel(qi, outs), _sel(qi, lses), _sel(qi, dos),
-                causal=causal, keep=keep)
+                keep=keep, **mode._asdict())
             _add(dq, qi, g_q)
             _add(dk, ki, g_k)
             _add(dv, ki, g_v)
@@ -176,10 +200,11 @@ def global_index(c: int, n: int) -> jax.Array:
     return jnp.concatenate([shard * n + ar, (2 * c - 1 - shard) * n + ar], axis=1)
 
 
-def gathered_attention(q, k, v, seg, causal: bool, keep: Callable,
-                       whole: Callable) -> jax.Array:
+def gathered_attention(q, k, v, seg, causal: bool, keep: Callable, whole: Callable, *,
+                       window: int | None = None, softcap: float | None = None,
+                       scale: float | None = None) -> jax.Array:
     """All-gathered K/V attention (see the module docstring); ``whole`` replicates an array
-    over ``context`` (the all-gather)."""
+    over ``context`` (the all-gather); the options as for :func:`ring_attention`."""
     c, b, _, n = q.shape[:4]
     kw, vw, sw = (whole(x) for x in (k, v, seg))
     # [C, B, 2, n, ...] -> [B, C * 2n, ...] (shard-major, as global_index orders them), then
@@ -191,5 +216,6 @@ def gathered_attention(q, k, v, seg, causal: bool, keep: Callable,
     kpos = keep(jnp.broadcast_to(places.reshape(1, -1), (c, c * 2 * n)))
     ql = _grouped(q.reshape(c, b, 2 * n, *q.shape[4:]), k.shape[4])
     out, _ = flash.attend(ql, kw, vw, keep(places), kpos, seg.reshape(c, b, 2 * n), sw,
-                          causal=causal, keep=keep)
+                          causal=causal, keep=keep, window=window, softcap=softcap,
+                          scale=scale)
     return out.reshape(q.shape).astype(q.dtype)
