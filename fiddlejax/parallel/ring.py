@@ -18,7 +18,9 @@ its own shard's blocks; the only communication is what the kernel asks for:
   three (the two diagonal blocks masked, the late queries over the early keys whole), every
   later step two (the late queries over the early keys whole, and either the early queries
   over the early keys, when the keys' shard precedes this one, or the late queries over the
-  late keys, when it follows), so every shard computes ``3 + 2 (C - 1)`` blocks.
+  late keys, when it follows), so every shard computes ``3 + 2 (C - 1)`` blocks. With a
+  sliding window a block whose keys lie a window or more before its queries on every shard
+  is skipped (:func:`_in_window`; the K/V still travel every step).
 - :func:`gathered_attention`: K/V all-gathered over ``context``, each shard's queries over the
   whole sequence in one tiled block (``4 C`` blocks' worth of scores, one collective).
 
