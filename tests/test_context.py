@@ -4,6 +4,7 @@ ring attention or all-gathered K/V; loss and gradients equal one device's (float
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -274,3 +275,79 @@ def test_long_context_benchmark_compiles_for_mock_gpus():
     cpu = bench.compile_env("cpu")
     assert cpu["JAX_PLATFORMS"] == "cpu" and "JAX_MOCK_GPU_TOPOLOGY" not in cpu
     assert "--xla_force_host_platform_device_count=8" in cpu["XLA_FLAGS"].split()
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_ring_skips_whole_steps_and_stays_exact(window):
+    """The ring on one device (``keep`` the identity), values and gradients against plain
+    causal attention over the whole sequence; with a window of 3 tokens on chunks of 2 the
+    ring runs steps [0, 1, 3] of 4 (the keys jump two shards in one transfer, the key and
+    value gradients travel the rest of the way home in one)."""
+    from fiddlejax.parallel import ring
+
+    c, b, n, h, kv, dh = 4, 1, 2, 4, 2, 8
+    steps = [s for s, _ in ring._steps(c, n, flash.Mode(True, window, None, None))]
+    assert steps == ([0, 1, 3] if window else [0, 1, 2, 3])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(c, b, 2, n, heads, dh)), jnp.float32)
+               for heads in (h, kv, kv))
+    seg = jnp.ones((c, b, 2, n), jnp.int32)
+    chunk = np.stack([np.arange(c), 2 * c - 1 - np.arange(c)], 1)  # [c, 2]
+    place = (chunk[:, :, None] * n + np.arange(n)).reshape(-1)  # (shard, half, t) -> place
+    order = np.argsort(place)
+
+    def whole(x):  # [c, b, 2, n, ...] -> [b, T, ...] in sequence order
+        x = jnp.moveaxis(x, 1, 0).reshape(b, 2 * c * n, *x.shape[4:])
+        return x[:, order]
+
+    def reference(q, k, v):
+        qg, kg, vg = whole(q), whole(k), whole(v)
+        t = np.arange(2 * c * n)
+        ok = t[:, None] >= t[None]
+        if window:
+            ok &= t[:, None] - t[None] < window
+        s = jnp.einsum("bqhd,bshd->bhqs", qg, jnp.repeat(kg, h // kv, 2)) * dh ** -0.5
+        p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), -1)
+        out = jnp.einsum("bhqs,bshd->bqhd", p, jnp.repeat(vg, h // kv, 2))
+        return out[:, np.argsort(order)].reshape(b, c, 2, n, h, dh).swapaxes(0, 1)
+
+    def ringed(q, k, v):
+        return ring.ring_attention(q, k, v, seg, True, lambda x: x, window=window)
+
+    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    want = jax.vjp(reference, q, k, v)
+    got = jax.vjp(ringed, q, k, v)
+    assert rel_err(got[0], want[0]) < 1e-5
+    for g, w in zip(got[1](cot), want[1](cot), strict=True):
+        assert rel_err(g, w) < 1e-5
+
+
+def test_ring_sends_nothing_for_skipped_steps():
+    """On 4 devices, a window of 3 tokens on chunks of 2: the forward sends K, V and segment
+    ids twice (to steps 1 and 3), not three times; forward and backward 18 transfers, not 26."""
+    import re
+
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fiddlejax.parallel import ring
+
+    mesh = jax.make_mesh((4,), ("context",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    on = NamedSharding(mesh, P("context"))
+    keep = lambda x: jax.lax.with_sharding_constraint(x, on)  # noqa: E731
+    q = jax.ShapeDtypeStruct((4, 1, 2, 2, 4, 8), jnp.float32, sharding=on)
+    k = jax.ShapeDtypeStruct((4, 1, 2, 2, 2, 8), jnp.float32, sharding=on)
+    seg = jax.ShapeDtypeStruct((4, 1, 2, 2), jnp.int32, sharding=on)
+    counts = {}
+    for window in (None, 3):
+        def fwd(q, k, v, s, window=window):
+            return ring.ring_attention(q, k, v, s, True, keep, window=window)
+
+        def both(q, k, v, s, fwd=fwd):
+            return jax.grad(lambda *a: fwd(*a, s).sum(), argnums=(0, 1, 2))(q, k, v)
+
+        counts[window] = [len(re.findall(r" collective-permute(?:-start)?\(",
+                                         jax.jit(f).lower(q, k, k, seg).compile().as_text()))
+                          for f in (fwd, both)]
+    assert counts == {None: [9, 26], 3: [6, 18]}, counts

@@ -107,9 +107,19 @@ def _key_places(c: int, n: int, step: int, keep: Callable) -> tuple:
             keep((2 * c - 1 - j)[:, None] * n + jnp.arange(n)))
 
 
-def _roll(tree, keep: Callable):
-    """Each shard's arrays passed to the next shard (one collective-permute each)."""
-    return jax.tree.map(lambda x: keep(jnp.roll(x, 1, axis=0)), tree)
+def _roll(tree, keep: Callable, shift: int = 1):
+    """Each shard's arrays passed ``shift`` shards on (one collective-permute each)."""
+    return jax.tree.map(lambda x: keep(jnp.roll(x, shift, axis=0)), tree)
+
+
+def _steps(c: int, n: int, mode: flash.Mode) -> list[tuple[int, list]]:
+    """The ring steps that have a visible block, each with its blocks: a step whose blocks a
+    sliding window masks wholly on every shard is skipped with its transfer (the keys then
+    travel the skipped shards' distance in one collective-permute)."""
+    shard = np.arange(c)
+    steps = [(step, [(qi, ki) for qi, ki in _blocks(c, step, mode.causal, shard)
+                     if _in_window(c, n, step, qi, ki, mode.window)]) for step in range(c)]
+    return [(step, blocks) for step, blocks in steps if blocks]
 
 
 def ring_attention(q, k, v, seg, causal: bool, keep: Callable, *, window: int | None = None,
@@ -132,15 +142,13 @@ def _ring_fwd(mode, keep, q, k, v, seg):
     places = keep(global_index(c, n))
     ps = (places[:, :n], places[:, n:])
     accs = [flash.empty(qs[0]), flash.empty(qs[1])]
-    shard = np.arange(c)
-    held = (k, v, seg)
-    for step in range(c):
-        nxt = _roll(held, keep) if step < c - 1 else None  # overlaps the step's blocks
+    held, steps = (k, v, seg), _steps(c, n, mode)
+    for at, (step, blocks) in enumerate(steps):
+        # the next step's keys, sent while this step's blocks compute
+        nxt = _roll(held, keep, steps[at + 1][0] - step) if at + 1 < len(steps) else None
         ks, vs, ts = (_halves(x) for x in held)
         kps = _key_places(c, n, step, keep)
-        for qi, ki in _blocks(c, step, mode.causal, shard):
-            if not _in_window(c, n, step, qi, ki, mode.window):
-                continue
+        for qi, ki in blocks:
             out = flash.forward(_sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps),
                                 _sel(ki, kps), _sel(qi, ss), _sel(ki, ts), keep=keep,
                                 **mode._asdict())
@@ -167,17 +175,16 @@ def _ring_bwd(mode, keep, res, dout):
     places = keep(global_index(c, n))
     ps = (places[:, :n], places[:, n:])
     dq = [jnp.zeros_like(x, jnp.float32) for x in qs]
-    shard = np.arange(c)
-    held = (k, v, seg)
+    held, steps = (k, v, seg), _steps(c, n, mode)
     dheld = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-    for step in range(c):
-        nxt = _roll(held, keep) if step < c - 1 else None
+    for at, (step, blocks) in enumerate(steps):
+        # to the next step's shard, or (after the last) home: c shards on in all
+        shift = (steps[at + 1][0] if at + 1 < len(steps) else c) - step
+        nxt = _roll(held, keep, shift) if at + 1 < len(steps) else None
         ks, vs, ts = (_halves(x) for x in held)
         kps = _key_places(c, n, step, keep)
         dk, dv = list(_halves(dheld[0])), list(_halves(dheld[1]))
-        for qi, ki in _blocks(c, step, mode.causal, shard):
-            if not _in_window(c, n, step, qi, ki, mode.window):
-                continue
+        for qi, ki in blocks:
             g_q, g_k, g_v = flash.backward(
                 _sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps), _sel(ki, kps),
                 _sel(qi, ss), _sel(ki, ts), _sel(qi, outs), _sel(qi, lses), _sel(qi, dos),
@@ -186,7 +193,7 @@ def _ring_bwd(mode, keep, res, dout):
             _add(dk, ki, g_k)
             _add(dv, ki, g_v)
         # the sums travel with the keys: after the last step one more pass brings them home
-        dheld = _roll((jnp.stack(dk, axis=2), jnp.stack(dv, axis=2)), keep)
+        dheld = _roll((jnp.stack(dk, axis=2), jnp.stack(dv, axis=2)), keep, shift)
         held = nxt
     dq = jnp.stack(dq, axis=2).reshape(q.shape).astype(q.dtype)
     return dq, dheld[0].astype(k.dtype), dheld[1].astype(v.dtype), None
