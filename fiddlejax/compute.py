@@ -161,6 +161,11 @@ def scatter_whole(grads: Any, dims: Any, specs: Any,
     return _per_leaf(leaf, dims, grads, specs)
 
 
+def _data_manual() -> bool:
+    """Whether a ``shard_map`` over ``data`` encloses the trace (with data=1 none does)."""
+    return "data" in jax.sharding.get_abstract_mesh().manual_axes
+
+
 def _gathered(x: jax.Array, d: int, also: tuple[str, ...], data: bool | None = None
               ) -> jax.Array:
     """``x`` all-gathered on dimension ``d``: over the (manual) ``also`` axes, then over
@@ -170,7 +175,7 @@ def _gathered(x: jax.Array, d: int, also: tuple[str, ...], data: bool | None = N
     from jax._src.lax.parallel import all_gather_invariant  # not yet public in jax 0.10
 
     if data is None:
-        data = "data" in jax.sharding.get_abstract_mesh().manual_axes  # else data=1
+        data = _data_manual()
     if also:
         x = all_gather_invariant(x, also, axis=d, tiled=True)
     if data:
@@ -188,8 +193,7 @@ def _fsdp_gather_16bit(x: jax.Array, d: int, also: tuple[str, ...], data: bool,
     transpose, so that the reduction over ``data`` (a reduce-scatter) and ``also`` sums
     float32. (The bits are integers, which autodiff would give no cotangent.) A layer's
     checkpoint never saves the result (:func:`_not_saved`)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16)
-    return jax.lax.bitcast_convert_type(_gathered(bits, d, also, data), dtype)
+    return from_storage(_gathered(to_storage(x.astype(dtype)), d, also, data), dtype)
 
 
 def _fsdp_gather_16bit_fwd(x, d, also, data, dtype):
@@ -231,11 +235,7 @@ def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
     """``x`` all-gathered over ``data`` on dimension ``d``; 16-bit floats as their bits, so that
     a backend without 16-bit arithmetic (XLA's CPU) sends 16 bits instead of converting to
     float32 before the collective (a GPU sends 16 bits either way; the bitcasts cost nothing)."""
-    if x.dtype not in (jnp.bfloat16, jnp.float16):
-        return jax.lax.all_gather(x, "data", axis=d, tiled=True)
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return jax.lax.bitcast_convert_type(
-        jax.lax.all_gather(bits, "data", axis=d, tiled=True), x.dtype)
+    return from_storage(jax.lax.all_gather(to_storage(x), "data", axis=d, tiled=True), x.dtype)
 
 
 def _per_device(f: Callable, x: jax.Array, spec: P, in_spec: P | None = None,
@@ -294,8 +294,8 @@ class ParamView:
             stored = add_data_axis(spec, dim, self.also) if self.also else None
             if cast and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16):
                 def gather(a):  # cast first: the gather in the compute dtype
-                    data = "data" in jax.sharding.get_abstract_mesh().manual_axes
-                    return _fsdp_gather_16bit(a, dim, self.also, data, jnp.dtype(self.dtype))
+                    return _fsdp_gather_16bit(a, dim, self.also, _data_manual(),
+                                              jnp.dtype(self.dtype))
 
                 return _per_device(gather, x, spec, stored, self.mesh)
             x = _per_device(lambda a: _gathered(a, dim, self.also), x, spec, stored,
@@ -343,9 +343,8 @@ class ParamView:
             return layer(w, x)
 
         # data=1 with the shards over ``also`` (context): no shard_map over data encloses the
-        # stack, the gathers are the partitioner's, placed by sharding constraints
-        over = (self.mesh, self.also) if self.also and "data" not in \
-            jax.sharding.get_abstract_mesh().manual_axes else None
+        # stack, so its gathers run in shard_maps of their own over ``also``
+        over = (self.mesh, self.also) if self.also and not _data_manual() else None
         return prefetch.stack(apply, lambda lp: gather_whole(lp, dims, specs, self.dtype, over),
                               lambda g: scatter_whole(g, dims, specs, over), keep, unroll)
 
