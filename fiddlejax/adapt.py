@@ -159,7 +159,7 @@ class AdaptedModel(StagedModel):
               dropout.keys(keys, -2), self._tracing()):
             outputs = self._call(self._outer(params), dropout.without_indices(batch))
         outputs = unpad_outputs(outputs, self.vocab_pads)
-        batch = dropout.without_indices(batch)
+        outputs, batch = self.lay_out_loss(outputs, dropout.without_indices(batch), self.loss_fn)
         return as_sums(self.loss_fn(outputs, batch), self.loss_fn)
 
     # -- checks, once per batch shape: the forward splits as assumed --------------------------

@@ -92,6 +92,9 @@ class StagedModel:
     # before the loss sees them, so padding never reaches a loss (see ``layout.pad_vocab``).
     vocab_pads: tuple[tuple[int, int], ...] = ()
     layer_rest: Any = None   # a layer's non-parameter state (rate-0 RNG streams), if any
+    # a layout's hook on what reaches the loss: (outputs, batch) -> (outputs, batch), same
+    # values, other shardings (``parallel.expert.loss_inputs``); None: as the head left them
+    loss_layout: Callable | None = None
 
     def _bind(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest, copy=True)
@@ -111,8 +114,16 @@ class StagedModel:
         ``(sum, Sums)``: the loss is ``sum / Sums.weight`` (a mean loss has weight 1)."""
         model = self._bind(params)
         outputs = unpad_outputs(model.head(x), self.vocab_pads)
+        outputs, batch = self.lay_out_loss(outputs, batch, self.loss_fn or type(model).loss)
         value = (self.loss_fn or model.loss)(outputs, batch)
         return as_sums(value, self.loss_fn or type(model).loss)
+
+    def lay_out_loss(self, outputs: Any, batch: dict, fn: Loss) -> tuple[Any, dict]:
+        """``outputs`` and ``batch`` as the loss ``fn`` gets them (:attr:`loss_layout`;
+        not for a loss marked :func:`vocab_parallel`, which takes the head's layout)."""
+        if self.loss_layout is None or getattr(fn, "vocab_parallel", False):
+            return outputs, batch
+        return self.loss_layout(outputs, batch)
 
     def epilogue(self, params: nnx.State, x: Any, batch: dict) -> jax.Array:
         """Head and loss on the activations leaving the last layer (the scalar loss)."""
@@ -129,6 +140,16 @@ class StagedModel:
     def to_model(self, params: nnx.State) -> nnx.State:
         """The canonical tree of staged ``params`` (the inverse of :meth:`to_staged`)."""
         return params
+
+
+def vocab_parallel(loss_fn: Loss) -> Loss:
+    """Mark ``loss_fn`` as written for logits split over their vocabulary (a one-hot
+    cross-entropy, as the bundled models' losses): under ``expert`` x ``tensor`` it gets the
+    head's outputs as they are, where any other loss gets their rows split and the vocabulary
+    whole (``parallel.expert.loss_inputs``: XLA's partitioner aborts on some ops, a gather
+    among them, over vocabulary-split logits whose rows are split over ``expert``)."""
+    loss_fn.vocab_parallel = True
+    return loss_fn
 
 
 def mean_loss(value: Any) -> jax.Array:

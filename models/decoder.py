@@ -39,6 +39,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
+from fiddlejax.staged import vocab_parallel
 
 from . import families, hf, moe_loss, rope
 from .common import (
@@ -253,6 +254,7 @@ class Decoder(nnx.Module):
         logits = logits if cap is None else cap * jnp.tanh(logits / cap)
         return logits if tally is None else (logits, tally)
 
+    @vocab_parallel  # its one-hot cross-entropy takes the head's vocabulary-split logits
     def loss(self, outputs, batch: dict):
         """Next-token cross-entropy; an MoE model's ``(logits, tally)`` adds the router losses
         of each sequence (a row; its padding left out), weighted as the row's targets, and

@@ -15,6 +15,7 @@ from flax import nnx
 from fiddlejax.models import moe_loss
 from fiddlejax.models.common import cross_entropy, param, stacked
 from fiddlejax.models.moe import MoE, MoEConfig
+from fiddlejax.staged import vocab_parallel
 
 
 class MoEBlock(nnx.Module):
@@ -51,6 +52,7 @@ class MoELM(nnx.Module):
         x, tally = moe_loss.split(msg, self.cfg.num_experts)
         return x @ self.lm_head[...], tally
 
+    @vocab_parallel  # its one-hot cross-entropy takes the head's vocabulary-split logits
     def loss(self, outputs, batch):
         logits, tally = outputs
         ce = cross_entropy(logits, batch["tokens"][:, 1:], self.vocab).mean()

@@ -29,12 +29,17 @@ min(k, E / S), d]`` per shard, out and back. Against the ``n * k`` pairs really 
 (``benchmarks/results/expert_parallel.md`` has the measurements). Padding rows are zeros; they
 are run by the last local expert and thrown away, so they add nothing to the output or the
 gradients.
+
+**Any loss, on every layout.** With ``tensor`` too, a loss gets its inputs with only their
+rows split (:func:`loss_inputs`): XLA's partitioner aborts on a gather along vocabulary-split
+logits whose rows are split over ``expert`` (optax's integer-label cross-entropy).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 
@@ -209,6 +214,51 @@ def constrain_rows(x, split: Split):
     return _constrain(x, split, P("expert"))
 
 
+def loss_inputs(outputs, batch: dict, split: Split, tensor: int):
+    """What reaches a loss under ``expert`` x ``tensor``: every array of ``outputs`` and
+    ``batch`` whose leading axis is the batch's rows with those rows split over ``expert`` x
+    ``tensor`` (over ``expert`` alone where they do not divide) and its other axes whole.
+
+    Left to the partitioner, the head's logits reach the loss with their rows split over
+    ``expert`` and their vocabulary over ``tensor``; in the step's region manual over ``data``,
+    XLA's SPMD partitioner (jax 0.10) then aborts the process (``spmd_partitioner_util.cc``:
+    "Check failed: partition_group_list.num_replica_groups() * ...") on a gather or a sort
+    along the vocabulary: the ``take_along_axis`` of optax's integer-label cross-entropy or of
+    a hand-written one, ``jnp.sort``. With only the rows split, every op of a loss is row-wise
+    or a reduction over rows, which it partitions. Per device the logits keep their bytes (an
+    all-to-all over ``tensor`` moves them); the values are the same. The cotangents leave the
+    other way through :func:`head_input`."""
+    leaves = jax.tree.leaves(batch)
+    if not leaves or getattr(leaves[0], "ndim", 0) < 1:
+        return outputs, batch
+    rows, s = leaves[0].shape[0], split.size
+    axes = ("expert", "tensor") if rows % (s * tensor) == 0 else "expert" if rows % s == 0 else None
+    lay = functools.partial(_rows_only, rows=rows, axes=axes, split=split)
+    return jax.tree.map(lay, outputs), jax.tree.map(lay, batch)
+
+
+def head_input(x, split: Split):
+    """The head's input with its rows split over ``expert`` and its other axes whole, so that
+    its gradient reaches the layers so (:func:`loss_inputs`' rows split over ``tensor`` too
+    would carry on into the MoE dispatch's gathers, where the partitioner aborts likewise)."""
+    leaves = jax.tree.leaves(x)
+    if not leaves or getattr(leaves[0], "ndim", 0) < 1:
+        return x
+    rows = leaves[0].shape[0]
+    axes = "expert" if rows % split.size == 0 else None
+    return jax.tree.map(functools.partial(_rows_only, rows=rows, axes=axes, split=split), x)
+
+
+def _rows_only(a, rows: int, axes, split: Split):
+    """``a`` (when its leading axis is the ``rows``) split over ``axes`` there, whole elsewhere."""
+    if getattr(a, "ndim", 0) < 1 or a.shape[0] != rows:
+        return a
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = split.mesh if mesh.empty else mesh
+    return jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, P(axes, *([None] * (a.ndim - 1)))))
+
+
 class ExpertModel:
     """A staged model whose batch rows are split over ``expert`` (each layer's input too) and
     whose MoE layers send tokens to their experts' devices. Everything else is the wrapped
@@ -232,6 +282,8 @@ class ExpertModel:
             return self._inner.layer(layer_params, self._rows(x))
 
     def weighted_loss(self, params, x, batch):
+        if getattr(self._inner, "loss_layout", None) is not None:  # see loss_inputs
+            x = head_input(x, self.split)
         return self._inner.weighted_loss(params, x, self._rows(batch))
 
     def epilogue(self, params, x, batch):
@@ -260,6 +312,10 @@ def lay_out(staged, plan, canonical) -> object:
             raise ValueError(
                 f"expert={size} splits the experts over devices, but {path} holds "
                 f"{count} experts, not a multiple of {size}; use mesh expert in {good}")
+    tensor = axis_size(plan.mesh, "tensor")
+    if tensor > 1 and dataclasses.is_dataclass(staged):  # see loss_inputs
+        staged = dataclasses.replace(staged, loss_layout=functools.partial(
+            loss_inputs, split=Split(size, plan.mesh), tensor=tensor))
     return ExpertModel(staged, Split(size, plan.mesh))
 
 
@@ -280,4 +336,4 @@ def experts(canonical, rules) -> dict[str, int]:
 
 
 __all__ = ["ExpertModel", "Split", "active", "buffer_rows", "constrain_rows", "dropless",
-           "experts", "lay_out", "tracing", "with_capacity"]
+           "experts", "lay_out", "loss_inputs", "tracing", "with_capacity"]
