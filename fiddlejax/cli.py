@@ -29,6 +29,22 @@ Errors are one line and exit status 2 (bad input) or 1 (a failure while training
 """
 
 
+TRAIN_HELP = """sections (every key, its default and meaning: docs/config.md):
+  model.*       name, sizes, seq_len; from_pretrained=DIR fine-tunes a Hugging Face directory
+  mesh.*        data, pipe, tensor, context, expert: the device mesh
+  plan.*        schedule, microbatches, virtual_stages, remat, zero, compute_dtype, ...
+  optimizer.*   name, lr, warmup_steps, weight_decay, clip, ...
+  data.*        path, tokenizer, batch_size, val_fraction, ...
+  train.*       steps, log_every, eval_every, eval_batches
+  run.*         dir, cpu_devices, progress;   checkpoint.*, resume, init_from
+
+examples:
+  fiddlejax train train.steps=50
+  fiddlejax train model.from_pretrained=DIR data.path=corpus.jsonl optimizer.lr=1e-5
+  fiddlejax train --config my.yaml mesh.data=4 mesh.pipe=1 plan.schedule=null
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("FIDDLEJAX_DEBUG", "") not in ("", "0")
@@ -38,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        p = argparse.ArgumentParser(prog="fiddlejax train")
+        p = argparse.ArgumentParser(
+            prog="fiddlejax train", formatter_class=argparse.RawDescriptionHelpFormatter,
+            description="Train a model: the packaged defaults (fiddlejax/configs/default.yaml), "
+                        "then --config FILE, then key=value overrides.",
+            epilog=TRAIN_HELP)
         p.add_argument("--config", help="YAML file merged over the defaults")
         p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.data=2")
         args = p.parse_args(rest)

@@ -116,30 +116,25 @@ MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minute
 SPECS: dict[str, Spec] = {
     "model.name": Spec(str, choices=model_names.NAMES),
     "model.vocab_size": Spec(int, lo=2, words=("auto",)),  # auto: the tokenizer's
-    "model.seq_len": POSITIVE, "model.d_model": POSITIVE,
-    "model.n_heads": POSITIVE, "model.n_layers": POSITIVE, "model.d_ff": POSITIVE,
-    "model.tie_embeddings": Spec(bool), "model.channels": POSITIVE,
+    "model.seq_len": POSITIVE, "model.d_model": POSITIVE, "model.n_heads": POSITIVE,
+    "model.n_layers": POSITIVE, "model.d_ff": POSITIVE, "model.channels": POSITIVE,
+    "model.tie_embeddings": Spec(bool), "model.from_pretrained": Spec(str, null=True),
     "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
-    "model.from_pretrained": Spec(str, null=True),
     "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
     "mesh.context": MESH_AXIS, "mesh.expert": MESH_AXIS,
     "plan.schedule": Spec(str, null=True),  # choices: the schedule registry
-    "plan.microbatches": POSITIVE,
-    "plan.virtual_stages": Spec(int, lo=1, null=True),
+    "plan.microbatches": POSITIVE, "plan.virtual_stages": Spec(int, lo=1, null=True),
     "plan.remat": Spec(str),  # choices: fiddlejax.memory.policies
-    "plan.encodings": Spec(list, null=True),
-    "plan.grad_allreduce": Spec(str),  # choices: fiddlejax.collectives
+    "plan.encodings": Spec(list, null=True), "plan.grad_allreduce": Spec(str),  # collectives'
     "plan.topk_density": Spec(float, lo=0, hi=1, open_lo=True),
     "plan.topk_on": Spec(str, choices=("gradients", "updates")),
     "plan.zero": Spec(int, choices=(0, 1, 2, 3)),
     "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
-    "plan.fsdp_gather": Spec(str, choices=("layer", "step")),
-    "plan.fsdp_prefetch": Spec(bool),
+    "plan.fsdp_gather": Spec(str, choices=("layer", "step")), "plan.fsdp_prefetch": Spec(bool),
     "plan.matmul_dtype": Spec(str, choices=("fp8",), null=True),
-    "plan.rules": Spec(dict, null=True),
     "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
     "plan.check_inputs": Spec(bool), "plan.sequence_parallel": Spec(bool),
-    "plan.unroll_layers": Spec(bool, null=True),
+    "plan.unroll_layers": Spec(bool, null=True), "plan.rules": Spec(dict, null=True),
     "optimizer.name": Spec(str, choices=("adamw", "muon")),
     "optimizer.lr": Spec(float, lo=0, open_lo=True),
     "optimizer.muon_lr": Spec(float, lo=0, open_lo=True),
@@ -150,8 +145,8 @@ SPECS: dict[str, Spec] = {
     "data.field": Spec(str), "data.tokenizer": Spec(str), "data.pack": Spec(bool),
     "data.val_fraction": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True, null=True),
     "data.eos_id": Spec(int, lo=0, null=True), "data.workers": COUNT,
-    "data.token_dtype": Spec(str, choices=("uint16", "uint32")),
-    "data.allow_change": Spec(bool), "init_from": Spec(str, null=True),
+    "data.token_dtype": Spec(str, choices=("uint16", "uint32")), "data.allow_change": Spec(bool),
+    "init_from": Spec(str, null=True),
     "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": COUNT,
     "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
     "run.dir": Spec(str, empty=False), "run.cpu_devices": Spec(int, lo=0, hi=MAX_CPU_DEVICES),
@@ -161,10 +156,9 @@ SPECS: dict[str, Spec] = {
     "checkpoint.dir": Spec(str, null=True, words=("auto",), empty=False),  # auto: run.dir/...
     "checkpoint.every": Spec(int, lo=1, words=("auto",)),
     "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
-    "checkpoint.max_to_keep": Spec(int, lo=1, null=True),
+    "checkpoint.max_to_keep": Spec(int, lo=1, null=True), "checkpoint.async": Spec(bool),
     "checkpoint.best_metric": Spec(str, null=True),
     "checkpoint.best_mode": Spec(str, choices=("min", "max")),
-    "checkpoint.async": Spec(bool),
     "resume": Spec(int, lo=1, null=True, words=("auto",)),
 }
 
@@ -229,9 +223,15 @@ def leaves(cfg: dict, where: str = "") -> dict[str, Any]:
     return out
 
 
-def _suggest(word: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+# Other libraries' names for a leaf within its section: what users type first.
+ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "grad_clip": "clip",
+           "warmup": "warmup_steps", "max_seq_len": "seq_len", "num_layers": "n_layers"}
+
+
+def _suggest(word: str, known: list[str], where: str = "") -> str:
+    names = {k: k for k in known} | {a: k for a, k in ALIASES.items() if k in known}
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return f"; did you mean {where + names[close[0]]!r}?" if close else ""
 
 
 def _merge(base: dict, new: dict, where: str = "") -> dict:
@@ -240,7 +240,8 @@ def _merge(base: dict, new: dict, where: str = "") -> dict:
         key = f"{where}{k}"
         if k not in base:
             known = list(leaves(defaults()))
-            hint = _suggest(key, known + sorted({n.rsplit(".", 1)[0] for n in known}))
+            hint = (where and _suggest(str(k), list(base), where)) or _suggest(
+                key, known + sorted({n.rsplit(".", 1)[0] for n in known}))
             raise ConfigError(f"unknown config key {key!r}"
                               + (hint or f"; known keys here: {sorted(base)}"))
         if key in MAPPINGS:

@@ -30,6 +30,7 @@ q/k norms act per head, and the counter rides with the (replicated) hidden state
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +332,9 @@ class Decoder(nnx.Module):
         ``dtype``; ``save_pretrained`` writes the stored dtype back. ``seq_len`` (the default
         length of ``batch_spec``) defaults to ``max_position_embeddings``.
         """
-        config = cls.config_from_hf(hf.read_config(directory), seq_len=seq_len)
+        config = dataclasses.replace(cls.config_from_hf(hf.read_config(directory),
+                                                        seq_len=seq_len),
+                                     source_dir=str(directory))
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         tensors = hf.read_safetensors(Path(directory))
         nnx.update(model, hf.params_from_hf(tensors, config, nnx.state(model, nnx.Param),
@@ -339,15 +342,25 @@ class Decoder(nnx.Module):
         return model
 
     def save_pretrained(self, directory: str | Path, *, max_shard_size: int | str = "5GB",
-                        dtype: str | None = None) -> None:
+                        dtype: str | None = None, tokenizer: Any = "auto") -> None:
         """Write a Hugging Face directory that transformers' class of the family reads:
         ``config.json`` and safetensors, split into ``model-0000i-of-0000n.safetensors`` files
         with an index when the weights exceed ``max_shard_size`` (bytes, or "500MB", "2GiB").
         ``dtype``: "float32" or "bfloat16"; default: the loaded checkpoint's (float32 for a
-        model built here)."""
+        model built here). ``tokenizer``: a ``fiddlejax.data.tokenizer`` tokenizer or a
+        ``data.tokenizer`` spec whose files (and ``generation_config.json``) are written too;
+        ``"auto"``: those of the directory the model was read from, if it holds one."""
         tensors = hf.hf_tensors(nnx.state(self, nnx.Param), self.config)
         hf.write_pretrained(directory, tensors, families.write(self.config), max_shard_size,
                             dtype or self.config.checkpoint_dtype)
+        from fiddlejax.data import tokenizer as tokenizers
+        from fiddlejax.data import tokenizer_files
+
+        if tokenizer == "auto":
+            source = self.config.source_dir
+            tokenizer = str(tokenizers.find(source)) if source and tokenizers.find(source) \
+                else None
+        tokenizer_files.save(directory, tokenizer, self.config.max_position_embeddings)
 
 
 def _family(name: str, model_type: str) -> type[Decoder]:

@@ -64,6 +64,10 @@ class DecoderConfig:
     local_rope_theta: float | None = None
     checkpoint_dtype: str = "float32"
     token_ids: tuple = ()  # (key, id) items of config.json's *_token_id keys, written back
+    # the config.json read (JSON text), whose metadata keys save_pretrained carries through
+    source_config: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    # the directory it was read from: save_pretrained copies its tokenizer files
+    source_dir: str | None = dataclasses.field(default=None, compare=False, repr=False)
     num_experts: int = 0  # 0: a dense MLP
     num_experts_per_tok: int = 2
     moe_intermediate_size: int | None = None

@@ -13,6 +13,7 @@ refused by name: every layer of the shared stack is the same MoE block.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 ARCHITECTURES = {
@@ -211,6 +212,7 @@ def read(hf: dict, seq_len: int | None = None, *, expect: str | None = None) -> 
                scale_embeddings=gemma, checkpoint_dtype=_dtype(hf),
                token_ids=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                       for k, v in hf.items() if k.endswith("_token_id"))),
+               source_config=json.dumps(hf, sort_keys=True),
                **_experts(hf, family))
     if family in ("gemma2", "gemma3_text"):
         out["query_pre_attn_scalar"] = float(hf.get("query_pre_attn_scalar", 256))
@@ -227,8 +229,41 @@ def _dtype(hf: dict) -> str:
     return d if d in ("float32", "bfloat16") else "float32"
 
 
+# Keys of a source config.json that write() derives again but keeps as the source had them:
+# neither changes the model once its layer_types are written (Qwen2/3 derive the windowed
+# layers from max_window_layers only when layer_types is absent).
+KEEP_SOURCE = ("max_window_layers", "layer_types", "initializer_range", "use_cache")
+# Never carried: what the written file itself decides (its dtype, the writer's version).
+NOT_CARRIED = ("torch_dtype", "dtype", "transformers_version", "_name_or_path")
+
+
 def write(c: Any) -> dict:
-    """A ``config.json`` for ``config`` that transformers' class of its family loads."""
+    """A ``config.json`` for ``config`` that transformers' class of its family loads; a config
+    read from a ``config.json`` keeps that file's metadata keys (see :func:`_carry`)."""
+    return _carry(_write(c), c)
+
+
+def _carry(out: dict, c: Any) -> dict:
+    """The source ``config.json``'s keys that ``out`` lacks (every key :func:`read` accepted is
+    metadata or implemented, so carrying it is safe), and :data:`KEEP_SOURCE` as they were."""
+    src = json.loads(c.source_config) if getattr(c, "source_config", None) else {}
+    if src.get("model_type", "llama") != c.model_type \
+            or src.get("num_hidden_layers") != c.num_hidden_layers:
+        return out  # another model: nothing of its file applies
+    extra = {k: v for k, v in src.items() if k not in out and k not in NOT_CARRIED}
+    keep = {k: src[k] for k in KEEP_SOURCE if k in src and k in out}
+    merged = {**out, **extra, **keep}
+    types = src.get("layer_types")
+    if types is not None and merged.get("layer_types") is types \
+            and tuple(types) != tuple(c.layer_types):  # the model's types changed: not these
+        if "layer_types" in out:
+            merged["layer_types"] = out["layer_types"]
+        else:
+            merged.pop("layer_types")
+    return merged
+
+
+def _write(c: Any) -> dict:
     family = c.model_type
     out = {"architectures": [ARCHITECTURES[family]], "model_type": family,
            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,

@@ -49,6 +49,7 @@ def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], conf
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_safetensors(directory, tensors, parse_size(max_shard_size))
+    readable(directory.glob("*.safetensors"))
 
 
 # -- weight conversion ---------------------------------------------------------------------------
@@ -319,3 +320,14 @@ def parse_size(size: int | str) -> int:
     if value <= 0:
         raise ValueError(f"max_shard_size={size!r} must be positive")
     return value
+
+
+def readable(paths) -> None:
+    """Give files the mode a plain ``open`` would (0644 under umask 022): safetensors writes
+    through a private temporary file (0600), config.json does not."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in paths:
+        os.chmod(p, 0o666 & ~mask)

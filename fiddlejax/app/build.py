@@ -45,8 +45,14 @@ def resolve_data(cfg: dict) -> None:
         raise config_lib.ConfigError(
             f"data.path, data.mixture and data.tokenizer feed the decoders; model.name="
             f"{m['name']} trains on its bundled data: use model.name=gpt or llama, or unset them")
+    source = m.get("from_pretrained")
+    if source and m["name"] in DECODERS:  # bytes for a larger vocabulary: refused, unless named
+        from fiddlejax.models.hf import read_config
+
+        tokenizer.check_bytes(d.get("tokenizer", "auto"), source,
+                              read_config(source).get("vocab_size"))
     if m["vocab_size"] == "auto":
-        tok = tokenizer.load(d.get("tokenizer", "auto"), m.get("from_pretrained"))
+        tok = tokenizer.load(d.get("tokenizer", "auto"), source)
         m["vocab_size"] = tokenizer.vocab_size(tok, max(int(cfg["mesh"]["tensor"]), 1))
 
 

@@ -6,7 +6,8 @@ The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``:
 plan and simulated devices), so the checkpoint restores through the same
 :class:`~fiddlejax.checkpoint.CheckpointManager` path as a resume, verified array by array;
 ``trainer.params(state)`` then gives the canonical parameters, which
-the model's ``save_pretrained`` writes as ``config.json`` + safetensors.
+the model's ``save_pretrained`` writes as ``config.json`` + safetensors, beside the job's
+tokenizer files and ``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     from fiddlejax import models
 
     models.save_hf(model, out_dir, max_shard_size=max_shard_size, dtype=dtype)  # GPT: gpt2
+    # the job's tokenizer (model.from_pretrained's own unless data.tokenizer named another)
+    from fiddlejax.data import tokenizer, tokenizer_files
+
+    tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"), cfg["model"].get("from_pretrained"))
+    c = model.config
+    tokenizer_files.save(out_dir, tok, getattr(c, "max_position_embeddings", None)
+                         or getattr(c, "seq_len", None))
     return restored.step
 
 
@@ -60,7 +68,8 @@ def export_command(argv: list[str]) -> int:
         prog="fiddlejax export",
         description="Write a trained decoder's (llama, mistral, qwen2, qwen3, phi3, gemma, "
                     "gemma2, gemma3_text; GPT: gpt2) checkpoint as a Hugging Face directory "
-                    "(config.json + safetensors) that transformers loads.")
+                    "(config.json + safetensors, the tokenizer's files and generation_config.json) that "
+                    "transformers' AutoTokenizer and AutoModelForCausalLM load.")
     p.add_argument("run_dir", help="the run.dir of a `fiddlejax train` run of a decoder")
     p.add_argument("out_dir", help="directory to write")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")

@@ -23,6 +23,38 @@ OWN_KEYS = ("run.dir", "resume", "prompt", "max_new_tokens", "temperature", "top
             "batches")
 
 
+HELP = {
+    "eval": """usage: fiddlejax eval run.dir=DIR [resume=N] [batches=N] [key=value ...]
+       fiddlejax eval model.from_pretrained=DIR [data.path=...] [batches=N]
+
+Validation loss and perplexity of a trained run's checkpoint (the latest, or resume=N) or of a
+Hugging Face directory, on the run's own validation data unless data.* overrides say otherwise.
+
+  run.dir=DIR                 a `fiddlejax train` run directory (its config.yaml and checkpoints)
+  model.from_pretrained=DIR   a Hugging Face directory (config.json + safetensors)
+  resume=N                    the checkpoint step (default: the latest)
+  batches=N                   validation batches (default: the run's train.eval_batches, or 8)
+  key=value                   config overrides, e.g. data.path=valid.jsonl data.batch_size=8
+""",
+    "generate": """usage: fiddlejax generate run.dir=DIR prompt="..." [max_new_tokens=N] [temperature=T]
+                          [top_p=P] [seed=S] [resume=N]
+       fiddlejax generate model.from_pretrained=DIR prompt="..." [...]
+
+Continue a prompt with a trained run's model (or a Hugging Face directory's), decoded with its
+tokenizer (data.tokenizer; a directory's own tokenizer.json or tokenizer.model), using a KV
+cache on one device.
+
+  prompt="..."                the text to continue
+  max_new_tokens=N            at most N new tokens (default 64); stops at the tokenizer's EOS
+  temperature=T               0 (default): greedy; > 0 samples
+  top_p=P                     nucleus sampling (default 1.0: off)
+  seed=S                      the sampling seed (default 0)
+  resume=N                    run.dir's checkpoint step (default: the latest)
+  key=value                   config overrides, e.g. data.tokenizer=path/to/tokenizer.json
+""",
+}
+
+
 def parse(argv: list[str], command: str) -> tuple[dict, list[str]]:
     """``key=value`` arguments: this command's own keys, and config overrides (the rest)."""
     own, rest = {}, []
@@ -104,8 +136,6 @@ def eval_command(argv: list[str]) -> int:
 
 
 def generate_command(argv: list[str]) -> int:
-    from fiddlejax import models
-
     own, overrides = parse(argv, "generate")
     cfg, model, tok, what = load(own, overrides, "generate")
     if cfg["model"]["name"] not in DECODERS:
@@ -113,24 +143,34 @@ def generate_command(argv: list[str]) -> int:
                                      f"({', '.join(DECODERS)}); {what} is "
                                      f"model.name={cfg['model']['name']}")
     prompt = own.get("prompt", "")
+    new = continuation(model, tok, prompt, _number(own, "max_new_tokens", int, 64),
+                       temperature=_number(own, "temperature", float, 0.0),
+                       top_p=_number(own, "top_p", float, 1.0),
+                       seed=_number(own, "seed", int, 0))
+    print(prompt + tok.decode(new))
+    return 0
+
+
+def continuation(model, tok, prompt: str, max_new_tokens: int, **sampling) -> list[int]:
+    """The ids ``fiddlejax generate`` decodes: the prompt (after the tokenizer's BOS) continued
+    by ``max_new_tokens`` at most, cut before the first EOS (greedy unless ``temperature``)."""
+    from fiddlejax import models
+
     ids = list(tok.encode(prompt))
     if tok.bos_id is not None:
         ids = [tok.bos_id, *ids]
     if not ids:
         raise config_lib.ConfigError('fiddlejax generate needs prompt="some text"')
-    out = models.generate_text(model, [ids], _number(own, "max_new_tokens", int, 64),
-                   temperature=_number(own, "temperature", float, 0.0),
-                   top_p=_number(own, "top_p", float, 1.0), seed=_number(own, "seed", int, 0),
-                   eos_id=tok.eos_id)
-    new = out[0, len(ids):].tolist()
-    if tok.eos_id in new:
-        new = new[:new.index(tok.eos_id)]
-    print(prompt + tok.decode(new))
-    return 0
+    out = models.generate_text(model, [ids], max_new_tokens, eos_id=tok.eos_id, **sampling)
+    new = [int(i) for i in out[0, len(ids):]]
+    return new[:new.index(tok.eos_id)] if tok.eos_id in new else new
 
 
 def main(command: str, argv: list[str], debug: bool = False) -> int:
     """Run ``fiddlejax eval`` or ``generate``; a bad input is one line and exit status 2."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP[command], end="")
+        return 0
     try:
         return (eval_command if command == "eval" else generate_command)(argv)
     except (ValueError, TypeError, LookupError, OSError) as e:

@@ -2,8 +2,10 @@
 sentencepiece ``tokenizer.model`` (a file, or a directory holding one).
 
 ``auto`` (the default) is the tokenizer of ``model.from_pretrained`` when that directory holds
-one, else ``bytes``. BOS and EOS come from the tokenizer (``tokenizer_config.json`` next to a
-``tokenizer.json`` names them; else its usual special tokens). The wrappers pickle by path, so
+one, else ``bytes`` (:func:`check_bytes` refuses bytes for a checkpoint whose vocabulary is
+larger, unless asked for by name). BOS and EOS come from the tokenizer
+(``tokenizer_config.json`` next to the file names them, as does its chat template; else its
+usual special tokens). The wrappers pickle by path, so
 grain worker processes load their own copy. ``tokenizers`` and ``sentencepiece`` are imported
 only when such a tokenizer is used.
 """
@@ -32,6 +34,22 @@ class Tokenizer:
     bos_id: int | None = None
     eos_id = 0  # NUL separates the files of the bundled byte corpus
     path: str | None = None
+
+    @property
+    def config(self) -> dict:
+        """The ``tokenizer_config.json`` beside the file ({} when there is none)."""
+        return {} if self.path is None else _config(Path(self.path).parent)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template (jinja) of ``tokenizer_config.json`` or ``chat_template.jinja``."""
+        if self.path is None:
+            return None
+        jinja = Path(self.path).parent / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        t = self.config.get("chat_template")
+        return t if isinstance(t, str) else None
 
     @property
     def fingerprint(self) -> str:
@@ -129,11 +147,19 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
-def _config_tokens(directory: Path) -> dict:
+def _config(directory: Path) -> dict:
     f = directory / "tokenizer_config.json"
     if not f.is_file():
         return {}
-    cfg = json.loads(f.read_text())
+    try:
+        cfg = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{f} is not valid JSON ({e}); restore or remove it") from None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _config_tokens(directory: Path) -> dict:
+    cfg = _config(directory)
     out = {}
     for key in ("eos_token", "bos_token"):
         v = cfg.get(key)
@@ -182,6 +208,24 @@ def load(spec: str = "auto", from_pretrained: str | None = None) -> Tokenizer:
         return SentencePieceTokenizer(str(p))
     raise DataError(f"data.tokenizer={spec}: unknown kind; give a tokenizer.json (Hugging Face "
                     "tokenizers) or a tokenizer.model (sentencepiece)")
+
+
+def check_bytes(spec: str | None, from_pretrained: str | None, vocab: int | None) -> None:
+    """Refuse ``data.tokenizer=auto`` falling back to bytes for a ``model.from_pretrained``
+    directory without a tokenizer whose vocabulary holds more than 256 ids (every id the bytes
+    do not reach is text the model learned and would never see): the fix names the tokenizer
+    to give, or ``data.tokenizer=bytes`` to insist."""
+    if not from_pretrained or spec not in (None, "auto") or find(from_pretrained) is not None:
+        return
+    if vocab is None or vocab <= Tokenizer.vocab_size:
+        return
+    raise DataError(
+        f"model.from_pretrained={from_pretrained} has no tokenizer (no tokenizer.json or "
+        f"tokenizer.model there) and its vocabulary holds {vocab} ids, so data.tokenizer=auto "
+        "would fall back to the 256-id byte tokenizer and the model would read and write "
+        "garbage; give the tokenizer it was trained with, data.tokenizer=PATH (a tokenizer.json,"
+        " a tokenizer.model or the original download's directory), or data.tokenizer=bytes to "
+        "use bytes anyway")
 
 
 def vocab_size(tok: Tokenizer, multiple: int = 1) -> int:
