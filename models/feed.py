@@ -44,10 +44,15 @@ def token_batches(cfg: dict, seq_len: int, vocab: int | None, process_index: int
     b, seed = cfg["data"]["batch_size"], cfg["data"]["seed"]
     shard = {"process_index": process_index, "process_count": process_count}
     corpus = data.stdlib_corpus("train")
+    val_corpus = data.stdlib_corpus("validation")
+    if process_index == 0:
+        print(f"# data: the bundled stdlib corpus (data.path=null): {len(corpus):,} bytes train, "
+              f"{len(val_corpus):,} validation, in windows of model.seq_len + 1 = {seq_len + 1};"
+              " tokenizer bytes (256 ids)", flush=True)
     if vocab is not None:
         data.check_tokens(corpus, vocab, "the stdlib corpus", vocab_fix(cfg, vocab))
     train = data.token_batches(corpus, seq_len, b, seed=seed, **shard)
-    val = data.token_batches(data.stdlib_corpus("validation"), seq_len, b, shuffle=False,
+    val = data.token_batches(val_corpus, seq_len, b, shuffle=False,
                              **shard)
     return iter(train), iter(val)
 
@@ -70,4 +75,8 @@ def own_batches(cfg: dict, seq_len: int, vocab: int, process_index: int = 0,
     fix = vocab_fix(cfg, vocab).replace("The bundled corpus is bytes", "The tokenizer is "
                                         f"{tok.describe()}")
     return pipeline.job_batches(cfg["data"], tok, seq_len, vocab, fix, process_index,
-                                process_count)
+                                process_count, log=print if process_index == 0 else _quiet)
+
+
+def _quiet(text: str) -> None:
+    pass

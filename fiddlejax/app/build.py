@@ -169,6 +169,88 @@ def check_layout(cfg: dict, model, plan) -> None:
         f"{chunks} pipeline chunks (each chunk needs a layer); set " + ", or ".join(fixes))
 
 
+# The one-chunk-per-stage schedule nearest each interleaved kind.
+SINGLE_CHUNK = {"interleaved-1f1b": "1f1b", "interleaved-zb": "zb-h1", "zb-v": "zb-h1"}
+
+
+def explicit_keys(path: str | None, overrides: list[str]) -> set[str]:
+    """The dotted keys the user set (``--config FILE`` and ``key=value``), not defaults."""
+    keys = set(config_lib.leaves(config_lib._read_file(path))) if path else set()
+    for item in overrides:
+        keys |= set(config_lib.leaves(config_lib.parse_override(item)))
+    return keys
+
+
+def config_layers(cfg: dict) -> int | None:
+    """The layer count of the config's model, without building it (``model.from_pretrained``'s
+    ``num_hidden_layers``, else ``model.n_layers``)."""
+    source = cfg["model"].get("from_pretrained")
+    if source and cfg["model"]["name"] in FAMILIES:
+        from fiddlejax.models.hf import read_config
+
+        n = read_config(source).get("num_hidden_layers")
+        return n if isinstance(n, int) else None
+    return cfg["model"].get("n_layers")
+
+
+def fit_layout(cfg: dict, explicit: set[str]) -> str | None:
+    """A default pipeline layout the model is too shallow for (more chunks than layers), made
+    to fit in ``cfg`` itself: fewer virtual stages, else no pipeline (its stages become data
+    replicas), changing only keys the user did not set. Returns what it changed and why; a
+    user's own choice that cannot work is left to :func:`check_layout` to refuse."""
+    from fiddlejax.plan import interleaves
+
+    p, mesh, layers = cfg["plan"], cfg["mesh"], config_layers(cfg)
+    kind, pipe = p["schedule"], mesh["pipe"]
+    if kind is None or layers is None or pipe < 2:
+        return None
+    virtual = p["virtual_stages"] or (2 if interleaves(kind) else 1)
+    if layers >= pipe * virtual:
+        return None
+    mine = lambda *keys: not explicit & set(keys)  # noqa: E731 - none of them set by the user
+    if virtual > 1 and layers >= pipe and mine("plan.virtual_stages") and (
+            mine("plan.schedule") or kind != "zb-v"):
+        picks = {"plan.virtual_stages": 1}
+        if mine("plan.schedule") and kind in SINGLE_CHUNK:
+            picks["plan.schedule"] = SINGLE_CHUNK[kind]
+    elif mine("mesh.pipe", "plan.schedule", "plan.virtual_stages") and (
+            mine("mesh.data") or mesh["data"] < 0):
+        picks = {"mesh.pipe": 1, "plan.schedule": None, "plan.virtual_stages": None}
+        if mesh["data"] > 0:
+            picks["mesh.data"] = mesh["data"] * pipe
+    else:
+        return None
+    fitted = {**cfg, "plan": dict(p), "mesh": dict(mesh)}
+    for key, value in picks.items():
+        section, name = key.split(".")
+        fitted[section][name] = value
+    try:
+        if fitted["mesh"]["data"] > 0:
+            config_lib.check_batch(fitted, fitted["mesh"]["data"])
+    except config_lib.ConfigError:
+        return None  # the batch does not split over the new layout: check_layout explains
+    cfg["plan"], cfg["mesh"] = fitted["plan"], fitted["mesh"]
+    what = (f"model.from_pretrained={cfg['model']['from_pretrained']}" if
+            cfg["model"].get("from_pretrained") else "the model")
+    return (f"# plan: {what} has {layers} layers, too few for the default {kind} with "
+            f"mesh.pipe={pipe} x {virtual} virtual stages ({pipe * virtual} chunks, a layer "
+            f"each); running {' '.join(f'{k}={v}' for k, v in picks.items())} instead "
+            "(set these keys to choose)").replace("=None", "=null")
+
+
+def check_seq_len(cfg: dict, model) -> None:
+    """``model.seq_len`` beyond a pretrained model's ``max_position_embeddings``, refused in
+    the job's keys before anything compiles."""
+    most = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    seq = cfg["model"]["seq_len"]
+    source = cfg["model"].get("from_pretrained")
+    if source and most and seq > most:
+        raise config_lib.ConfigError(
+            f"model.seq_len={seq} is beyond the {most} positions of model.from_pretrained="
+            f"{source} (max_position_embeddings in its config.json); set model.seq_len={most} "
+            "or less")
+
+
 def default_memory_budget(share: float = 0.9) -> int:
     """``plan.memory_budget=null`` with ``remat=auto``: 90% of what the device reports."""
     import jax
@@ -182,16 +264,32 @@ def default_memory_budget(share: float = 0.9) -> int:
     return int(share * stats["bytes_limit"])
 
 
-def make_optimizer(cfg: dict):
-    """The ``optimizer:`` section: AdamW or Muon under a warm-up + cosine schedule, clipped."""
+def _schedule(cfg: dict, peak: float):
+    """The learning-rate schedule of ``optimizer:``: warm-up, then cosine decay to 10%."""
     import optax
 
     o, steps = cfg["optimizer"], cfg["train"]["steps"]
     warm = min(o["warmup_steps"], max(steps - 1, 1))
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(steps, warm + 1), peak * 0.1)
+
+
+def learning_rates(cfg: dict):
+    """step -> ``{"lr": ...}`` (and ``muon_lr``): what the optimizer applied at that step (its
+    update count is step - 1), for metrics.jsonl and TensorBoard."""
+    o = cfg["optimizer"]
+    peaks = {"lr": o["lr"], **({"muon_lr": o["muon_lr"]} if o.get("name") == "muon" else {})}
+    schedules = {k: _schedule(cfg, v) for k, v in peaks.items()}
+    return lambda step: {k: float(f(step - 1)) for k, f in schedules.items()}
+
+
+def make_optimizer(cfg: dict):
+    """The ``optimizer:`` section: AdamW or Muon under a warm-up + cosine schedule, clipped."""
+    import optax
+
+    o = cfg["optimizer"]
 
     def schedule(peak: float):
-        return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(steps, warm + 1),
-                                                  peak * 0.1)
+        return _schedule(cfg, peak)
 
     name = o.get("name", "adamw")
     if name == "adamw":

@@ -80,6 +80,45 @@ class Logger:
             self.file = None
 
 
+def device_memory() -> dict:
+    """Device 0's memory in use and its peak (bytes); on the CPU, whose devices report none,
+    the process's peak resident memory (they live in it)."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() or {}
+    if not stats and dev.platform == "cpu":
+        import resource
+
+        return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {name: int(stats[key]) for name, key in (
+        ("memory_bytes", "bytes_in_use"), ("peak_memory_bytes", "peak_bytes_in_use"))
+        if key in stats}
+
+
+def whole_run(run_dir: Path, losses: list[float], times: list[float], first_val: float,
+              first_acc: float | None) -> tuple[list, list, float, float | None]:
+    """(losses, step times, first validation loss and accuracy) of the whole run: a resumed
+    run's own, after those of the steps before it in metrics.jsonl (step 1's time, which
+    compiles, left out; so is each resumed start's, of this run)."""
+    path = run_dir / "metrics.jsonl"
+    recs = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            r = json.loads(line)
+            recs[int(r["step"])] = r
+        except (ValueError, KeyError, TypeError):
+            continue
+    start = max(recs, default=0) - len(losses) + 1
+    before = [recs[s] for s in sorted(recs) if s < start]
+    if not before:
+        return losses, times, first_val, first_acc
+    first = before[0]
+    return ([float(r["loss"]) for r in before] + losses,
+            [float(r["step_time_s"]) for r in before if r["step"] > 1] + times,
+            float(first.get("initial_val_loss", math.nan)), first.get("initial_val_accuracy"))
+
+
 def _step_of(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
@@ -116,7 +155,21 @@ def line(step: int, r: dict) -> str:
         s += f" | val {r['val_loss']:.4f}"
     if "val_accuracy" in r:
         s += f" | val acc {100 * r['val_accuracy']:.1f}%"
+    if "lr" in r:
+        s += f" | lr {r['lr']:.2e}"
     return s
+
+
+def schedule_ran(p: dict) -> str:
+    """The pipeline schedule as it ran: an interleaved kind with its virtual stages."""
+    from fiddlejax.plan import interleaves
+
+    if p["schedule"] is None:
+        return "schedule=null (no pipeline)"
+    if not interleaves(p["schedule"]):
+        return f"schedule={p['schedule']}"
+    v = p["virtual_stages"] or 2
+    return f"schedule={p['schedule']} x{v} virtual stage{'s' if v > 1 else ''}"
 
 
 def summary(cfg: dict, losses: list[float], times: list[float], val: float, first_val: float,
@@ -134,8 +187,7 @@ def summary(cfg: dict, losses: list[float], times: list[float], val: float, firs
     mesh = cfg["mesh"]
     t.add_row("layout", f"data={mesh['data']} pipe={mesh['pipe']} tensor={mesh['tensor']} "
                         + "".join(f"{k}={mesh[k]} " for k in ("context", "expert")
-                                  if mesh.get(k, 1) != 1)
-                        + f"schedule={cfg['plan']['schedule']}")
+                                  if mesh.get(k, 1) != 1) + schedule_ran(cfg["plan"]))
     t.add_row("steps", str(len(losses)))
     t.add_row("train loss (first -> last)", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
     t.add_row("validation loss (start -> end)", f"{first_val:.4f} -> {val:.4f}"

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from fiddlejax import config as config_lib
-from fiddlejax.app import build, checkpoints, guards, logs, nonfinite, runs
+from fiddlejax.app import artifacts, build, checkpoints, guards, logs, nonfinite, runs
 
 # Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
 # training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
@@ -71,6 +71,9 @@ class Job:
     log: logs.Logger
     ckpt: checkpoints.JobCheckpoints | None = None
     correct: Any = None  # jitted (params, batch) -> (right, examples): classifiers only
+    made: artifacts.Artifacts | None = None  # what a refused run takes back (process 0)
+    lr: Any = None  # step -> the learning rate(s) the step applied, for the logs
+    initial: dict = dataclasses.field(default_factory=dict)  # step 0's validation, logged at 1
 
     def evaluate(self, state) -> float:
         if not self.val_batches:  # train.eval_batches=0: no validation, nothing to compile
@@ -104,6 +107,7 @@ def _correct_fn(entry, model):
 
 def _train(config_path: str | None, overrides: list[str]) -> int:
     cfg = config_lib.load(config_path, overrides)
+    explicit = build.explicit_keys(config_path, overrides)  # the layout fits only the others
     guards.check_config(cfg)  # rules, best metric, a batch beyond this machine's memory
     flags = build.setup_devices(cfg)
     from fiddlejax import distributed, xla_flags
@@ -117,10 +121,19 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
 
     if flags and jax.process_index() == 0:
         _main_print(xla_flags.describe(flags))
+    # what this run creates is taken back if it is refused before its first step
+    made = artifacts.Artifacts(cfg) if jax.process_index() == 0 else None
     # checkpoint.dir: checked, then locked for the job's lifetime (a second job is refused)
     lock = checkpoints.lock_directory(cfg, _main_print if jax.process_index() == 0 else _quiet)
     try:
-        return _run(cfg)
+        return _run(cfg, explicit, made)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+            lock = None
+        if made is not None:
+            made.remove()
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -134,16 +147,26 @@ def _quiet(text: str) -> None:
     pass
 
 
-def _run(cfg: dict) -> int:
-    job = _start(cfg)
+def _run(cfg: dict, explicit: set[str] = frozenset(),
+         made: artifacts.Artifacts | None = None) -> int:
+    job = _start(cfg, explicit)
+    job.made = made
     try:
+        job.log.print("# initializing the parameters and optimizer state"
+                      + (" (or restoring them)" if job.ckpt else ""))
         state, start = job.ckpt.start() if job.ckpt else (job.trainer.init(), 1)
         job.log.begin(start)
+        if job.val_batches:
+            job.log.print("# compiling and running the validation loss")
         first_val, first_acc = job.evaluate(state), job.accuracy(state)
         acc_text = f", accuracy {100 * first_acc:.1f}%" if first_acc is not None else ""
         job.log.print(f"step {start - 1}: validation loss {first_val:.4f} "
                       f"(uniform guess: {job.uniform_loss:.4f}){acc_text}" if job.val_batches
                       else f"step {start - 1}: no validation (train.eval_batches=0)")
+        if start == 1 and job.val_batches:  # step 1's record keeps it across resumes
+            job.initial = {"initial_val_loss": first_val, **({} if first_acc is None else {
+                "initial_val_accuracy": first_acc})}
+        job.log.print(f"# compiling step {start} (its time includes the compilation)")
         losses, times, val, acc = _loop(job, state, start, first_val, first_acc)
         if job.ckpt is not None:
             job.ckpt.close()
@@ -155,13 +178,15 @@ def _run(cfg: dict) -> int:
         import jax
 
         rcfg = cfg["run"]
+        run = logs.whole_run(Path(rcfg["dir"]), losses, times, first_val, first_acc)
+        losses, times, first_val, first_acc = run
         logs.summary(cfg, losses, times, val, first_val, job.data.items_per_step, job.data.unit,
                      job.flops, jax.device_count(), float(rcfg["peak_tflops"] or 0.0),
                      Path(rcfg["dir"]), None if first_acc is None else (first_acc, acc))
     return 0
 
 
-def _start(cfg: dict) -> Job:
+def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     """Model, plan, trainer, data, logger and checkpoints of the config, checked first."""
     import jax
 
@@ -176,10 +201,18 @@ def _start(cfg: dict) -> Job:
             f"train.steps_per_call={per_call} must be 1 when several processes train together; "
             "set train.steps_per_call=1")
     build.resolve_data(cfg)  # data: fits the model; model.vocab_size=auto from the tokenizer
+    fitted = build.fit_layout(cfg, explicit)  # a default layout too deep for the model: fitted
     if is_main:
         print("# resolved config\n" + yaml.safe_dump(cfg, sort_keys=False), flush=True)
+        if fitted:
+            print(fitted, flush=True)
     entry = build.entry(cfg)
+    source = cfg["model"].get("from_pretrained")
+    say = print if is_main else _quiet
+    say(f"# loading the weights of model.from_pretrained={source}" if source
+        else "# building the model")
     model = build.build_model(cfg["model"], tcfg["seed"])
+    build.check_seq_len(cfg, model)
     plan = build.make_plan(cfg)
     build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
     loaded = runs.init_weights(cfg, model, plan)  # init_from=DIR: weights only, step 0
@@ -189,13 +222,15 @@ def _start(cfg: dict) -> Job:
     if is_main and jax.process_count() > 1:
         print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)
     # Each process loads only the rows of the data-axis slice its devices own.
+    say("# reading and tokenizing the data")
     data = build.build_data(cfg, model, *distributed.data_shard(plan.mesh))
     val_batches = [next(data.validation) for _ in range(tcfg["eval_batches"])]
     run_dir = Path(rcfg["dir"])
     bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
     job = Job(cfg, trainer, data, val_batches,
               entry.flops_per_step(model, cfg["data"]["batch_size"]), entry.uniform_loss(model),
-              logs.Logger(run_dir, is_main, bar, tcfg["steps"]), correct=_correct_fn(entry, model))
+              logs.Logger(run_dir, is_main, bar, tcfg["steps"]), correct=_correct_fn(entry, model),
+              lr=build.learning_rates(cfg))
     try:
         if is_main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -254,6 +289,10 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
                 rec["nonfinite_skipped"] = guard.total
             rec.update(logs.throughput(dt, job.data.items_per_step, job.flops, n_dev, peak,
                                        job.data.unit))
+            rec.update(job.lr(s))
+            if s == 1:
+                rec.update(job.initial)
+            rec.update(logs.device_memory())
             eval_due = tcfg["eval_every"] and any(
                 (j % tcfg["eval_every"] == 0 or j == tcfg["steps"]) for j in range(step, s + 1))
             if last and eval_due and job.val_batches:  # the state exists at the end of a call
@@ -266,6 +305,8 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
                                                                          skipped[i])
             shown = s % tcfg["log_every"] == 0 or s == 1 or "val_loss" in rec
             job.log.log(s, rec, logs.line(s, rec) if shown else None)
+            if job.made is not None:
+                job.made.kept = True  # a step ran: the run's files are its own now
         step += k
     return losses, times, val, acc
 

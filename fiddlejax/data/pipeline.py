@@ -114,8 +114,10 @@ def corpus(path, dcfg: dict, tok: tokenizers.Tokenizer, seq_len: int, key: str,
         fraction = DEFAULT_VAL_FRACTION if fraction is None else fraction
         train_docs, val_docs = split(docs, fraction)
     workers, pack = int(dcfg.get("workers", 0)), bool(dcfg.get("pack", True))
-    train = packing.pack_rows(tokenize(train_docs, tok, workers), seq_len + 1, pack=pack)
-    val = packing.pack_rows(tokenize(val_docs, tok, workers), seq_len + 1, pack=pack)
+    train_ids, val_ids = tokenize(train_docs, tok, workers), tokenize(val_docs, tok, workers)
+    log(summary(f"{key}={path or '<stdlib>'}", train_ids, val_ids, tok))
+    train = packing.pack_rows(train_ids, seq_len + 1, pack=pack)
+    val = packing.pack_rows(val_ids, seq_len + 1, pack=pack)
     if len(val["tokens"]) == 0 and fraction > 0 and len(train["tokens"]) > 1:
         # Too few documents for a hash split (one file, say): hold out the last rows instead.
         n = max(1, int(len(train["tokens"]) * fraction))
@@ -127,6 +129,14 @@ def corpus(path, dcfg: dict, tok: tokenizers.Tokenizer, seq_len: int, key: str,
         raise DataError(f"{key}={path} gives no training row of model.seq_len + 1 = "
                         f"{seq_len + 1} tokens; add data or lower model.seq_len")
     return Corpus(train, val, fp)
+
+
+def summary(what: str, train: list, val: list, tok: tokenizers.Tokenizer) -> str:
+    """The job's data line: documents, tokens, the split and the tokenizer."""
+    n = lambda docs: sum(len(d) for d in docs)  # noqa: E731
+    return (f"# data: {what}: {len(train) + len(val):,} documents ({len(train):,} train, "
+            f"{len(val):,} validation), {n(train):,} + {n(val):,} tokens; tokenizer "
+            f"{tok.describe()} ({tok.vocab_size:,} ids)")
 
 
 class _Rows(grain.sources.RandomAccessDataSource):
