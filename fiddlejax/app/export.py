@@ -56,7 +56,8 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     # the job's tokenizer (model.from_pretrained's own unless data.tokenizer named another)
     from fiddlejax.data import tokenizer, tokenizer_files
 
-    tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"), cfg["model"].get("from_pretrained"))
+    tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"),
+                         cfg["model"].get("from_pretrained"))
     c = model.config
     tokenizer_files.save(out_dir, tok, getattr(c, "max_position_embeddings", None)
                          or getattr(c, "seq_len", None))
@@ -68,8 +69,9 @@ def export_command(argv: list[str]) -> int:
         prog="fiddlejax export",
         description="Write a trained decoder's (llama, mistral, qwen2, qwen3, phi3, gemma, "
                     "gemma2, gemma3_text; GPT: gpt2) checkpoint as a Hugging Face directory "
-                    "(config.json + safetensors, the tokenizer's files and generation_config.json) that "
-                    "transformers' AutoTokenizer and AutoModelForCausalLM load.")
+                    "(config.json + safetensors, the tokenizer's files and "
+                    "generation_config.json) that transformers' AutoTokenizer and "
+                    "AutoModelForCausalLM load.")
     p.add_argument("run_dir", help="the run.dir of a `fiddlejax train` run of a decoder")
     p.add_argument("out_dir", help="directory to write")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")

@@ -36,8 +36,8 @@ Hugging Face directory, on the run's own validation data unless data.* overrides
   batches=N                   validation batches (default: the run's train.eval_batches, or 8)
   key=value                   config overrides, e.g. data.path=valid.jsonl data.batch_size=8
 """,
-    "generate": """usage: fiddlejax generate run.dir=DIR prompt="..." [max_new_tokens=N] [temperature=T]
-                          [top_p=P] [seed=S] [resume=N]
+    "generate": """usage: fiddlejax generate run.dir=DIR prompt="..." [max_new_tokens=N]
+                          [temperature=T] [top_p=P] [seed=S] [resume=N]
        fiddlejax generate model.from_pretrained=DIR prompt="..." [...]
 
 Continue a prompt with a trained run's model (or a Hugging Face directory's), decoded with its
