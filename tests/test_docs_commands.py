@@ -8,7 +8,8 @@ joined at trailing backslashes. Within a command (between ``&&``, ``;`` and ``|`
 - ``fiddlejax train ...`` (also after ``python launch/local.py ... --``) gets :data:`SHORT`
   appended, so it trains two steps into a temporary run directory; everything else of the
   command (layout, model, schedule, optimizer, checkpoint.dir, resume) runs as the docs say.
-  A command that ranks checkpoints by a validation metric keeps one validation batch.
+  A command that ranks checkpoints by a validation metric keeps one validation batch; one
+  that names its own ``run.dir`` keeps it (a later ``fiddlejax export`` reads it).
 - A command matching :data:`EXEMPT` is replaced by ``true``; the reason is beside its pattern.
 - A usage synopsis, a command with a ``[optional]`` or ``...`` placeholder, is skipped: it is
   not meant to be pasted.
@@ -64,6 +65,8 @@ def _rewrite(command: str) -> str:
         redirect = re.search(r"\s[12]?>", c)
         head, tail = (c[:redirect.start()], c[redirect.start():]) if redirect else (c, "")
         short = SHORT
+        if re.search(r"\brun\.dir=", head):  # the command's own (a later export reads it)
+            short = [x for x in short if not x.startswith("run.dir=")]
         if re.search(r"checkpoint\.best_metric=val_", head):  # it needs validation to run
             short = [*SHORT, "train.eval_every=2", "train.eval_batches=1"]
         return f"{head} {' '.join(short)}{tail}"
@@ -125,7 +128,7 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("code", blocks())
 def test_documented_commands_run(code, tmp_path):
     # launch/local.py and fiddlejax/configs/default.yaml are named relative to the repository
-    for name in ("launch", "fiddlejax", "models"):
+    for name in ("launch", "fiddlejax", "models", "tests"):  # tests/fixtures: stand-ins
         (tmp_path / name).symlink_to(ROOT / name)
     r = subprocess.run(["bash", "-c", code], cwd=tmp_path, env=_env(), capture_output=True,
                        text=True, timeout=600)
