@@ -47,10 +47,8 @@ def resolve_data(cfg: dict) -> None:
             f"{m['name']} trains on its bundled data: use model.name=gpt or llama, or unset them")
     source = m.get("from_pretrained")
     if source and m["name"] in DECODERS:  # bytes for a larger vocabulary: refused, unless named
-        from fiddlejax.models.hf import read_config
-
         tokenizer.check_bytes(d.get("tokenizer", "auto"), source,
-                              read_config(source).get("vocab_size"))
+                              pretrained_config(source).get("vocab_size"))
     if m["vocab_size"] == "auto":
         tok = tokenizer.load(d.get("tokenizer", "auto"), source)
         m["vocab_size"] = tokenizer.vocab_size(tok, max(int(cfg["mesh"]["tensor"]), 1))
@@ -186,11 +184,22 @@ def config_layers(cfg: dict) -> int | None:
     ``num_hidden_layers``, else ``model.n_layers``)."""
     source = cfg["model"].get("from_pretrained")
     if source and cfg["model"]["name"] in FAMILIES:
-        from fiddlejax.models.hf import read_config
-
-        n = read_config(source).get("num_hidden_layers")
+        n = pretrained_config(source).get("num_hidden_layers")
         return n if isinstance(n, int) else None
     return cfg["model"].get("n_layers")
+
+
+def pretrained_config(source: str) -> dict:
+    """``model.from_pretrained``'s config.json ({} when unreadable: building the model names
+    what is wrong with it)."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def fit_layout(cfg: dict, explicit: set[str]) -> str | None:
