@@ -103,8 +103,8 @@ def test_a_byte_tokenizer_for_a_larger_vocabulary_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("overrides,picked", [
     (["model.n_layers=2"], {"plan.virtual_stages": 1, "plan.schedule": "1f1b"}),
     (["model.n_layers=1"], {"mesh.pipe": 1, "mesh.data": 4, "plan.schedule": None}),
-    (["model.n_layers=2", "plan.schedule=interleaved-1f1b"], {"plan.virtual_stages": 1,
-                                                               "plan.schedule": "interleaved-1f1b"}),
+    (["model.n_layers=2", "plan.schedule=interleaved-1f1b"],  # the user's kind, v automatic
+     {"plan.virtual_stages": 1, "plan.schedule": "interleaved-1f1b"}),
     (["model.n_layers=3", "plan.schedule=zb-v"], None),  # explicit zb-v needs 2 chunks a stage
     (["model.n_layers=2", "plan.virtual_stages=2"], None),  # the user's own choice: refused
     (["model.n_layers=1", "mesh.pipe=2"], None),
