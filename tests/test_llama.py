@@ -1,6 +1,7 @@
 """Llama: Hugging Face import/export against transformers' own logits (recorded fixtures, no torch),
 every parallel layout against single-device float32, and the CLI's fine-tune and export."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -229,6 +230,9 @@ def test_cli_fine_tunes_from_a_directory_and_exports(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exported step 2" in r.stdout and (out / "model.safetensors.index.json").is_file()
     tuned, before = Llama.from_pretrained(out), Llama.from_pretrained(src)
-    assert tuned.config == before.config  # hidden 24, not the YAML's d_model=128
+    # hidden 24, not the YAML's d_model=128; the byte tokenizer's EOS (0) filled in
+    assert dict(tuned.config.token_ids)["eos_token_id"] == 0
+    assert dataclasses.replace(tuned.config, token_ids=before.config.token_ids) == before.config
+    assert (out / "tokenizer.json").is_file()  # the job's tokenizer: bytes, byte-level
     change = rel_err(leaves(tuned), leaves(before))
     assert 1e-4 < change < 0.5  # trained two steps from the source weights, not from scratch
