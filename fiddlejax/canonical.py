@@ -60,3 +60,9 @@ def param_trees(optimizer, opt_tree) -> list:
     optax.tree_map_params(optimizer, lambda t: found.append(t) or t, opt_tree,
                           is_leaf=lambda _: True)
     return found
+
+
+def param_shardings(lay: Layout, abstract_params) -> object:
+    """The shardings the canonical parameters come out in (the layout's own conversion,
+    compiled, not run): where a loader places each leaf."""
+    return jax.jit(lay.to_canonical).lower(abstract_params).compile().output_shardings

@@ -203,4 +203,5 @@ def check_canonical(params: Any, template: Any, model_name: str) -> None:
         raise ValueError(
             f"{model_name} is abstract (built with nnx.eval_shape): it has no weights "
             "to initialise. Measure it with trainer.memory(batch_size) or "
-            "trainer.lower_step(trainer.abstract_state(), batch), or pass real params")
+            "trainer.lower_step(trainer.abstract_state(), batch), or pass real params or a "
+            "loader such as trainer.init(model.pretrained_params)")

@@ -310,7 +310,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
     validate(cfg)
     try:
         model_names.resolve(cfg["model"])  # auto: gpt, or model.from_pretrained's family
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     return cfg
 

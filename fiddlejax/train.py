@@ -9,6 +9,7 @@ and :mod:`fiddlejax.canonical` converts states to and from the model's own tree.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -94,11 +95,21 @@ class Trainer:
         return dropout.with_indices(batch, step)
 
     # -- states --------------------------------------------------------------------------------
-    def init(self, params: nnx.State | None = None) -> TrainState:
-        """A sharded TrainState from the model's weights (or from canonical ``params``)."""
-        params = self._init_params if params is None else params
+    def init(self, params: nnx.State | Callable[[nnx.State], nnx.State] | None = None
+             ) -> TrainState:
+        """A sharded TrainState from the model's weights, canonical ``params``, or a loader of
+        them at :attr:`canonical_shardings` (``model.pretrained_params``; donated, no copy)."""
+        donate = callable(params)
+        params = params(self.canonical_shardings) if donate else (
+            self._init_params if params is None else params)
         checks.check_canonical(params, self.layout.template, self.model_name)
-        return jax.jit(self._init_impl, out_shardings=self.state_shardings)(params)
+        return jax.jit(self._init_impl, out_shardings=self.state_shardings, donate_argnums=(
+            (0,) if donate else ()))(params)
+
+    @functools.cached_property
+    def canonical_shardings(self) -> nnx.State:
+        """Where each canonical parameter lives, as a loader for :meth:`init` places it."""
+        return canonical.param_shardings(self.layout, self.abstract_state().params)
 
     def _init_impl(self, params: nnx.State) -> TrainState:
         lay, n = self.layout, self.plan.data

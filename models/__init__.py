@@ -157,7 +157,8 @@ def _llama_build(mcfg: dict, seed: int):
 
     cls = FAMILIES.get(mcfg["name"], Llama)  # model.name: the family (auto resolved to it)
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
-        return cls.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"])
+        return cls.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"],
+                                   abstract=True)  # the caller loads: shards, or restores
     if mcfg["name"] != "llama":  # another family from scratch: its config.json defaults
         from .families import read
 
@@ -188,10 +189,10 @@ def _llama_flops(model, batch_size: int) -> float:
     params = nnx.state(model, nnx.Param)
     n = sum(x.size for x in jax.tree.leaves(params))
     if not c.tie_word_embeddings:
-        n -= params["embed"][...].size  # a lookup; tied, it is the head's matmul as well
+        n -= jax.tree.leaves(params["embed"])[0].size  # a lookup; tied, the head's matmul too
     if c.num_experts:  # a token runs num_experts_per_tok of the experts
         moe = params["blocks"]["moe"]
-        experts = sum(moe[k][...].size for k in ("w_gate", "w_up", "w_down"))
+        experts = sum(jax.tree.leaves(moe[k])[0].size for k in ("w_gate", "w_up", "w_down"))
         n -= experts * (1 - c.num_experts_per_tok / c.num_experts)
     tokens = batch_size * c.seq_len
     attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_dim
@@ -288,33 +289,54 @@ def generate_text(model, prompt, max_new_tokens: int, **kw):
     return run(model, prompt, max_new_tokens, **kw)
 
 
-def from_pretrained(path, *, seq_len: int | None = None, dtype=None):
+def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: bool = False,
+                    shardings=None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s
     ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, mixtral,
     qwen3_moe): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`. Weights load
     as float32 masters (or ``dtype``); ``seq_len``: the default batch length (any length up to
-    ``max_position_embeddings`` is accepted). ``model.save_pretrained(dir)`` writes it back."""
+    ``max_position_embeddings`` is accepted). ``path`` may be a hub id in the local cache
+    (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the slices each
+    device holds (``shardings``), or not at all with ``abstract=True`` (then
+    ``trainer.init(model.pretrained_params)``). ``model.save_pretrained(dir)`` writes it back."""
+    from fiddlejax import hub
+
     from .decoder import FAMILIES
     from .families import SUPPORTED
     from .hf import read_config
     from .llama import Llama
 
+    path = hub.local_dir(path)
     family = read_config(path).get("model_type", "llama")
     classes = {"llama": Llama, **FAMILIES}
     if family not in classes:
         raise ValueError(f"{path}/config.json has model_type={family!r}, which fiddlejax does "
                          f"not implement; supported: {', '.join(SUPPORTED)}")
-    return classes[family].from_pretrained(path, seq_len=seq_len, dtype=dtype)
+    return classes[family].from_pretrained(path, seq_len=seq_len, dtype=dtype, abstract=abstract,
+                                           shardings=shardings)
 
 
-def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None) -> None:
+def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None,
+            leaves: tuple | None = None) -> None:
     """A bundled model as a Hugging Face directory: a decoder as its family (Llama as
-    ``llama``, ...; ``dtype`` None: its checkpoint's), GPT as ``gpt2``."""
+    ``llama``, ...; ``dtype`` None: its checkpoint's), GPT as ``gpt2``. ``leaves``:
+    ``(shapes, leaf)``, the parameters read one leaf at a time (a decoder writes them tensor
+    by tensor) instead of the model's own."""
     from .gpt import GPT
 
     if isinstance(model, GPT):
         from .gpt2_hf import save_gpt2
 
+        if leaves is not None:  # GPT-2's exports are small: all leaves, then the model
+            import jax
+            from flax import nnx
+
+            from .hf import _key
+
+            nnx.update(model, jax.tree_util.tree_map_with_path(
+                lambda p, v: v.replace(leaves[1](_key(p))), nnx.state(model, nnx.Param),
+                is_leaf=lambda x: isinstance(x, nnx.Variable)))
         return save_gpt2(model, directory, max_shard_size=max_shard_size,
                          dtype=dtype or "float32")
-    return model.save_pretrained(directory, max_shard_size=max_shard_size, dtype=dtype)
+    return model.save_pretrained(directory, max_shard_size=max_shard_size, dtype=dtype,
+                                 leaves=leaves)

@@ -42,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 from fiddlejax.memory import names
 from fiddlejax.staged import vocab_parallel
 
-from . import families, hf, moe_loss, rope
+from . import families, hf, hf_io, moe_loss, rope
 from .common import (
     annotated,
     attention,
@@ -324,35 +324,65 @@ class Decoder(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, seq_len: int | None = None,
-                        dtype: Any = None) -> Decoder:
-        """The model of a Hugging Face directory: ``config.json`` and ``model.safetensors`` or
-        sharded ``model-*-of-*.safetensors`` with ``model.safetensors.index.json``.
+                        dtype: Any = None, abstract: bool = False, shardings: Any = None
+                        ) -> Decoder:
+        """The model of a Hugging Face directory (or a hub id in the local cache:
+        ``meta-llama/Llama-3.1-8B``): ``config.json`` and ``model.safetensors`` or sharded
+        ``model-*-of-*.safetensors`` with ``model.safetensors.index.json``.
 
         Weights load as float32 masters whatever their stored dtype (bf16 included), or as
-        ``dtype``; ``save_pretrained`` writes the stored dtype back. ``seq_len`` (the default
-        length of ``batch_spec``) defaults to ``max_position_embeddings``.
+        ``dtype``, read tensor by tensor (:mod:`.hf_io`); ``save_pretrained`` writes the stored
+        dtype back. ``seq_len`` (the default length of ``batch_spec``) defaults to
+        ``max_position_embeddings``. ``abstract=True``: shapes only, nothing read (build the
+        trainer, then ``trainer.init(model.pretrained_params)``); ``shardings``: where each
+        leaf goes (see :meth:`pretrained_params`).
         """
+        from fiddlejax import hub
+
+        directory = hub.local_dir(directory)
         config = dataclasses.replace(cls.config_from_hf(hf.read_config(directory),
                                                         seq_len=seq_len),
                                      source_dir=str(directory))
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-        tensors = hf.read_safetensors(Path(directory))
-        nnx.update(model, hf.params_from_hf(tensors, config, nnx.state(model, nnx.Param),
-                                            type(model).__name__, dtype))
+        model.pretrained_from = str(directory)
+        hf_io.sources(directory)  # every file's header now: a damaged file is named at build
+        if not abstract:
+            nnx.update(model, model.pretrained_params(shardings, dtype=dtype))
         return model
 
+    def pretrained_params(self, shardings: Any = None, *, directory: str | Path | None = None,
+                          dtype: Any = None) -> nnx.State:
+        """The parameters of the Hugging Face directory this model came from (or
+        ``directory``), each leaf placed by ``shardings`` (a tree like the parameters', a
+        function of the leaf's key, or None: the default device) and read by the slices this
+        process's devices hold: ``trainer.init(model.pretrained_params)`` never holds the
+        whole model in one place."""
+        directory = Path(directory or self.pretrained_from)
+        return hf.load_params(hf_io.sources(directory), self.config, nnx.state(self, nnx.Param),
+                              type(self).__name__, dtype, shardings)
+
     def save_pretrained(self, directory: str | Path, *, max_shard_size: int | str = "5GB",
-                        dtype: str | None = None, tokenizer: Any = "auto") -> None:
+                        dtype: str | None = None, tokenizer: Any = "auto",
+                        leaves: tuple | None = None) -> None:
         """Write a Hugging Face directory that transformers' class of the family reads:
         ``config.json`` and safetensors, split into ``model-0000i-of-0000n.safetensors`` files
         with an index when the weights exceed ``max_shard_size`` (bytes, or "500MB", "2GiB").
         ``dtype``: "float32" or "bfloat16"; default: the loaded checkpoint's (float32 for a
         model built here). ``tokenizer``: a ``fiddlejax.data.tokenizer`` tokenizer or a
         ``data.tokenizer`` spec whose files (and ``generation_config.json``) are written too;
-        ``"auto"``: those of the directory the model was read from, if it holds one."""
-        tensors = hf.hf_tensors(nnx.state(self, nnx.Param), self.config)
-        hf.write_pretrained(directory, tensors, families.write(self.config), max_shard_size,
-                            dtype or self.config.checkpoint_dtype)
+        ``"auto"``: those of the directory the model was read from, if it holds one. Written
+        tensor by tensor from the (possibly sharded) parameters; in a multi-process job every
+        process calls it and process 0 writes. ``leaves``: ``(shapes, leaf)``, parameters read
+        one at a time instead of the model's own (an export's checkpoint,
+        :func:`fiddlejax.checkpoint_params.param_leaves`)."""
+        if leaves is None:
+            flat = hf.flat_params(nnx.state(self, nnx.Param))
+            leaves = {k: tuple(v.shape) for k, v in flat.items()}, flat.__getitem__
+        hf.save_params(directory, leaves[1], leaves[0], self.config,
+                       families.write(self.config), max_shard_size,
+                       dtype or self.config.checkpoint_dtype)
+        if jax.process_index():
+            return
         from fiddlejax.data import tokenizer as tokenizers
         from fiddlejax.data import tokenizer_files
 

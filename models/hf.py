@@ -1,9 +1,11 @@
 """Hugging Face checkpoints for :mod:`.decoder` (every family), without torch: config + safetensors.
 
-Reading: :func:`read_config` and :func:`read_safetensors` (one ``model.safetensors`` or shards
-listed in ``model.safetensors.index.json``), then :func:`params_from_hf` maps the tensors onto a
-model's canonical parameters. Writing: :func:`hf_tensors` maps them back, and
-:func:`write_pretrained` writes ``config.json`` and the shards as transformers does. The layout
+Reading: :func:`read_config`, then :func:`load_params` maps the tensors (their headers:
+:func:`.hf_io.sources`) onto a model's canonical parameters, each leaf read by the slices its
+devices hold. Writing: :func:`hf_plan` names and shapes each tensor of the canonical
+parameters, and :func:`save_params` writes ``config.json`` and the files tensor by tensor, as
+transformers lays them out (:func:`hf_tensors`, :func:`read_safetensors`: whole dictionaries,
+for tests and small models). The layout
 matches transformers' exactly, so each tensor converts by a transpose and a reshape (Phi-3's
 fused projections by a split), never a permutation. A mixture of experts (Mixtral, Qwen3-MoE)
 stores each expert's matrices as tensors of their own, as the Hub's checkpoints and
@@ -23,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import hf_io
+
 
 def read_config(directory: str | Path) -> dict:
     """A Hugging Face model directory's ``config.json``, parsed."""
@@ -34,22 +38,22 @@ def read_config(directory: str | Path) -> dict:
     return json.loads(cfg_path.read_text())
 
 
-def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], config: dict,
-                     max_shard_size: int | str, dtype: str) -> None:
-    """Write ``config`` as ``config.json`` and ``tensors`` (float32) as safetensors shards of at
-    most ``max_shard_size``, cast to ``dtype`` ("float32" or "bfloat16") first."""
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-    elif dtype != "float32":
-        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
-    config = {**config, "torch_dtype": dtype}
+def write_config(directory: str | Path, config: dict, dtype: str) -> None:
+    """``config.json`` (``torch_dtype``: ``dtype``), the directory made if missing."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    config = {**config, "torch_dtype": dtype}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_safetensors(directory, tensors, parse_size(max_shard_size))
-    readable(directory.glob("*.safetensors"))
+
+
+def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], config: dict,
+                     max_shard_size: int | str, dtype: str) -> None:
+    """Write ``config`` as ``config.json`` and ``tensors`` as safetensors shards of at most
+    ``max_shard_size``, cast to ``dtype`` ("float32" or "bfloat16") one at a time."""
+    np_dtype = _np_dtype(dtype)
+    write_config(directory, config, dtype)
+    hf_io.write(Path(directory), [(k, v.shape) for k, v in tensors.items()],
+                tensors.items(), parse_size(max_shard_size), np_dtype)
 
 
 # -- weight conversion ---------------------------------------------------------------------------
@@ -57,41 +61,37 @@ def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], conf
 # [out, in]; ours are [in, ...out] with heads split out. The options of the config add biases,
 # query/key norms and the norms after each sub-layer (Gemma 2/3).
 def _layer_map(c: Any) -> list[tuple]:
+    """Rows (ours, theirs, transposed, to theirs): ours is theirs with the last two axes swapped
+    (``transposed``) and reshaped to our shape (heads split out)."""
     d, h, kv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     ident = lambda w: w
     t = lambda w: w.T
     sandwich = getattr(c, "sandwich_norms", False)
     rows = [
-        (("attn_norm", "weight"), "input_layernorm.weight", ident, ident),
-        (("wq",), "self_attn.q_proj.weight", lambda w: w.T.reshape(d, h, dh),
-         lambda w: w.reshape(d, h * dh).T),
-        (("wk",), "self_attn.k_proj.weight", lambda w: w.T.reshape(d, kv, dh),
-         lambda w: w.reshape(d, kv * dh).T),
-        (("wv",), "self_attn.v_proj.weight", lambda w: w.T.reshape(d, kv, dh),
-         lambda w: w.reshape(d, kv * dh).T),
-        (("wo",), "self_attn.o_proj.weight", lambda w: w.T.reshape(h, dh, d),
-         lambda w: w.reshape(h * dh, d).T),
+        (("attn_norm", "weight"), "input_layernorm.weight", False, ident),
+        (("wq",), "self_attn.q_proj.weight", True, lambda w: w.reshape(d, h * dh).T),
+        (("wk",), "self_attn.k_proj.weight", True, lambda w: w.reshape(d, kv * dh).T),
+        (("wv",), "self_attn.v_proj.weight", True, lambda w: w.reshape(d, kv * dh).T),
+        (("wo",), "self_attn.o_proj.weight", True, lambda w: w.reshape(h * dh, d).T),
         (("mlp_norm", "weight"), ("pre_feedforward_layernorm.weight" if sandwich
-                                  else "post_attention_layernorm.weight"), ident, ident),
+                                  else "post_attention_layernorm.weight"), False, ident),
     ]
     if getattr(c, "num_experts", 0):
         rows += _expert_map(c)
     else:
-        rows += [(("w1",), "mlp.gate_proj.weight", t, t), (("w3",), "mlp.up_proj.weight", t, t),
-                 (("w2",), "mlp.down_proj.weight", t, t)]
+        rows += [(("w1",), "mlp.gate_proj.weight", True, t),
+                 (("w3",), "mlp.up_proj.weight", True, t),
+                 (("w2",), "mlp.down_proj.weight", True, t)]
     if getattr(c, "attention_bias", False):
-        rows += [(("bq",), "self_attn.q_proj.bias", lambda b: b.reshape(h, dh),
-                  lambda b: b.reshape(h * dh)),
-                 (("bk",), "self_attn.k_proj.bias", lambda b: b.reshape(kv, dh),
-                  lambda b: b.reshape(kv * dh)),
-                 (("bv",), "self_attn.v_proj.bias", lambda b: b.reshape(kv, dh),
-                  lambda b: b.reshape(kv * dh))]
+        rows += [(("bq",), "self_attn.q_proj.bias", False, lambda b: b.reshape(h * dh)),
+                 (("bk",), "self_attn.k_proj.bias", False, lambda b: b.reshape(kv * dh)),
+                 (("bv",), "self_attn.v_proj.bias", False, lambda b: b.reshape(kv * dh))]
     if getattr(c, "qk_norm", False):
-        rows += [(("q_norm", "weight"), "self_attn.q_norm.weight", ident, ident),
-                 (("k_norm", "weight"), "self_attn.k_norm.weight", ident, ident)]
+        rows += [(("q_norm", "weight"), "self_attn.q_norm.weight", False, ident),
+                 (("k_norm", "weight"), "self_attn.k_norm.weight", False, ident)]
     if sandwich:
-        rows += [(("attn_post_norm", "weight"), "post_attention_layernorm.weight", ident, ident),
-                 (("mlp_post_norm", "weight"), "post_feedforward_layernorm.weight", ident,
+        rows += [(("attn_post_norm", "weight"), "post_attention_layernorm.weight", False, ident),
+                 (("mlp_post_norm", "weight"), "post_feedforward_layernorm.weight", False,
                   ident)]
     return rows
 
@@ -109,13 +109,13 @@ def _expert_map(c: Any) -> list[tuple]:
                          f"one of {tuple(EXPERT_NAMES)}; set model_type to one of them")
     block, gate, up, down = EXPERT_NAMES[c.model_type]
     t = lambda w: np.swapaxes(w, -1, -2)
-    return [(("moe", "router"), f"{block}.gate.weight", t, t),
-            (("moe", "w_gate"), f"{block}.experts.{{e}}.{gate}.weight", t, t),
-            (("moe", "w_up"), f"{block}.experts.{{e}}.{up}.weight", t, t),
-            (("moe", "w_down"), f"{block}.experts.{{e}}.{down}.weight", t, t)]
+    return [(("moe", "router"), f"{block}.gate.weight", True, t),
+            (("moe", "w_gate"), f"{block}.experts.{{e}}.{gate}.weight", True, t),
+            (("moe", "w_up"), f"{block}.experts.{{e}}.{up}.weight", True, t),
+            (("moe", "w_down"), f"{block}.experts.{{e}}.{down}.weight", True, t)]
 
 
-def _unfuse_experts(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndarray]:
+def _unfuse_experts(tensors: dict, c: Any) -> dict:
     """transformers' fused expert tensors (``mlp.experts.gate_up_proj [E, 2f, d]``,
     ``mlp.experts.down_proj [E, d, f]``, router ``mlp.gate``) as one tensor per expert."""
     out = dict(tensors)
@@ -125,85 +125,171 @@ def _unfuse_experts(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndar
         if pre + "mlp.experts.gate_up_proj" not in out:
             continue
         w, wd = out.pop(pre + "mlp.experts.gate_up_proj"), out.pop(pre + "mlp.experts.down_proj")
-        f = w.shape[1] // 2
-        for e in range(w.shape[0]):
-            for name, v in ((gate, w[e, :f]), (up, w[e, f:]), (down, wd[e])):
+        e_, f2, d = w.shape
+        f = f2 // 2
+        for e in range(e_):
+            for name, v in ((gate, hf_io.Part(w, (e,), 0, (f, d))),
+                            (up, hf_io.Part(w, (e,), f, (f, d))),
+                            (down, hf_io.Part(wd, (e,), 0, wd.shape[1:]))):
                 out[f"{pre}{block}.experts.{e}.{name}.weight"] = v
         if pre + "mlp.gate.weight" in out:
             out[f"{pre}{block}.gate.weight"] = out.pop(pre + "mlp.gate.weight")
     return out
 
 
-def _get(state, path):
-    for p in path:
-        state = state[p]
-    return state
+def _key(path) -> tuple[str, ...]:
+    return tuple(str(k.key) for k in path if hasattr(k, "key"))
 
 
 # Phi-3 stores Q, K and V as one qkv_proj and gate and up as one gate_up_proj. They are split at
 # load, so tensor parallelism shards each over its own heads or units (a fused matrix split in
 # contiguous blocks would hand a device queries of one head and keys of another), and fused
 # again at save.
-def _split_fused(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndarray]:
+def _split_fused(tensors: dict, c: Any) -> dict:
     out = dict(tensors)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     for i in range(c.num_hidden_layers):
         pre = f"model.layers.{i}."
         if pre + "self_attn.qkv_proj.weight" in out:
             w = out.pop(pre + "self_attn.qkv_proj.weight")
-            out[pre + "self_attn.q_proj.weight"] = w[:q]
-            out[pre + "self_attn.k_proj.weight"] = w[q:q + kv]
-            out[pre + "self_attn.v_proj.weight"] = w[q + kv:]
+            rows = w.shape[1:]
+            for name, start, n in (("q", 0, q), ("k", q, kv), ("v", q + kv, w.shape[0] - q - kv)):
+                out[f"{pre}self_attn.{name}_proj.weight"] = hf_io.Part(w, (), start, (n, *rows))
         if pre + "mlp.gate_up_proj.weight" in out:
             w = out.pop(pre + "mlp.gate_up_proj.weight")
             half = w.shape[0] // 2
-            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = w[:half], w[half:]
+            out[pre + "mlp.gate_proj.weight"] = hf_io.Part(w, (), 0, (half, *w.shape[1:]))
+            out[pre + "mlp.up_proj.weight"] = hf_io.Part(w, (), half,
+                                                         (w.shape[0] - half, *w.shape[1:]))
     return out
 
 
-def _fuse(tensors: dict[str, np.ndarray], c: Any) -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in tensors.items():
-        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                       "mlp.up_proj.weight")):
+# -- theirs from ours: planned, then produced one tensor at a time ----------------------------
+Need = tuple[tuple[str, ...], int | None]  # (our leaf, layer or None)
+
+
+def hf_plan(config: Any, shapes: dict[tuple[str, ...], tuple[int, ...]]
+            ) -> list[tuple[str, tuple[int, ...], list[Need], Any]]:
+    """Each Hugging Face tensor of canonical parameters with ``shapes`` (our leaf -> shape):
+    (name, shape, the layers of our leaves it needs, a function of them giving it), grouped
+    by our leaf (fused as the family stores them: Phi-3)."""
+    def abstract(key, i=None):
+        s = shapes[key]
+        return np.broadcast_to(np.empty((), np.int8), s[1:] if i is not None else s)  # no data
+
+    plan = [("model.embed_tokens.weight", shapes[("embed",)], [(("embed",), None)],
+             lambda xs: xs[0])]
+    for ours, hf, _, to_hf in _layer_map(config):
+        key = ("blocks", *ours)
+        for i in range(config.num_hidden_layers):
+            if "{e}" in hf:  # one tensor per expert
+                for e in range(shapes[key][1]):
+                    shape = to_hf(abstract(key, i)[e]).shape
+                    plan.append((f"model.layers.{i}.{hf.format(e=e)}", shape, [(key, i)],
+                                 lambda xs, e=e, f=to_hf: f(xs[0][e])))
+            else:
+                plan.append((f"model.layers.{i}.{hf}", to_hf(abstract(key, i)).shape,
+                             [(key, i)], lambda xs, f=to_hf: f(xs[0])))
+    plan.append(("model.norm.weight", shapes[("norm", "weight")], [(("norm", "weight"), None)],
+                 lambda xs: xs[0]))
+    if not config.tie_word_embeddings:
+        s = shapes[("lm_head",)]
+        plan.append(("lm_head.weight", (s[1], s[0]), [(("lm_head",), None)], lambda xs: xs[0].T))
+    return _fuse(plan) if getattr(config, "model_type", "") == "phi3" else plan
+
+
+def _fuse(plan: list) -> list:
+    """Phi-3's q/k/v and gate/up rows as its fused qkv_proj and gate_up_proj."""
+    by_name = {p[0]: p for p in plan}
+    out = []
+    for name, shape, needs, make in plan:
+        parts = None
+        if name.endswith("self_attn.q_proj.weight"):
+            pre, parts = name[: -len("q_proj.weight")], ("q", "k", "v")
+            fused = pre + "qkv_proj.weight"
+        elif name.endswith("mlp.gate_proj.weight"):
+            pre, parts = name[: -len("gate_proj.weight")], ("gate", "up")
+            fused = pre + "gate_up_proj.weight"
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                            "mlp.up_proj.weight")):
             continue
-        if k.endswith("self_attn.q_proj.weight"):
-            pre = k[: -len("q_proj.weight")]
-            out[pre + "qkv_proj.weight"] = np.concatenate(
-                [v, tensors[pre + "k_proj.weight"], tensors[pre + "v_proj.weight"]])
-        elif k.endswith("mlp.gate_proj.weight"):
-            pre = k[: -len("gate_proj.weight")]
-            out[pre + "gate_up_proj.weight"] = np.concatenate([v, tensors[pre + "up_proj.weight"]])
-        else:
-            out[k] = v
+        if parts is None:
+            out.append((name, shape, needs, make))
+            continue
+        rows = [by_name[f"{pre}{p}_proj.weight"] for p in parts]
+        makes = [r[3] for r in rows]
+        out.append((fused, (sum(r[1][0] for r in rows), *shape[1:]),
+                    [n for r in rows for n in r[2]],
+                    lambda xs, makes=makes: np.concatenate([m([x]) for m, x in zip(makes, xs)])))
     return out
+
+
+def host(x, i: int | None = None) -> np.ndarray:
+    """Layer ``i`` (or all) of a parameter as a host array: a sharded one is gathered (from
+    every process when it spans several; each takes part)."""
+    if isinstance(x, jax.Array):
+        x = x if i is None else x[i]
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    x = np.asarray(x)
+    return x if i is None else x[i]
+
+
+def hf_stream(plan: list, leaf: Any) -> Any:
+    """(name, array) for each tensor of ``plan``; ``leaf(key)`` gives our leaf (kept while the
+    next tensors need it, then dropped: a restore reads each leaf once)."""
+    held: dict = {}
+    for name, _, needs, make in plan:
+        keys = {k for k, _ in needs}
+        for k in [k for k in held if k not in keys]:
+            del held[k]
+        for k in keys - set(held):
+            held[k] = leaf(k)
+        yield name, make([host(held[k], i) for k, i in needs])
 
 
 def hf_tensors(params: nnx.State, config: Any) -> dict[str, np.ndarray]:
     """Hugging Face tensor names -> float32 numpy arrays for canonical parameters ``params`` of
     a decoder with ``config`` (fused as the family stores them: Phi-3)."""
-    arr = lambda path: np.asarray(_get(params, path)[...], dtype=np.float32)
-    out = {"model.embed_tokens.weight": arr(("embed",))}
-    stacked_ = {ours: arr(("blocks", *ours)) for ours, *_ in _layer_map(config)}
-    for i in range(config.num_hidden_layers):
-        for ours, hf, _, to_hf in _layer_map(config):
-            w = to_hf(stacked_[ours][i])
-            if "{e}" in hf:  # one tensor per expert
-                out.update({f"model.layers.{i}.{hf.format(e=e)}": np.ascontiguousarray(x)
-                            for e, x in enumerate(w)})
-            else:
-                out[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(w)
-    out["model.norm.weight"] = arr(("norm", "weight"))
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = np.ascontiguousarray(arr(("lm_head",)).T)
-    return _fuse(out, config) if getattr(config, "model_type", "") == "phi3" else out
+    flat = flat_params(params)
+    plan = hf_plan(config, {k: tuple(v.shape) for k, v in flat.items()})
+    return {name: np.ascontiguousarray(np.asarray(a, np.float32))
+            for name, a in hf_stream(plan, flat.__getitem__)}
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.State,
-                   what: str = "Llama", dtype: Any = None) -> nnx.State:
-    """Canonical parameters (the tree of ``template``) from Hugging Face tensors, as float32
-    (or ``dtype``). ``what``: the model's name, for the messages."""
-    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+def save_params(directory: str | Path, leaf: Any, shapes: dict, config: Any, hf_config: dict,
+                max_shard_size: int | str, dtype: str) -> None:
+    """Write a decoder's parameters as a Hugging Face directory, tensor by tensor: ``leaf(key)``
+    gives our leaf (a sharded ``jax.Array`` is gathered one layer at a time). Process 0
+    writes; the others take part in the gathers."""
+    writer = jax.process_index() == 0
+    if writer:
+        write_config(directory, hf_config, dtype)
+    plan = hf_plan(config, shapes)
+    hf_io.write(Path(directory), [(n, s) for n, s, _, _ in plan], hf_stream(plan, leaf),
+                parse_size(max_shard_size), _np_dtype(dtype), writer)
+
+
+def flat_params(params: nnx.State) -> dict[tuple[str, ...], Any]:
+    """Our leaves by key (``("blocks", "wq")``)."""
+    return {_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def load_params(tensors: dict, config: Any, template: nnx.State, what: str = "Llama",
+                dtype: Any = None, shardings: Any = None) -> nnx.State:
+    """Canonical parameters (the tree of ``template``) from Hugging Face tensors (a name ->
+    :mod:`.hf_io` source or array), as float32 (or ``dtype``), each leaf placed by
+    ``shardings`` (a function of our leaf's key, or None: the default device) and read by
+    the slices this process's devices hold. ``what``: the model's name, for the messages."""
+    if shardings is not None and not callable(shardings):  # a tree like the parameters'
+        flat = {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+        shardings = flat.__getitem__
+    tensors = {k: v if hasattr(v, "read") else hf_io.InMemory(v) for k, v in tensors.items()
+               if not k.endswith("rotary_emb.inv_freq")}
     if getattr(config, "model_type", "") == "phi3":
         tensors = _split_fused(tensors, config)
     if getattr(config, "num_experts", 0):
@@ -211,98 +297,89 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.St
     used: set[str] = set()
     arch = what if what != "Llama" else "LlamaForCausalLM"
 
-    def take(name: str) -> np.ndarray:
+    def take(name: str):
         if name not in tensors:
             raise ValueError(f"the checkpoint lacks {name!r}; is it a {arch} "
                              f"checkpoint with num_hidden_layers={config.num_hidden_layers}?")
         used.add(name)
-        return np.asarray(tensors[name], dtype=np.float32)
+        return tensors[name]
 
-    values = {("embed",): take("model.embed_tokens.weight"),
-              ("norm", "weight"): take("model.norm.weight")}
-    def layer(i: int, hf: str) -> np.ndarray:  # one tensor, or one per expert stacked
+    def layer(i: int, hf: str):  # one tensor, or one per expert
         if "{e}" not in hf:
             return take(f"model.layers.{i}.{hf}")
-        return np.stack([take(f"model.layers.{i}.{hf.format(e=e)}")
-                         for e in range(config.num_experts)])
+        return [take(f"model.layers.{i}.{hf.format(e=e)}") for e in range(config.num_experts)]
 
-    for ours, hf, to_ours, _ in _layer_map(config):
-        values[("blocks", *ours)] = np.stack(
-            [to_ours(layer(i, hf)) for i in range(config.num_hidden_layers)])
+    rows = {("embed",): (take("model.embed_tokens.weight"), False, False),
+            ("norm", "weight"): (take("model.norm.weight"), False, False)}
+    for ours, hf, tr, _ in _layer_map(config):
+        rows[("blocks", *ours)] = ([layer(i, hf) for i in range(config.num_hidden_layers)], tr,
+                                   True)
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some writers store the tied copy; the embedding wins
     else:
-        values[("lm_head",)] = take("lm_head.weight").T
+        rows[("lm_head",)] = (take("lm_head.weight"), True, False)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"the checkpoint has tensors this {what} does not use: {extra[:5]}"
                          f"{' ...' if len(extra) > 5 else ''}; is config.json the right one?")
 
     def fill(path, v):
-        key = tuple(str(getattr(k, "key", k)) for k in path)
-        want = values[key]
-        if tuple(want.shape) != tuple(v.shape):
-            raise ValueError(f"{'.'.join(key)}: checkpoint shape {want.shape} does not match "
-                             f"config.json's {tuple(v.shape)}")
-        return v.replace(jnp.asarray(want, dtype or jnp.float32))
+        key = _key(path)
+        src, tr, stacked = rows[key]
+        experts = stacked and isinstance(src[0], list)
+        shape = tuple(v.shape)
+        first = src[0][0] if experts else src[0] if stacked else src
+        inner = shape[(1 + experts) if stacked else 0:]
+        if not hf_io.matches(first, tr, inner) or (experts and len(src[0]) != shape[1]):
+            theirs = list(first.shape)
+            if tr:
+                theirs[-2:] = theirs[-1], theirs[-2]
+            raise ValueError(f"{'.'.join(key)}: checkpoint shape {tuple(theirs)} does not match "
+                             f"config.json's {inner}")
+        reader = hf_io.leaf_reader(src, tr, shape, stacked, experts)
+        sharding = shardings(key) if shardings is not None else None
+        return v.replace(hf_io.leaf_array(shape, sharding, reader, dtype or jnp.float32))
 
     return jax.tree_util.tree_map_with_path(fill, template,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.State,
+                   what: str = "Llama", dtype: Any = None) -> nnx.State:
+    """Canonical parameters (the tree of ``template``) from in-memory Hugging Face tensors,
+    as float32 (or ``dtype``), on the default device."""
+    return load_params(tensors, config, template, what, dtype)
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if dtype != "float32":
+        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
+    return np.dtype(np.float32)
+
+
 # -- safetensors files ---------------------------------------------------------------------------
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX, SINGLE = hf_io.INDEX, hf_io.SINGLE
 
 
 def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a directory's ``model.safetensors`` or its sharded files (via the index)."""
-    from safetensors import safe_open
-
-    if (directory / INDEX).is_file():
-        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (directory / SINGLE).is_file():
-        files = [SINGLE]
-    else:
-        raise FileNotFoundError(f"{directory} has neither {SINGLE} nor {INDEX}; pytorch_model.bin "
-                                "checkpoints need converting to safetensors first")
-    out: dict[str, np.ndarray] = {}
-    for name in files:
-        with safe_open(str(directory / name), framework="numpy") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                out[key] = f.get_tensor(key)
-    return out
+    """Every tensor of a directory's ``model.safetensors`` or its sharded files (via the index),
+    read whole (tests and small checkpoints; loading reads by slices, :func:`load_params`)."""
+    full = lambda s: tuple(slice(0, n) for n in s.shape)
+    return {k: s.read(full(s)) for k, s in hf_io.sources(Path(directory)).items()}
 
 
 def write_safetensors(directory: Path, tensors: dict[str, np.ndarray], max_shard_size: int
                       ) -> None:
     """One ``model.safetensors``, or shards of at most ``max_shard_size`` bytes plus an index
     (a tensor larger than the limit gets a shard of its own), as transformers writes them."""
-    from safetensors.numpy import save_file
-
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for k, v in tensors.items():
-        if shards[-1] and size + v.nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += v.nbytes
-    for old in [*directory.glob("model*.safetensors"), directory / INDEX]:
-        old.unlink(missing_ok=True)  # a previous export's shards would mix in
-    meta = {"format": "pt"}  # transformers refuses safetensors files without it
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE), metadata=meta)
-        return
-    n, weight_map = len(shards), {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(directory / name), metadata=meta)
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(v.nbytes for v in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    dtypes = {np.asarray(v).dtype for v in tensors.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else np.float32
+    hf_io.write(Path(directory), [(k, np.shape(v)) for k, v in tensors.items()],
+                tensors.items(), max_shard_size, dtype)
 
 
 def parse_size(size: int | str) -> int:

@@ -54,16 +54,24 @@ def resolve_data(cfg: dict) -> None:
         m["vocab_size"] = tokenizer.vocab_size(tok, max(int(cfg["mesh"]["tensor"]), 1))
 
 
-def build_model(mcfg: dict, seed: int):
+def build_model(mcfg: dict, seed: int, weights: bool = True):
     """The model of the config's ``model:`` section, initialized from ``seed``
-    (``vocab_size=auto`` without :func:`resolve_data`: the default tokenizer's size)."""
+    (``vocab_size=auto`` without :func:`resolve_data`: the default tokenizer's size).
+    ``weights=False``: a ``model.from_pretrained`` model stays abstract (shapes only), for
+    :func:`initial_params` to load by shards or a checkpoint to restore into."""
     name = mcfg["name"]
     if mcfg.get("from_pretrained") and name not in FAMILIES:
         raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
                          f"model.name=llama, another Hugging Face family ({', '.join(FAMILIES)})"
                          f" or auto (its config.json's family); got {name!r}")
     try:
-        return models.get(name).build(mcfg, seed)
+        model = models.get(name).build(mcfg, seed)
+        loader = initial_params(model)
+        if weights and loader is not None:
+            from flax import nnx
+
+            nnx.update(model, loader(None))
+        return model
     except Exception as e:  # a damaged Hugging Face file: name it, not the parser's words
         from fiddlejax.app.guards import pretrained_error
 
@@ -72,6 +80,20 @@ def build_model(mcfg: dict, seed: int):
         if clear is None:
             raise
         raise clear from e
+
+
+def initial_params(model):
+    """The loader of a ``model.from_pretrained`` model still abstract (``trainer.init`` takes
+    it: each process reads the slices its devices hold), else None (the model's weights)."""
+    import jax
+
+    if getattr(model, "pretrained_from", None) is None:
+        return None
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return model.pretrained_params if any(isinstance(x, jax.ShapeDtypeStruct)
+                                          for x in leaves) else None
 
 
 def build_data(cfg: dict, model, process_index: int = 0,

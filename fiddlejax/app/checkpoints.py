@@ -182,8 +182,9 @@ class JobCheckpoints:
                 p.rmdir()
                 self.log(f"removed {p}: an empty step directory, not a checkpoint")
 
-    def start(self):
-        """(state, first step): restored when resuming (``resume=auto`` or a step), else fresh."""
+    def start(self, initial=None):
+        """(state, first step): restored when resuming (``resume=auto`` or a step), else fresh
+        (from ``initial``, a loader ``trainer.init`` takes, or the model's weights)."""
         latest = self.mgr.latest_step()
         if self.resume not in (None, "auto") and not isinstance(self.resume, int):
             raise ValueError(f"resume={self.resume!r} must be null, auto or a step number")
@@ -196,10 +197,10 @@ class JobCheckpoints:
                     f"checkpoint.dir={self.mgr.directory} already holds checkpoints (latest "
                     f"step {latest}); pass resume=auto to continue from them, resume=N to go "
                     "back to step N, or use an empty directory")
-            return self._fresh()
+            return self._fresh(initial)
         if latest is None and self.resume == "auto":
             self.log(f"resume=auto: no checkpoint in {self.mgr.directory}, starting fresh")
-            return self._fresh()
+            return self._fresh(initial)
         r = self.mgr.restore_all(None if self.resume == "auto" else self.resume)
         newer = [s for s in self.mgr.all_steps() if s > r.step]
         if newer:
@@ -236,8 +237,8 @@ class JobCheckpoints:
         self.log(f"{why} steps {newer} moved to {dest} (delete it, or move a step back to "
                  "return to it)")
 
-    def _fresh(self):
-        state = self.trainer.init()
+    def _fresh(self, initial=None):
+        state = self.trainer.init(initial)
         self.mgr.warm_up(state)
         return state, 1
 

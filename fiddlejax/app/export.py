@@ -3,11 +3,12 @@ Phi-3, Gemma 1/2/3) as a Hugging Face directory of its family (a GPT run's as a 
 ``gpt2`` one, :mod:`fiddlejax.models.gpt2_hf`).
 
 The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``: model, optimizer,
-plan and simulated devices), so the checkpoint restores through the same
-:class:`~fiddlejax.checkpoint.CheckpointManager` path as a resume, verified array by array;
-``trainer.params(state)`` then gives the canonical parameters, which
-the model's ``save_pretrained`` writes as ``config.json`` + safetensors, beside the job's
-tokenizer files and ``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`).
+plan and simulated devices), abstractly; its checkpoint's parameters (never the optimizer
+state) restore one leaf at a time onto one device (a checkpoint restores onto any layout),
+verified array by array (:mod:`fiddlejax.checkpoint_params`), and the model's
+``save_pretrained`` writes them tensor by tensor as ``config.json`` + safetensors (host memory:
+about one leaf and one tensor), beside the job's tokenizer files and
+``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`).
 """
 
 from __future__ import annotations
@@ -38,21 +39,21 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     from fiddlejax.app import build
 
     build.setup_devices(cfg)
-    from flax import nnx
-
     import fiddlejax as fj
+    from fiddlejax import checkpoint_params, models
 
-    model = build.build_model(cfg["model"], cfg["train"]["seed"])
-    trainer = fj.parallelize(model, build.make_optimizer(cfg), build.make_plan(cfg))
+    model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False)  # restored
+    import jax  # one device: the checkpoint restores onto any layout, leaf by leaf
+
+    one = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
+    trainer = fj.parallelize(model, build.make_optimizer(cfg), one)
     mgr = fj.CheckpointManager(ckpt, trainer)
-    try:
-        restored = mgr.restore_all(step)
+    try:  # the parameters only, one leaf at a time, written tensor by tensor
+        step, shapes, leaf = checkpoint_params.param_leaves(mgr, step)
+        models.save_hf(model, out_dir, max_shard_size=max_shard_size, dtype=dtype,  # GPT: gpt2
+                       leaves=(shapes, leaf))
     finally:
         mgr.close()
-    nnx.update(model, trainer.params(restored.state))
-    from fiddlejax import models
-
-    models.save_hf(model, out_dir, max_shard_size=max_shard_size, dtype=dtype)  # GPT: gpt2
     # the job's tokenizer (model.from_pretrained's own unless data.tokenizer named another)
     from fiddlejax.data import tokenizer, tokenizer_files
 
@@ -61,7 +62,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     c = model.config
     tokenizer_files.save(out_dir, tok, getattr(c, "max_position_embeddings", None)
                          or getattr(c, "seq_len", None))
-    return restored.step
+    return step
 
 
 def export_command(argv: list[str]) -> int:

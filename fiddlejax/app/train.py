@@ -74,6 +74,7 @@ class Job:
     made: artifacts.Artifacts | None = None  # what a refused run takes back (process 0)
     lr: Any = None  # step -> the learning rate(s) the step applied, for the logs
     initial: dict = dataclasses.field(default_factory=dict)  # step 0's validation, logged at 1
+    loader: Any = None  # model.from_pretrained: loads by shards at init (build.initial_params)
 
     def evaluate(self, state) -> float:
         if not self.val_batches:  # train.eval_batches=0: no validation, nothing to compile
@@ -154,7 +155,8 @@ def _run(cfg: dict, explicit: set[str] = frozenset(),
     try:
         job.log.print("# initializing the parameters and optimizer state"
                       + (" (or restoring them)" if job.ckpt else ""))
-        state, start = job.ckpt.start() if job.ckpt else (job.trainer.init(), 1)
+        state, start = (job.ckpt.start(job.loader) if job.ckpt
+                        else (job.trainer.init(job.loader), 1))
         job.log.begin(start)
         if job.val_batches:
             job.log.print("# compiling and running the validation loss")
@@ -209,9 +211,9 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     entry = build.entry(cfg)
     source = cfg["model"].get("from_pretrained")
     say = print if is_main else _quiet
-    say(f"# loading the weights of model.from_pretrained={source}" if source
-        else "# building the model")
-    model = build.build_model(cfg["model"], tcfg["seed"])
+    say(f"# reading model.from_pretrained={source}'s config (its weights load by shards at init)"
+        if source else "# building the model")
+    model = build.build_model(cfg["model"], tcfg["seed"], weights=False)  # pretrained: shapes
     build.check_seq_len(cfg, model)
     plan = build.make_plan(cfg)
     build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
@@ -230,7 +232,7 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     job = Job(cfg, trainer, data, val_batches,
               entry.flops_per_step(model, cfg["data"]["batch_size"]), entry.uniform_loss(model),
               logs.Logger(run_dir, is_main, bar, tcfg["steps"]), correct=_correct_fn(entry, model),
-              lr=build.learning_rates(cfg))
+              lr=build.learning_rates(cfg), loader=build.initial_params(model))
     try:
         if is_main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -1,0 +1,133 @@
+"""Hugging Face checkpoints at real size (issue 45): loaded by the slices each device holds,
+written tensor by tensor from sharded parameters, hub ids resolved from the local cache."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fiddlejax as fj
+from fiddlejax import hub
+from fiddlejax.models import from_pretrained, hf_io
+from fiddlejax.models.hf import read_safetensors
+from fiddlejax.models.llama import Llama, LlamaConfig
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A small bf16 Llama directory in two shard files."""
+    c = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                    seq_len=16)
+    model = Llama(c, rngs=nnx.Rngs(3))
+    d = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(d, dtype="bfloat16", max_shard_size="40KB")
+    assert (d / hf_io.INDEX).is_file()
+    return d
+
+
+def _mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+
+
+def _shardings(model):
+    """Each leaf split over ``a`` (4) on its first dimension that 4 divides (layers, rows) and
+    over ``b`` (2) on its last (columns), or its heads as tensor parallelism splits them."""
+    mesh = _mesh()
+
+    def spec(v):
+        axes = [None] * len(v.shape)
+        axes[-2 if len(v.shape) == 4 and v.shape[-1] == 8 else -1] = "b"  # heads, not head_dim
+        first = next((i for i, n in enumerate(v.shape[:-1]) if n % 4 == 0), None)
+        if first is not None:
+            axes[first] = "a"
+        return NamedSharding(mesh, P(*axes))
+
+    return jax.tree.map(spec, nnx.state(model, nnx.Param))
+
+
+def test_sharded_load_reads_only_each_shard_and_equals_the_whole_read(saved, monkeypatch):
+    whole = from_pretrained(saved)
+    abstract = from_pretrained(saved, abstract=True)
+    assert all(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    got = {k: v.size for k, v in read_safetensors(saved).items()}
+    read = []
+    original = hf_io.Stored.read
+    monkeypatch.setattr(hf_io.Stored, "read", lambda self, index: read.append(
+        (self.name, original(self, index).size)) or original(self, index))
+    params = abstract.pretrained_params(_shardings(abstract))
+    per_tensor: dict = {}
+    for name, n in read:
+        per_tensor[name] = per_tensor.get(name, 0) + n
+    assert per_tensor == got  # every element read once: each device its own block, no more
+    for (_, a), (_, b) in zip(nnx.to_flat_state(params), nnx.to_flat_state(
+            nnx.state(whole, nnx.Param))):
+        assert len(a[...].sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
+
+
+def test_save_from_sharded_parameters_writes_the_same_files(saved, tmp_path):
+    model = from_pretrained(saved, shardings=_shardings(from_pretrained(saved, abstract=True)))
+    model.save_pretrained(tmp_path / "out", max_shard_size="40KB")
+    a, b = read_safetensors(saved), read_safetensors(tmp_path / "out")
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint16),
+                                                           b[k].view(np.uint16)), k
+    index = json.loads((tmp_path / "out" / hf_io.INDEX).read_text())
+    assert set(index["weight_map"]) == set(a) and len(set(index["weight_map"].values())) > 1
+
+
+def test_trainer_init_takes_a_loader_and_refuses_an_abstract_model(saved):
+    plan = fj.Plan(mesh=fj.make_mesh(data=8, pipe=1, tensor=1), zero=3)
+    whole = from_pretrained(saved)
+    expected = fj.parallelize(whole, optax.adamw(1e-3), plan).init()
+    abstract = from_pretrained(saved, abstract=True)
+    trainer = fj.parallelize(abstract, optax.adamw(1e-3), plan)
+    with pytest.raises(ValueError, match="abstract.*pretrained_params"):
+        trainer.init()
+    state = trainer.init(abstract.pretrained_params)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _fake_cache(root, repo: str, source) -> None:
+    """``repo`` in a Hugging Face cache laid out as the hub does."""
+    org, name = repo.split("/")
+    base = root / f"models--{org}--{name}"
+    snap = base / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for f in source.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text("0123abcd")
+
+
+def test_hub_ids_resolve_from_the_local_cache_only(saved, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _fake_cache(tmp_path / "cache", "meta-llama/Tiny-Test", saved)
+    path = hub.local_dir("meta-llama/Tiny-Test")
+    assert path == tmp_path / "cache" / "models--meta-llama--Tiny-Test" / "snapshots" / "0123abcd"
+    model = from_pretrained("meta-llama/Tiny-Test")
+    np.testing.assert_array_equal(np.asarray(model.embed[...]),
+                                  np.asarray(from_pretrained(saved).embed[...]))
+    from fiddlejax import config
+
+    cfg = config.load(None, ["model.from_pretrained=meta-llama/Tiny-Test"])
+    assert cfg["model"]["from_pretrained"] == str(path) and cfg["model"]["name"] == "llama"
+    with pytest.raises(FileNotFoundError, match="meta-llama/Absent.*local Hugging Face cache"
+                                                ".*hf download meta-llama/Absent"):
+        hub.local_dir("meta-llama/Absent")
+    with pytest.raises(config.ConfigError, match="never downloads"):
+        config.load(None, ["model.from_pretrained=meta-llama/Absent"])
+    assert hub.local_dir(str(saved)) == saved  # a directory is itself
