@@ -141,7 +141,7 @@ run = __import__("pathlib").Path({str(run_dir)!r})
 mgr = fj.CheckpointManager(runs.checkpoint_dir(cfg, run), tr)
 step, shapes, leaf = checkpoint_params.param_leaves(mgr)
 plan = hf.hf_plan(model.config, shapes)
-ours = dict(hf.hf_stream(plan, leaf))
+ours = dict(hf.hf_io.stream(plan, leaf))
 theirs = hf.read_safetensors(__import__("pathlib").Path({str(out)!r}))
 assert set(ours) == set(theirs), set(ours) ^ set(theirs)
 for k, v in ours.items():

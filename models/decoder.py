@@ -328,15 +328,11 @@ class Decoder(nnx.Module):
                         ) -> Decoder:
         """The model of a Hugging Face directory (or a hub id in the local cache:
         ``meta-llama/Llama-3.1-8B``): ``config.json`` and ``model.safetensors`` or sharded
-        ``model-*-of-*.safetensors`` with ``model.safetensors.index.json``.
-
-        Weights load as float32 masters whatever their stored dtype (bf16 included), or as
-        ``dtype``, read tensor by tensor (:mod:`.hf_io`); ``save_pretrained`` writes the stored
-        dtype back. ``seq_len`` (the default length of ``batch_spec``) defaults to
-        ``max_position_embeddings``. ``abstract=True``: shapes only, nothing read (build the
-        trainer, then ``trainer.init(model.pretrained_params)``); ``shardings``: where each
-        leaf goes (see :meth:`pretrained_params`).
-        """
+        files with ``model.safetensors.index.json``. Weights load as float32 masters (or
+        ``dtype``), each leaf read by the slices its devices hold (``shardings``: see
+        :meth:`pretrained_params`); ``save_pretrained`` writes the stored dtype back.
+        ``seq_len`` defaults to ``max_position_embeddings``. ``abstract=True``: shapes only
+        (then ``trainer.init(model.pretrained_params)``)."""
         from fiddlejax import hub
 
         directory = hub.local_dir(directory)
@@ -352,11 +348,8 @@ class Decoder(nnx.Module):
 
     def pretrained_params(self, shardings: Any = None, *, directory: str | Path | None = None,
                           dtype: Any = None) -> nnx.State:
-        """The parameters of the Hugging Face directory this model came from (or
-        ``directory``), each leaf placed by ``shardings`` (a tree like the parameters', a
-        function of the leaf's key, or None: the default device) and read by the slices this
-        process's devices hold: ``trainer.init(model.pretrained_params)`` never holds the
-        whole model in one place."""
+        """The source directory's parameters, each leaf placed by ``shardings`` (a tree, a
+        function of the leaf's key, or None: the default device), read by its devices' slices."""
         directory = Path(directory or self.pretrained_from)
         return hf.load_params(hf_io.sources(directory), self.config, nnx.state(self, nnx.Param),
                               type(self).__name__, dtype, shardings)
@@ -366,31 +359,25 @@ class Decoder(nnx.Module):
                         leaves: tuple | None = None) -> None:
         """Write a Hugging Face directory that transformers' class of the family reads:
         ``config.json`` and safetensors, split into ``model-0000i-of-0000n.safetensors`` files
-        with an index when the weights exceed ``max_shard_size`` (bytes, or "500MB", "2GiB").
-        ``dtype``: "float32" or "bfloat16"; default: the loaded checkpoint's (float32 for a
-        model built here). ``tokenizer``: a ``fiddlejax.data.tokenizer`` tokenizer or a
-        ``data.tokenizer`` spec whose files (and ``generation_config.json``) are written too;
-        ``"auto"``: those of the directory the model was read from, if it holds one. Written
-        tensor by tensor from the (possibly sharded) parameters; in a multi-process job every
-        process calls it and process 0 writes. ``leaves``: ``(shapes, leaf)``, parameters read
-        one at a time instead of the model's own (an export's checkpoint,
-        :func:`fiddlejax.checkpoint_params.param_leaves`)."""
+        with an index above ``max_shard_size`` (bytes, or "500MB", "2GiB"), tensor by tensor
+        from the (possibly sharded) parameters; every process calls it, process 0 writes.
+        ``dtype``: "float32" or "bfloat16"; default: the loaded checkpoint's. ``tokenizer``: a
+        tokenizer or ``data.tokenizer`` spec whose files (and ``generation_config.json``) are
+        written too; ``"auto"``: the source directory's. ``leaves``: ``(shapes, leaf)``, the
+        parameters read one at a time (:func:`fiddlejax.checkpoint_params.param_leaves`)."""
         if leaves is None:
             flat = hf.flat_params(nnx.state(self, nnx.Param))
             leaves = {k: tuple(v.shape) for k, v in flat.items()}, flat.__getitem__
         hf.save_params(directory, leaves[1], leaves[0], self.config,
                        families.write(self.config), max_shard_size,
                        dtype or self.config.checkpoint_dtype)
-        if jax.process_index():
-            return
         from fiddlejax.data import tokenizer as tokenizers
         from fiddlejax.data import tokenizer_files
 
-        if tokenizer == "auto":
-            source = self.config.source_dir
-            tokenizer = str(tokenizers.find(source)) if source and tokenizers.find(source) \
-                else None
-        tokenizer_files.save(directory, tokenizer, self.config.max_position_embeddings)
+        found = tokenizers.find(self.config.source_dir) if self.config.source_dir else None
+        tokenizer = (found and str(found)) if tokenizer == "auto" else tokenizer
+        if jax.process_index() == 0:
+            tokenizer_files.save(directory, tokenizer, self.config.max_position_embeddings)
 
 
 def _family(name: str, model_type: str) -> type[Decoder]:

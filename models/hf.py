@@ -50,7 +50,7 @@ def write_pretrained(directory: str | Path, tensors: dict[str, np.ndarray], conf
                      max_shard_size: int | str, dtype: str) -> None:
     """Write ``config`` as ``config.json`` and ``tensors`` as safetensors shards of at most
     ``max_shard_size``, cast to ``dtype`` ("float32" or "bfloat16") one at a time."""
-    np_dtype = _np_dtype(dtype)
+    np_dtype = hf_io.np_dtype(dtype)
     write_config(directory, config, dtype)
     hf_io.write(Path(directory), [(k, v.shape) for k, v in tensors.items()],
                 tensors.items(), parse_size(max_shard_size), np_dtype)
@@ -224,40 +224,13 @@ def _fuse(plan: list) -> list:
     return out
 
 
-def host(x, i: int | None = None) -> np.ndarray:
-    """Layer ``i`` (or all) of a parameter as a host array: a sharded one is gathered (from
-    every process when it spans several; each takes part)."""
-    if isinstance(x, jax.Array):
-        x = x if i is None else x[i]
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    x = np.asarray(x)
-    return x if i is None else x[i]
-
-
-def hf_stream(plan: list, leaf: Any) -> Any:
-    """(name, array) for each tensor of ``plan``; ``leaf(key)`` gives our leaf (kept while the
-    next tensors need it, then dropped: a restore reads each leaf once)."""
-    held: dict = {}
-    for name, _, needs, make in plan:
-        keys = {k for k, _ in needs}
-        for k in [k for k in held if k not in keys]:
-            del held[k]
-        for k in keys - set(held):
-            held[k] = leaf(k)
-        yield name, make([host(held[k], i) for k, i in needs])
-
-
 def hf_tensors(params: nnx.State, config: Any) -> dict[str, np.ndarray]:
     """Hugging Face tensor names -> float32 numpy arrays for canonical parameters ``params`` of
     a decoder with ``config`` (fused as the family stores them: Phi-3)."""
     flat = flat_params(params)
     plan = hf_plan(config, {k: tuple(v.shape) for k, v in flat.items()})
     return {name: np.ascontiguousarray(np.asarray(a, np.float32))
-            for name, a in hf_stream(plan, flat.__getitem__)}
+            for name, a in hf_io.stream(plan, flat.__getitem__)}
 
 
 def save_params(directory: str | Path, leaf: Any, shapes: dict, config: Any, hf_config: dict,
@@ -269,8 +242,8 @@ def save_params(directory: str | Path, leaf: Any, shapes: dict, config: Any, hf_
     if writer:
         write_config(directory, hf_config, dtype)
     plan = hf_plan(config, shapes)
-    hf_io.write(Path(directory), [(n, s) for n, s, _, _ in plan], hf_stream(plan, leaf),
-                parse_size(max_shard_size), _np_dtype(dtype), writer)
+    hf_io.write(Path(directory), [(n, s) for n, s, _, _ in plan], hf_io.stream(plan, leaf),
+                parse_size(max_shard_size), hf_io.np_dtype(dtype), writer)
 
 
 def flat_params(params: nnx.State) -> dict[tuple[str, ...], Any]:
@@ -349,16 +322,6 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: Any, template: nnx.St
     """Canonical parameters (the tree of ``template``) from in-memory Hugging Face tensors,
     as float32 (or ``dtype``), on the default device."""
     return load_params(tensors, config, template, what, dtype)
-
-
-def _np_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if dtype != "float32":
-        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
-    return np.dtype(np.float32)
 
 
 # -- safetensors files ---------------------------------------------------------------------------

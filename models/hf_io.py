@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +218,43 @@ def leaf_array(shape: tuple[int, ...], sharding, reader, dtype) -> jax.Array:
         else:
             arrays.append(jax.device_put(done[key], device))
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+def host(x, i: int | None = None) -> np.ndarray:
+    """Layer ``i`` (or all) of a parameter as a host array: a sharded one is gathered (from
+    every process when it spans several; each takes part)."""
+    if isinstance(x, jax.Array):
+        x = x if i is None else x[i]
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    x = np.asarray(x)
+    return x if i is None else x[i]
+
+
+def stream(plan: list, leaf: Any) -> Any:
+    """(name, array) for each tensor of ``plan``; ``leaf(key)`` gives our leaf (kept while the
+    next tensors need it, then dropped: a restore reads each leaf once)."""
+    held: dict = {}
+    for name, _, needs, make in plan:
+        keys = {k for k, _ in needs}
+        for k in [k for k in held if k not in keys]:
+            del held[k]
+        for k in keys - set(held):
+            held[k] = leaf(k)
+        yield name, make([host(held[k], i) for k, i in needs])
+
+
+def np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if dtype != "float32":
+        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
+    return np.dtype(np.float32)
 
 
 # -- writing -----------------------------------------------------------------------------------
