@@ -18,6 +18,8 @@ commands:
   train [--config FILE] [key=value ...]   train a model (GPT on the stdlib corpus by default)
   schedule KIND --stages P --microbatches M [--virtual-stages V] [--json] [--png FILE]
   plan ...                                predict and search parallel layouts
+  data prepare data.path=... data.tokenizer=...
+                                          tokenize a corpus once into data.cache_dir
   export RUN_DIR OUT_DIR [--step N]       a Llama (or GPT: gpt2) run as a Hugging Face directory
   eval run.dir=DIR [data.path=...] [resume=N] [batches=N]
                                           validation loss and perplexity of a run's checkpoint
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from fiddlejax.app.inference import main as inference_main
 
         return inference_main(cmd, rest, debug=debug)
+    if cmd == "data":
+        from fiddlejax.app.prepare import prepare_command
+
+        return prepare_command(rest)
     if cmd == "plan":
         from fiddlejax.planner.command import plan_command
 

@@ -69,13 +69,16 @@ def own_batches(cfg: dict, seq_len: int, vocab: int, process_index: int = 0,
                 process_count: int = 1):
     """(train stream, validation batches) of the user's data, packed (``segment_ids``,
     ``positions``); the train stream's state records the sources and the tokenizer."""
+    import jax
+
     from fiddlejax.data import pipeline, tokenizer
 
     tok = tokenizer.load(cfg["data"]["tokenizer"], cfg["model"].get("from_pretrained"))
     fix = vocab_fix(cfg, vocab).replace("The bundled corpus is bytes", "The tokenizer is "
                                         f"{tok.describe()}")
     return pipeline.job_batches(cfg["data"], tok, seq_len, vocab, fix, process_index,
-                                process_count, log=print if process_index == 0 else _quiet)
+                                process_count, log=print if process_index == 0 else _quiet,
+                                build=(jax.process_index(), jax.process_count()))
 
 
 def _quiet(text: str) -> None:

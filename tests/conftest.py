@@ -23,6 +23,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller; workers inh
     _cache = tempfile.mkdtemp(prefix="fiddlejax-tests-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+if "FIDDLEJAX_DATA_CACHE" not in os.environ:  # prepared corpora: one store per session
+    _data = tempfile.mkdtemp(prefix="fiddlejax-tests-data-cache-")
+    os.environ["FIDDLEJAX_DATA_CACHE"] = _data
+    atexit.register(shutil.rmtree, _data, ignore_errors=True)
 
 import jax  # noqa: E402
 

@@ -1,13 +1,15 @@
 """The job's language-model batches over the user's data (``data.path`` / ``data.mixture``).
 
-Documents are read (:mod:`.sources`), split into train and validation by a hash of each
-document (``data.val_fraction``; or all of ``data.val_path`` is validation), tokenized in grain
-worker processes (``data.workers``; 0 tokenizes in this process, in the tokenizer's threads),
-packed into rows (:mod:`.packing`), and served by grain: each component shuffled by
-``data.seed`` and repeated, components mixed by weight (``MapDataset.mix``), batched, and each
-process keeps its rows of every global batch. The stream of global batches does not depend on
-the layout or the process count, so the iterator state (the index of the next batch) resumes
-exactly on any of them (:class:`Stream`).
+Each component is a prepared store (:mod:`.prepare`, :mod:`.store`): made once, on the first
+run (every process of the job tokenizing its share of the documents), then opened in constant
+time and memory by every later run. Documents are split into train and validation by a hash
+of each (``data.val_fraction``; or all of ``data.val_path`` is validation) and cut into rows
+when read (packed with ``segment_ids``, or a document per row). grain serves the rows' ids:
+each component shuffled by ``data.seed`` and repeated, components mixed by weight
+(``MapDataset.mix``), batched; each process then reads only its rows of every global batch
+from the memory-mapped store. The stream of global batches does not depend on the layout or
+the process count, so the iterator state (the index of the next batch) resumes exactly on any
+of them (:class:`Stream`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import zlib
+import time
 from collections.abc import Callable, Sequence
 
 import grain
 import numpy as np
 
-from fiddlejax.data import packing, sources
+from fiddlejax.data import packing, prepare, sources, store
 from fiddlejax.data import tokenizer as tokenizers
+from fiddlejax.data.prepare import doc_hash  # noqa: F401 - a public name of this module
 from fiddlejax.data.sources import DataError
 
 DEFAULT_VAL_FRACTION = 0.05  # held out when neither data.val_path nor data.val_fraction is set
@@ -31,12 +34,14 @@ IDS_LOG = "FIDDLEJAX_EXAMPLE_IDS"  # a file: the train stream appends each batch
 
 @dataclasses.dataclass
 class Corpus:
-    """One component's rows (``tokens``, ``segment_ids``, ``positions``: int32
-    ``[rows, seq_len + 1]``) and what a checkpoint records of its sources."""
+    """One component's rows (:class:`.store.Rows`: ``tokens``, ``segment_ids``,
+    ``positions``, int32 ``[seq_len + 1]`` each, read on demand), what a checkpoint records of
+    its sources, and the store's metadata."""
 
-    train: dict
-    validation: dict
+    train: store.Rows
+    validation: store.Rows
     fingerprint: dict
+    meta: dict = dataclasses.field(default_factory=dict)
 
 
 class _Encode:
@@ -55,7 +60,8 @@ class _Encode:
 def tokenize(docs: Sequence, tok: tokenizers.Tokenizer, workers: int = 0,
              chunk: int = 64) -> list[np.ndarray]:
     """Each document as ``[BOS] ids EOS`` (token-file documents pass through as ids), in
-    order; ``workers > 0`` runs the tokenizer in that many grain worker processes."""
+    order; ``workers > 0`` runs the tokenizer in that many grain worker processes. (The job
+    prepares a store instead: :mod:`.prepare`.)"""
     chunks = [list(docs[i:i + chunk]) for i in range(0, len(docs), chunk)]
     ds = grain.MapDataset.source(chunks).map(_Encode(tok)).to_iter_dataset()
     if workers > 0 and len(chunks) > 1:
@@ -67,12 +73,6 @@ def tokenize(docs: Sequence, tok: tokenizers.Tokenizer, workers: int = 0,
     return [ids for part in ds for ids in part]
 
 
-def doc_hash(doc) -> int:
-    """A stable hash of a document's content (text or ids): the validation split's key."""
-    data = doc.encode("utf-8") if isinstance(doc, str) else np.asarray(doc, np.int64).tobytes()
-    return zlib.crc32(data)
-
-
 def split(docs: list, fraction: float) -> tuple[list, list]:
     """(train, validation): a document is held out when its hash falls in ``fraction``."""
     cut = int(round(fraction * 2 ** 32))
@@ -81,7 +81,8 @@ def split(docs: list, fraction: float) -> tuple[list, list]:
 
 
 def read(path, opts: sources.Options, key: str) -> tuple[list, dict]:
-    """(documents, fingerprint) of ``path``; a :class:`DataError` when it holds none."""
+    """(documents, fingerprint) of ``path`` in memory (small data and tests; the job streams
+    them into a store); a :class:`DataError` when it holds none."""
     files = sources.resolve(path, key)
     docs = list(sources.documents(files, opts))
     if not docs:
@@ -89,83 +90,98 @@ def read(path, opts: sources.Options, key: str) -> tuple[list, dict]:
     return docs, sources.fingerprint(files)
 
 
-def stdlib_documents() -> tuple[list, dict]:
-    """The bundled corpus as documents (one standard-library file each) for a tokenizer."""
-    from fiddlejax.data.builtin import stdlib_files
-
-    files = stdlib_files()
-    return [p.read_text(encoding="utf-8", errors="replace") for p in files], {
-        "paths": ["<stdlib>"], "sizes": [sum(p.stat().st_size for p in files)],
-        "sha256": "stdlib"}
+def prepared(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str, *, rank: int = 0,
+             count: int = 1, log: Callable[[str], None] = print,
+             progress: Callable[[dict], None] | None = None,
+             start: Callable[[int, int], None] | None = None) -> store.Store:
+    """The store of one component, prepared on a cache miss (this process, ``rank`` of
+    ``count``, doing its share) and opened."""
+    sp = prepare.spec(path, dcfg, tok, key)
+    root = prepare.cache_dir(dcfg)
+    t = time.perf_counter()
+    where, hit = prepare.ensure(sp, root, workers=int(dcfg.get("workers", 0)), rank=rank,
+                                count=count, progress=progress, start=start)
+    st = store.Store(where)
+    m = st.meta
+    if not m["splits"]["train"]["docs"] + m["splits"]["validation"]["docs"]:
+        raise DataError(f"{key}={path} holds no documents")
+    tokens = m["splits"]["train"]["tokens"] + m["splits"]["validation"]["tokens"]
+    log(f"data: {key}={path if path is not None else '<stdlib>'}: "
+        + (f"prepared store {where} (cache hit)" if hit else
+           f"prepared {tokens:,} tokens in {time.perf_counter() - t:.1f} s into {where}"))
+    return st
 
 
 def corpus(path, dcfg: dict, tok: tokenizers.Tokenizer, seq_len: int, key: str,
-           log: Callable[[str], None] = print) -> Corpus:
-    """Read, split, tokenize and pack one component of ``data.path`` / ``data.mixture``."""
-    opts = sources.Options(dcfg.get("field", "text"), dcfg.get("eos_id"),
-                           dcfg.get("token_dtype", "uint16"))
-    docs, fp = stdlib_documents() if path is None else read(path, opts, key)
-    val_path, fraction = dcfg.get("val_path"), dcfg.get("val_fraction")
-    if val_path is not None:
-        train_docs, fraction = docs, 0.0
-        val_docs, val_fp = read(val_path, opts, "data.val_path")
-        fp = {**fp, "validation": val_fp}
-    else:
-        fraction = DEFAULT_VAL_FRACTION if fraction is None else fraction
-        train_docs, val_docs = split(docs, fraction)
-    workers, pack = int(dcfg.get("workers", 0)), bool(dcfg.get("pack", True))
-    train_ids, val_ids = tokenize(train_docs, tok, workers), tokenize(val_docs, tok, workers)
-    log(summary(f"{key}={path or '<stdlib>'}", train_ids, val_ids, tok))
-    train = packing.pack_rows(train_ids, seq_len + 1, pack=pack)
-    val = packing.pack_rows(val_ids, seq_len + 1, pack=pack)
-    if len(val["tokens"]) == 0 and fraction > 0 and len(train["tokens"]) > 1:
+           log: Callable[[str], None] = print, rank: int = 0, count: int = 1) -> Corpus:
+    """One component of ``data.path`` / ``data.mixture``: its prepared store's rows."""
+    st = prepared(path, dcfg, tok, key, rank=rank, count=count, log=log)
+    log(summary(f"{key}={path or '<stdlib>'}", st.meta, tok))
+    pack = bool(dcfg.get("pack", True))
+    train = st.rows("train", seq_len + 1, pack)
+    val = st.rows("validation", seq_len + 1, pack)
+    fraction = st.meta["fraction"]
+    if len(val) == 0 and fraction > 0 and len(train) > 1:
         # Too few documents for a hash split (one file, say): hold out the last rows instead.
-        n = max(1, int(len(train["tokens"]) * fraction))
-        val = {k: v[-n:] for k, v in train.items()}
-        train = {k: v[:-n] for k, v in train.items()}
+        n = max(1, int(len(train) * fraction))
+        train, val = train.view(0, len(train) - n), train.view(len(train) - n, len(train))
         log(f"data: {key}={path} has too few documents for a split by hash; its last {n} "
             "rows are the validation set")
-    if len(train["tokens"]) == 0:
+    if len(train) == 0:
         raise DataError(f"{key}={path} gives no training row of model.seq_len + 1 = "
                         f"{seq_len + 1} tokens; add data or lower model.seq_len")
-    return Corpus(train, val, fp)
+    return Corpus(train, val, st.meta["fingerprint"], st.meta)
 
 
-def summary(what: str, train: list, val: list, tok: tokenizers.Tokenizer) -> str:
-    """The job's data line: documents, tokens, the split and the tokenizer."""
-    n = lambda docs: sum(len(d) for d in docs)  # noqa: E731
-    return (f"# data: {what}: {len(train) + len(val):,} documents ({len(train):,} train, "
-            f"{len(val):,} validation), {n(train):,} + {n(val):,} tokens; tokenizer "
+def summary(what: str, meta: dict, tok: tokenizers.Tokenizer) -> str:
+    """The job's data line: documents, tokens, the split and the tokenizer (the store's
+    counts)."""
+    t, v = meta["splits"]["train"], meta["splits"]["validation"]
+    return (f"# data: {what}: {t['docs'] + v['docs']:,} documents ({t['docs']:,} train, "
+            f"{v['docs']:,} validation), {t['tokens']:,} + {v['tokens']:,} tokens; tokenizer "
             f"{tok.describe()} ({tok.vocab_size:,} ids)")
 
 
-class _Rows(grain.sources.RandomAccessDataSource):
-    """Row ``i`` of packed rows as a dict, with its id (component * 2**32 + row)."""
+class _Ids(grain.sources.RandomAccessDataSource):
+    """Row ``i`` of a component as its id (component * 2**32 + row): batches are made of
+    ids, and each process then reads only its rows' data (:class:`_Read`)."""
 
-    def __init__(self, rows: dict, component: int):
-        self.rows, self.component = rows, component
+    def __init__(self, n: int, component: int):
+        self.n, self.component = n, component
 
     def __len__(self) -> int:
-        return len(self.rows["tokens"])
+        return self.n
 
-    def __getitem__(self, i: int) -> dict:
-        i = int(i)
-        return {**{k: v[i] for k, v in self.rows.items()},
-                "example_ids": np.int64(self.component * 2 ** 32 + i)}
+    def __getitem__(self, i: int) -> np.int64:
+        return np.int64(self.component * 2 ** 32 + int(i))
 
 
-def batches(parts: list[dict], weights: list[float], batch_size: int, *, seed: int,
+class _Read:
+    """A batch of row ids into this process's rows: ``{tokens, segment_ids, positions,
+    example_ids}``, read from the components' stores."""
+
+    def __init__(self, parts: list, lo: int, hi: int):
+        self.parts, self.lo, self.hi = parts, lo, hi
+
+    def __call__(self, ids: np.ndarray) -> dict:
+        ids = np.asarray(ids)[self.lo:self.hi]
+        rows = [self.parts[int(i) >> 32][int(i) & 0xFFFFFFFF] for i in ids]
+        return {**{k: np.stack([r[k] for r in rows]) for k in rows[0]}, "example_ids": ids}
+
+
+def batches(parts: list, weights: list[float], batch_size: int, *, seed: int,
             shuffle: bool, process_index: int, process_count: int) -> grain.IterDataset:
-    """Global batches of the mixed components; this process's rows of each."""
+    """Global batches of the mixed components (row sources: :class:`.store.Rows` or anything
+    indexable giving row dicts); this process reads only its rows of each."""
     ds = []
     for i, rows in enumerate(parts):
-        d = grain.MapDataset.source(_Rows(rows, i))
+        d = grain.MapDataset.source(_Ids(len(rows), i))
         ds.append((d.shuffle(seed=seed + i) if shuffle else d).repeat())
     mixed = ds[0] if len(ds) == 1 else grain.MapDataset.mix(ds, weights)
     local = batch_size // process_count
     lo = process_index * local
     out = mixed.batch(batch_size, drop_remainder=True)
-    return out.map(lambda b: {k: v[lo:lo + local] for k, v in b.items()}).to_iter_dataset()
+    return out.map(_Read(parts, lo, lo + local)).to_iter_dataset()
 
 
 class Stream:
@@ -250,23 +266,28 @@ def components(dcfg: dict) -> list[tuple]:
 
 def job_batches(dcfg: dict, tok: tokenizers.Tokenizer, seq_len: int, vocab: int | None,
                 fix: str, process_index: int = 0, process_count: int = 1,
-                log: Callable[[str], None] = print) -> tuple[Stream, grain.IterDataset]:
+                log: Callable[[str], None] = print,
+                build: tuple[int, int] | None = None) -> tuple[Stream, grain.IterDataset]:
     """(train :class:`Stream`, validation batches) of ``data:`` for this process; every id is
-    checked against the model's vocabulary ``vocab`` here (``fix`` ends that error)."""
+    checked against the model's vocabulary ``vocab`` here (``fix`` ends that error).
+    ``build``: this process's (rank, count) among the job's processes, which share the
+    preparation of a store not yet in ``data.cache_dir`` (default: the data shard's)."""
     from fiddlejax.data.builtin import check_tokens
 
+    rank, count = build or (process_index, process_count)
     parts = components(dcfg)
     many = len(parts) > 1
     corpora = [corpus(p, dcfg, tok, seq_len, f"data.mixture[{i}].path" if many else "data.path",
-                      log) for i, (p, _) in enumerate(parts)]
+                      log, rank, count) for i, (p, _) in enumerate(parts)]
     if vocab is not None:
         for (p, _), c in zip(parts, corpora):
-            check_tokens(c.train["tokens"], vocab, f"data.path={p or '<stdlib>'}", fix)
+            ids = np.array([c.meta["min_id"], c.meta["max_id"]], np.int64)
+            check_tokens(ids, vocab, f"data.path={p or '<stdlib>'}", fix)
     weights = [w for _, w in parts]
     b, seed = dcfg["batch_size"], dcfg["seed"]
     shard = {"process_index": process_index, "process_count": process_count}
     train = batches([c.train for c in corpora], weights, b, seed=seed, shuffle=True, **shard)
-    vals = [c.validation for c in corpora if len(c.validation["tokens"])]
+    vals = [c.validation for c in corpora if len(c.validation)]
     if not vals:
         raise DataError("no validation rows: set data.val_path, or a larger data.val_fraction")
     val = batches(vals, [1.0] * len(vals), b, seed=seed, shuffle=False, **shard)

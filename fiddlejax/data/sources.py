@@ -9,6 +9,11 @@ written by Hugging Face datasets' ``save_to_disk`` (``state.json`` / ``dataset_i
 to ``*.arrow`` files) is read with pyarrow; any other directory contributes its files of those
 kinds. Every problem (no such path, an empty file, a bad JSON line, a missing field) is a
 :class:`DataError` naming the file and the line, raised while reading, before anything compiles.
+
+Nothing holds a whole file: a file is cut into :class:`Piece` s (a JSONL byte range, Parquet row
+groups, ArrayRecord record ranges; other kinds whole) that :func:`read_piece` streams (JSONL by
+line, Parquet and Arrow by record batch, token files memory-mapped), so the corpus store
+(:mod:`.prepare`) tokenizes pieces in parallel, in any process, in constant memory.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ def _resolve_one(entry: str, key: str) -> list[SourceFile]:
 
 
 def fingerprint(files: list[SourceFile]) -> dict:
-    """What a checkpoint records of the sources: paths, sizes and a content hash."""
+    """Paths, sizes and a hash of every byte (the prepared store records a content hash made
+    while tokenizing instead: :mod:`.prepare`)."""
     h = hashlib.sha256()
     for f in files:
         with open(f.path, "rb") as fh:
@@ -141,10 +147,50 @@ class Options:
 
 def documents(files: list[SourceFile], opts: Options) -> Iterator[str | np.ndarray]:
     """Every document of ``files`` in order: text (``str``) or, from token files, int arrays."""
+    for piece in pieces(files, opts):
+        yield from read_piece(piece, opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A part of a file read on its own: JSONL bytes ``[lo, hi)`` (the lines that start
+    there), Parquet row groups or ArrayRecord records ``[lo, hi)``; ``hi=-1``: the whole file."""
+
+    file: SourceFile
+    lo: int = 0
+    hi: int = -1
+
+
+PIECE_BYTES = 4 << 20  # a JSONL piece; Parquet pieces are row groups
+
+
+def pieces(files: list[SourceFile], opts: Options,
+           piece_bytes: int | None = None) -> list[Piece]:
+    """``files`` cut into pieces, in document order (reads metadata, never the documents)."""
+    piece_bytes = piece_bytes or PIECE_BYTES
+    out: list[Piece] = []
     for f in files:
         if f.size == 0:
             raise DataError(f"{f.path} is empty; remove it from data.path")
-        yield from _READERS[f.kind](Path(f.path), opts)
+        if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
+            n = max(1, -(-f.size // piece_bytes))
+            cuts = [f.size * i // n for i in range(n + 1)]
+            out += [Piece(f, a, b) for a, b in zip(cuts, cuts[1:])]
+        elif f.kind == "parquet":
+            groups = _parquet(Path(f.path)).metadata.num_row_groups
+            out += [Piece(f, g, g + 1) for g in range(groups)] or [Piece(f, 0, 0)]
+        elif f.kind == "arrayrecord":
+            n = _array_record(Path(f.path)).num_records()
+            step = 1 << 16
+            out += [Piece(f, a, min(a + step, n)) for a in range(0, n, step)] or [Piece(f, 0, 0)]
+        else:
+            out.append(Piece(f))
+    return out
+
+
+def read_piece(piece: Piece, opts: Options) -> Iterator[str | np.ndarray]:
+    """The documents of one piece, streamed."""
+    return _READERS[piece.file.kind](Path(piece.file.path), opts, piece.lo, piece.hi)
 
 
 def _text(value, where: str, field: str) -> str:
@@ -154,98 +200,158 @@ def _text(value, where: str, field: str) -> str:
     return value
 
 
-def _read_txt(p: Path, opts: Options) -> Iterator[str]:
+def _read_txt(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
     try:
         yield p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{p}: not UTF-8 text at byte {e.start}; convert it to UTF-8") from None
 
 
-def _read_jsonl(p: Path, opts: Options) -> Iterator[str]:
-    opener = gzip.open if p.name.lower().endswith(".gz") else open
+def _lines(p: Path, lo: int, hi: int) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line) of the lines that start in ``[lo, hi)`` (``hi=-1``: to the end)."""
+    if p.name.lower().endswith(".gz"):
+        with gzip.open(p, "rb") as fh:
+            pos = 0
+            for line in fh:
+                yield pos, line
+                pos += len(line)
+        return
+    with open(p, "rb") as fh:
+        if lo > 0:
+            fh.seek(lo - 1)
+            fh.readline()  # the line that started before lo belongs to the previous piece
+        pos = fh.tell()
+        while hi < 0 or pos < hi:
+            line = fh.readline()
+            if not line:
+                return
+            yield pos, line
+            pos += len(line)
+
+
+def _line_number(p: Path, pos: int) -> int:
+    """The 1-based number of the line at byte ``pos`` (counted only to name an error)."""
+    if p.name.lower().endswith(".gz"):
+        with gzip.open(p, "rb") as fh:
+            return fh.read(pos).count(b"\n") + 1
+    with open(p, "rb") as fh:
+        return sum(fh.read(min(1 << 24, pos - i)).count(b"\n")
+                   for i in range(0, pos, 1 << 24)) + 1
+
+
+def _read_jsonl(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
     try:
-        with opener(p, "rt", encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno}); "
-                                    "each line must be one JSON object") from None
-                if not isinstance(rec, dict) or opts.field not in rec:
-                    have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                    raise DataError(f"{p}:{n}: no field {opts.field!r} (has {have}); set "
-                                    "data.field to the field holding the text")
-                yield _text(rec[opts.field], f"{p}:{n}", opts.field)
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+        for pos, line in _lines(p, lo, hi):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{_line_number(p, pos)}: not valid JSON ({e.msg} at column "
+                                f"{e.colno}); each line must be one JSON object") from None
+            except UnicodeDecodeError:
+                raise DataError(f"{p}:{_line_number(p, pos)}: not UTF-8 text; convert the "
+                                "file to UTF-8") from None
+            if not isinstance(rec, dict) or opts.field not in rec:
+                have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                raise DataError(f"{p}:{_line_number(p, pos)}: no field {opts.field!r} (has "
+                                f"{have}); set data.field to the field holding the text")
+            yield _text(rec[opts.field], f"{p}:{_line_number(p, pos)}", opts.field)
+    except (OSError, EOFError) as e:
         raise DataError(f"{p}: cannot be read ({e}); is it a valid (gzipped) JSONL file?") \
             from None
 
 
-def _column(table, p: Path, field: str) -> Iterator[str]:
-    if field not in table.column_names:
-        raise DataError(f"{p}: no column {field!r} (columns: {table.column_names}); set "
+def _check_column(names: list[str], p: Path, field: str) -> None:
+    if field not in names:
+        raise DataError(f"{p}: no column {field!r} (columns: {names}); set "
                         "data.field to the column holding the text")
-    for n, v in enumerate(table.column(field).to_pylist()):
-        yield _text(v, f"{p}: row {n}", field)
 
 
-def _read_parquet(p: Path, opts: Options) -> Iterator[str]:
+def _batches_text(batches, p: Path, field: str) -> Iterator[str]:
+    n = 0
+    for batch in batches:
+        for v in batch.column(field).to_pylist():
+            yield _text(v, f"{p}: row {n}", field)
+            n += 1
+
+
+def _parquet(p: Path):
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(p, columns=None)
+        return pq.ParquetFile(p)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
         raise DataError(f"{p}: not a readable Parquet file ({e})") from None
-    yield from _column(table, p, opts.field)
 
 
-def _read_arrow(p: Path, opts: Options) -> Iterator[str]:
+def _read_parquet(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
+    f = _parquet(p)
+    _check_column(f.schema_arrow.names, p, opts.field)
+    groups = list(range(lo, f.metadata.num_row_groups if hi < 0 else hi))
+    if groups:  # one record batch at a time: never the whole file
+        yield from _batches_text(f.iter_batches(batch_size=4096, row_groups=groups,
+                                                columns=[opts.field]), p, opts.field)
+
+
+def _read_arrow(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
     import pyarrow as pa
 
-    try:  # datasets writes Arrow IPC streams; accept the file format too
-        with pa.memory_map(str(p)) as src:
-            table = pa.ipc.open_stream(src).read_all()
-    except pa.ArrowInvalid:
-        try:
-            with pa.memory_map(str(p)) as src:
-                table = pa.ipc.open_file(src).read_all()
-        except pa.ArrowInvalid as e:
-            raise DataError(f"{p}: not an Arrow file ({e})") from None
-    yield from _column(table, p, opts.field)
+    with pa.memory_map(str(p)) as src:  # record batches are views of the mapped file
+        try:  # datasets writes Arrow IPC streams; accept the file format too
+            reader = pa.ipc.open_stream(src)
+            batches = iter(reader)
+        except pa.ArrowInvalid:
+            try:
+                src.seek(0)
+                reader = pa.ipc.open_file(src)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid as e:
+                raise DataError(f"{p}: not an Arrow file ({e})") from None
+        _check_column(reader.schema.names, p, opts.field)
+        yield from _batches_text(batches, p, opts.field)
 
 
-def _read_arrayrecord(p: Path, opts: Options) -> Iterator[str]:
+def _array_record(p: Path):
     try:
         from array_record.python.array_record_module import ArrayRecordReader
     except ImportError:
         raise DataError(f"{p}: reading ArrayRecord needs the array_record package (pip "
                         "install array_record); or convert the data to .jsonl") from None
-    reader = ArrayRecordReader(str(p))
+    return ArrayRecordReader(str(p))
+
+
+def _read_arrayrecord(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
+    reader = _array_record(p)
     try:
-        records = reader.read_all()
+        hi = reader.num_records() if hi < 0 else hi
+        for start in range(lo, hi, 1024):
+            for n, rec in enumerate(reader.read(start, min(start + 1024, hi)), start):
+                yield _record_text(rec, p, n, opts)
     finally:
         reader.close()
-    for n, rec in enumerate(records):
+
+
+def _record_text(rec: bytes, p: Path, n: int, opts: Options) -> str:
+    try:
+        text = rec.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{p}: record {n} is not UTF-8 text") from None
+    if text.lstrip().startswith("{"):
         try:
-            text = rec.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{p}: record {n} is not UTF-8 text") from None
-        if text.lstrip().startswith("{"):
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError:
-                obj = None
-            if isinstance(obj, dict):
-                if opts.field not in obj:
-                    raise DataError(f"{p}: record {n} has no field {opts.field!r} (has "
-                                    f"{sorted(obj)}); set data.field")
-                text = _text(obj[opts.field], f"{p}: record {n}", opts.field)
-        yield text
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            if opts.field not in obj:
+                raise DataError(f"{p}: record {n} has no field {opts.field!r} (has "
+                                f"{sorted(obj)}); set data.field")
+            text = _text(obj[opts.field], f"{p}: record {n}", opts.field)
+    return text
 
 
-def _read_tokens(p: Path, opts: Options) -> Iterator[np.ndarray]:
+def _read_tokens(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[np.ndarray]:
+    """Documents as views of the memory-mapped file (no copy), found a chunk at a time."""
     if opts.eos_id is None:
         raise DataError(f"{p} holds token ids: set data.eos_id to the id that separates its "
                         "documents (e.g. data.eos_id=50256 for GPT-2's <|endoftext|>)")
@@ -259,13 +365,16 @@ def _read_tokens(p: Path, opts: Options) -> Iterator[np.ndarray]:
         if p.stat().st_size % dtype.itemsize:
             raise DataError(f"{p}: {p.stat().st_size} bytes is not a whole number of "
                             f"{dtype.name} ids; set data.token_dtype (uint16 or uint32)")
-        ids = np.fromfile(p, dtype=dtype)
-    ends = np.flatnonzero(np.asarray(ids) == opts.eos_id)
-    start = 0
-    for e in [*ends.tolist(), len(ids)]:
-        if e > start:
-            yield np.asarray(ids[start:e], dtype=np.int64)
-        start = e + 1
+        ids = np.memmap(p, dtype=dtype, mode="r")
+    start, chunk = 0, 1 << 24
+    for c in range(0, len(ids), chunk):
+        ends = np.flatnonzero(ids[c:c + chunk] == opts.eos_id) + c
+        for e in ends.tolist():
+            if e > start:
+                yield ids[start:e]
+            start = e + 1
+    if len(ids) > start:
+        yield ids[start:]
 
 
 _READERS = {"txt": _read_txt, "jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_arrow,
