@@ -35,7 +35,7 @@ def prepare_command(argv: list[str]) -> int:
                       TextColumn("{task.fields[rate]}"), TimeElapsedColumn()) as bar:
             for i, (path, _) in enumerate(parts):
                 key = f"data.mixture[{i}].path" if len(parts) > 1 else "data.path"
-                task = bar.add_task(f"{key}={path}", total=None, rate="")
+                task = bar.add_task(f"{key} pieces", total=None, rate="")
                 t0, done = time.perf_counter(), [0]
 
                 def start(n: int, total: int, task=task) -> None:
@@ -44,10 +44,9 @@ def prepare_command(argv: list[str]) -> int:
                 def progress(info: dict, task=task, t0=t0, done=done) -> None:
                     done[0] += sum(s["tokens"] for s in info["splits"].values())
                     rate = done[0] / max(time.perf_counter() - t0, 1e-9)
-                    bar.update(task, advance=1, rate=f"{done[0]:,} tokens, {rate:,.0f} tokens/s")
+                    bar.update(task, advance=1, rate=f"{rate:,.0f} tokens/s")
 
-                pipeline.prepared(path, d, tok, key, log=bar.console.print, progress=progress,
-                                  start=start)
+                pipeline.prepared(path, d, tok, key, log=print, progress=progress, start=start)
     except (config_lib.ConfigError, ValueError) as e:
         print(f"fiddlejax data prepare: {e}")
         return 2

@@ -6,6 +6,8 @@
   ``save_to_disk`` directory, ArrayRecord, pre-tokenized ``.bin``/``.npy``);
 - :mod:`.tokenizer`: ``bytes``, a Hugging Face ``tokenizer.json`` or a sentencepiece model;
 - :mod:`.packing`: documents packed into rows with ``segment_ids`` and ``positions``;
+- :mod:`.prepare` and :mod:`.store`: a corpus tokenized once, by the job's processes together,
+  into a memory-mapped token store that later runs open in constant time and memory;
 - :mod:`.pipeline`: the job's language-model batches over all of that (mixtures, validation
   split, checkpointable state that refuses a changed corpus or tokenizer).
 

@@ -105,10 +105,12 @@ def prepared(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str, *, rank: int
     m = st.meta
     if not m["splits"]["train"]["docs"] + m["splits"]["validation"]["docs"]:
         raise DataError(f"{key}={path} holds no documents")
-    tokens = m["splits"]["train"]["tokens"] + m["splits"]["validation"]["tokens"]
+    tokens, dt = m["splits"]["train"]["tokens"] + m["splits"]["validation"]["tokens"], \
+        time.perf_counter() - t
     log(f"data: {key}={path if path is not None else '<stdlib>'}: "
         + (f"prepared store {where} (cache hit)" if hit else
-           f"prepared {tokens:,} tokens in {time.perf_counter() - t:.1f} s into {where}"))
+           f"prepared {tokens:,} tokens in {dt:.1f} s ({tokens / max(dt, 1e-9):,.0f} tokens/s)"
+           f" into {where}"))
     return st
 
 
@@ -181,7 +183,9 @@ def batches(parts: list, weights: list[float], batch_size: int, *, seed: int,
     local = batch_size // process_count
     lo = process_index * local
     out = mixed.batch(batch_size, drop_remainder=True)
-    return out.map(_Read(parts, lo, lo + local)).to_iter_dataset()
+    # a few batches read ahead (grain's default holds 500 of them)
+    ahead = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+    return out.map(_Read(parts, lo, lo + local)).to_iter_dataset(ahead)
 
 
 class Stream:
