@@ -25,10 +25,9 @@ import numpy as np
 
 from fiddlejax.data import packing, prepare, sources, store
 from fiddlejax.data import tokenizer as tokenizers
-from fiddlejax.data.prepare import doc_hash  # noqa: F401 - a public name of this module
+from fiddlejax.data.prepare import DEFAULT_VAL_FRACTION, doc_hash  # noqa: F401 - public names
 from fiddlejax.data.sources import DataError
 
-DEFAULT_VAL_FRACTION = 0.05  # held out when neither data.val_path nor data.val_fraction is set
 IDS_LOG = "FIDDLEJAX_EXAMPLE_IDS"  # a file: the train stream appends each batch's row ids
 
 
@@ -146,7 +145,7 @@ def summary(what: str, meta: dict, tok: tokenizers.Tokenizer) -> str:
 
 class _Ids(grain.sources.RandomAccessDataSource):
     """Row ``i`` of a component as its id (component * 2**32 + row): batches are made of
-    ids, and each process then reads only its rows' data (:class:`_Read`)."""
+    ids, and each process then reads only its rows' data (:class:`ReadRows`)."""
 
     def __init__(self, n: int, component: int):
         self.n, self.component = n, component
@@ -158,7 +157,7 @@ class _Ids(grain.sources.RandomAccessDataSource):
         return np.int64(self.component * 2 ** 32 + int(i))
 
 
-class _Read:
+class ReadRows:
     """A batch of row ids into this process's rows: ``{tokens, segment_ids, positions,
     example_ids}``, read from the components' stores."""
 
@@ -185,7 +184,7 @@ def batches(parts: list, weights: list[float], batch_size: int, *, seed: int,
     out = mixed.batch(batch_size, drop_remainder=True)
     # a few batches read ahead (grain's default holds 500 of them)
     ahead = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
-    return out.map(_Read(parts, lo, lo + local)).to_iter_dataset(ahead)
+    return out.map(ReadRows(parts, lo, lo + local)).to_iter_dataset(ahead)
 
 
 class Stream:

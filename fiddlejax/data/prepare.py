@@ -34,6 +34,7 @@ from fiddlejax.data.sources import DataError
 CACHE_ENV = "FIDDLEJAX_DATA_CACHE"  # the default data.cache_dir, when set
 WAIT_S = 6 * 3600.0  # how long a process waits for the job's other processes' pieces
 BATCH_BYTES = 1 << 20  # text tokenized per encode_batch call
+DEFAULT_VAL_FRACTION = 0.05  # held out when neither data.val_path nor data.val_fraction is set
 
 
 def cache_dir(dcfg: dict) -> Path:
@@ -106,8 +107,6 @@ def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
     if val_files is not None:
         fraction = 0.0
     elif fraction is None:
-        from fiddlejax.data.pipeline import DEFAULT_VAL_FRACTION
-
         fraction = DEFAULT_VAL_FRACTION
     return Spec(files, val_files, float(fraction), opts, tok, label)
 
