@@ -91,7 +91,7 @@ class Plan:
       extra tick costs its fixed overhead); there, for the same reason, a zero-bubble kind runs
       each I with its W as one B. ``False``: every schedule as written.
     - ``sequence_parallel`` (with ``tensor`` > 1): Megatron's sequence parallelism; between
-      the tensor-parallel matmuls each layer's residual stream, norms and side channels are
+      the tensor-parallel matmuls each layer's residual stream, norms and router tally are
       split over ``tensor`` along the sequence (gathered before, reduce-scattered after)
       instead of replicated (:mod:`fiddlejax.parallel.sequence`).
     - ``unroll_layers`` (without a pipeline): the layers as straight-line code instead of a

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fiddlejax import message
 from fiddlejax.storage import from_storage, to_storage
 
 
@@ -63,9 +64,9 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
     def length(stacked) -> int:
         return jax.tree.leaves(stacked)[0].shape[0]
 
-    def key(stacked, x):
+    def key(stacked, x):  # shapes only: a cotangent's integer leaves are float0
         return jax.tree.structure((stacked, x)), tuple(
-            (a.shape, str(a.dtype)) for a in jax.tree.leaves((stacked, x)))
+            a.shape for a in jax.tree.leaves((stacked, x)))
 
     def forward(stacked, x, save: bool):
         n, shapes = length(stacked), key(stacked, x)
@@ -77,7 +78,8 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
                 return (apply(w, h), nxt), None
             h, vjp = jax.vjp(ckpt, w, h)
             leaves, treedef = jax.tree.flatten(vjp)
-            layouts[shapes] = treedef, [_source(leaf, w) for leaf in leaves]
+            layouts[shapes] = (treedef, [_source(leaf, w) for leaf in leaves],
+                               jax.tree.map(lambda a: a.dtype, x))
             # kept 16-bit floats as their bits (what a GPU holds; XLA's CPU would widen them)
             return (h, nxt), [to_storage(r) for r, (kind, _) in
                               zip(leaves, layouts[shapes][1], strict=True) if kind == "saved"]
@@ -97,7 +99,8 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
     def run_bwd(saved, ct):
         stacked, last, res = saved
         n = length(stacked)
-        treedef, src = layouts[key(stacked, ct)]
+        treedef, src, dtypes = layouts[key(stacked, ct)]
+        ct = message.held(ct, dtypes)  # a message's integer leaves: zeros, not float0
 
         def body(carry, xs):
             i, r = xs
@@ -107,7 +110,8 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
             vjp = jax.tree.unflatten(treedef, [
                 from_storage(next(it), v) if kind == "saved" else
                 w_leaves[v] if kind == "weight" else v for kind, v in src])
-            dw, dh = vjp(dh)
+            dw, dh_new = vjp(message.to_vjp(dh))
+            dh = message.from_vjp(dh_new, dh)
             # layer i+1's gradient, scattered while layer i's backward computes
             grads = _put(grads, jnp.minimum(i + 1, n - 1), scatter(pending))
             return (dh, prev, dw, grads), None
@@ -116,7 +120,7 @@ def stack(apply: Callable, gather: Callable, scatter: Callable, policy: Callable
                 jax.tree.map(jnp.zeros_like, stacked))
         (dx, _, dw0, grads), _ = jax.lax.scan(body, init, (jnp.arange(n), res), reverse=True,
                                               unroll=unroll)
-        return _put(grads, 0, scatter(dw0)), dx
+        return _put(grads, 0, scatter(dw0)), message.to_vjp(dx)
 
     run.defvjp(run_fwd, run_bwd)
     return run

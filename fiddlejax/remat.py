@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from fiddlejax import checks, storage
+from fiddlejax import checks, message, storage
 
 
 def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
@@ -97,6 +97,8 @@ def run_stack(remat: Callable, layer: Callable, stacked: Any, x: Any,
     layer axis), each layer wrapped by ``remat``; prefetched where ``remat`` says so; under
     ``remat="full"`` each layer keeps its 16-bit inputs as bits (:func:`inputs_as_bits`);
     ``unroll``: as straight-line code (``Plan.unroll_layers``)."""
+    x = message.align_varying(x, stacked)  # a loop carry of one type (a pytree message)
+    message.check_layer(jax.eval_shape(layer, jax.tree.map(lambda a: a[0], stacked), x), x)
     if isinstance(remat, Prefetched):
         return remat.stack(layer, unroll=unroll)(stacked, x)
     wrapped = remat(layer)

@@ -62,14 +62,19 @@ class Staged(Protocol):
     stack: str
     """The attribute holding the layers, parameters stacked on a leading layer axis (e.g.
     ``nnx.vmap`` over the layer constructor with ``transform_metadata={nnx.PARTITION_NAME:
-    "layers"}``); one layer maps an activation array to one of the same shape."""
+    "layers"}``); one layer maps a message to one of the same structure, shapes and dtypes.
+    A message is the activation array, or any pytree of arrays that travels with it between
+    layers and pipeline stages (int32 segment ids and positions, float32 statistics): each leaf
+    is stashed and sent in its own dtype, integer leaves are not differentiated
+    (:mod:`fiddlejax.message`)."""
 
-    def prologue(self, batch: dict) -> jax.Array:
-        """What runs before the stack (embeddings): the activation entering layer 0."""
+    def prologue(self, batch: dict) -> Any:
+        """What runs before the stack (embeddings): the message entering layer 0."""
         ...
 
-    def head(self, x: jax.Array) -> Any:
-        """What runs after the stack (final norm, projection): the loss's ``outputs``."""
+    def head(self, x: Any) -> Any:
+        """What runs after the stack (final norm, projection) on the last layer's message:
+        the loss's ``outputs``."""
         ...
 
     def loss(self, outputs: Any, batch: dict) -> jax.Array | tuple[jax.Array, jax.Array]:

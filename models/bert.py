@@ -18,6 +18,8 @@ from flax import nnx
 from .common import (
     Block,
     LayerNorm,
+    Message,
+    activation,
     annotated,
     cross_entropy,
     param,
@@ -63,13 +65,13 @@ class BERT(nnx.Module):
         self.mlm = param(rngs, normal(0.02), (c.d_model, c.vocab_size), ("embed", "vocab"))
         self.mlm_bias = annotated(jnp.zeros((c.vocab_size,)), ("vocab",))
 
-    def prologue(self, batch: dict) -> jax.Array:
+    def prologue(self, batch: dict) -> Message:
         tokens = batch["inputs"]
-        return jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][: tokens.shape[1]]
+        return Message(jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][: tokens.shape[1]])
 
-    def head(self, x: jax.Array) -> jax.Array:
+    def head(self, msg: Message) -> jax.Array:
         bias = self.mlm_bias[...]
-        return self.ln_f(x) @ self.mlm[...] + bias
+        return self.ln_f(activation(msg)) @ self.mlm[...] + bias
 
     def loss(self, logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
         """Token-weighted: (summed loss of the masked positions, their count). fiddlejax sums

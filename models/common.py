@@ -8,6 +8,7 @@ attention projections and MLP outputs carry the canonical ``checkpoint_name`` ta
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,46 +106,32 @@ class Block(nnx.Module):
         h = jax.nn.gelu(h)
         return checkpoint_name(h @ self.w2[...] + self.b2[...], names.MLP_OUT)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x, side = split_side(x, self.ln1.scale.shape[-1])
-        segments = None if side is None else side_values(side)[0]
-        x = x + self._drop(self.attention(self.ln1(x), segments))
-        return join_side(x + self._drop(self.mlp(self.ln2(x))), side)
+    def __call__(self, msg: Message) -> Message:
+        x = msg.x
+        x = x + self._drop(self.attention(self.ln1(x), msg.segment_ids))
+        return msg._replace(x=x + self._drop(self.mlp(self.ln2(x))))
 
 
-# -- packed documents: segment ids and positions travel with the activation --------------------
-# A pipeline moves one array between layers and stages, so a packed batch's segment ids and
-# positions ride in the activation as extra channels after the model's width, each value as
-# SIDE_DIGITS base-256 digits: integers below 256 are exact in bfloat16 and float16, so the
-# channels survive any compute dtype. A batch without segment ids adds no channel.
-SIDE_DIGITS = 3  # ids and positions below 256**3 = 16.7M
+# -- the message: what the layers pass on --------------------------------------------------------
+class Message(NamedTuple):
+    """What a bundled model's layers take and return, and what every layout moves between
+    them: the pipeline stashes, sends and receives it leaf by leaf (:mod:`fiddlejax.message`),
+    each in its own dtype. A field the model or the batch does not use is None (no leaf), so a
+    plain batch's message is its activation alone."""
+
+    x: jax.Array                            # the residual stream [B, T, d]
+    segment_ids: jax.Array | None = None    # int32 [B, T]: packed documents (0: padding)
+    positions: jax.Array | None = None      # int32 [B, T]: each token's place in its document
+    layer: jax.Array | None = None          # int32 []: the next layer's index (layer types)
+    tally: jax.Array | None = None          # float32 [B, T, 2E + 2]: MoE router tally
+
+
+def activation(msg) -> jax.Array:
+    """The residual stream of a :class:`Message` (or of a bare activation)."""
+    return msg.x if isinstance(msg, Message) else msg
+
+
 SEGMENT_BIAS: bool | None = None  # None: bias on cuDNN, mask on XLA; tests force either
-
-
-def join_side(x: jax.Array, side: jax.Array | None) -> jax.Array:
-    """``x[..., d]`` with the side channels (from :func:`encode_side`) appended."""
-    return x if side is None else jnp.concatenate([x, side.astype(x.dtype)], axis=-1)
-
-
-def split_side(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array | None]:
-    """The model's ``width`` channels and the side channels (None when there are none)."""
-    if x.shape[-1] == width:
-        return x, None
-    return x[..., :width], jax.lax.stop_gradient(x[..., width:])
-
-
-def encode_side(segment_ids: jax.Array, positions: jax.Array, dtype) -> jax.Array:
-    """``[B, T, 2 * SIDE_DIGITS]`` digit channels of ``segment_ids`` and ``positions``."""
-    vals = jnp.stack([segment_ids, positions], axis=-1).astype(jnp.int32)
-    digits = [(vals // 256 ** i) % 256 for i in range(SIDE_DIGITS)]
-    return jnp.concatenate(digits, axis=-1).astype(dtype)
-
-
-def side_values(side: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(segment_ids, positions)``, int32 ``[B, T]``, decoded from the side channels."""
-    d = jnp.round(side.astype(jnp.float32)).astype(jnp.int32)
-    vals = sum(d[..., 2 * i:2 * i + 2] * 256 ** i for i in range(SIDE_DIGITS))
-    return vals[..., 0], vals[..., 1]
 
 
 def positions_of(segment_ids: jax.Array) -> jax.Array:

@@ -13,19 +13,20 @@ Stage declaration (as :mod:`models.gpt`): ``prologue(batch)`` embeds ``tokens[:,
 ``blocks`` are ``num_hidden_layers`` :class:`DecoderBlock`s stacked on a leading axis; ``head``
 is the final norm and the vocabulary projection; ``loss`` the next-token cross-entropy.
 
+The layers pass a :class:`~models.common.Message` on: the activation, a packed batch's segment
+ids and positions (int32), and as needed the layer index and the router tally.
 Layers of different types (local and global attention) share one stacked block, so a layer
-learns its type from the activation: a model with several layer types appends one counter
-channel (the layer's index, exact in any float dtype below 256 layers) after the side channels
-of packed documents, and each block reads it, picks its type's branch with ``lax.switch`` (each
+learns its type from the message: a model with several layer types carries the next layer's
+index (int32), and each block reads it, picks its type's branch with ``lax.switch`` (each
 branch one attention call with static options, so the fused kernel stays available) and adds
-one. Pipelines carry it with the activation, so every layout sees the same layer types.
-An MoE model appends the router tally last (:mod:`.moe_loss`): each layer adds its routing to
-it, the head hands it to the loss, which adds the per-sequence router losses.
+one. Pipelines carry it with the message, so every layout sees the same layer types.
+An MoE model carries the router tally (float32, :mod:`.moe_loss`): each layer adds its routing
+to it, the head hands it to the loss, which adds the per-sequence router losses.
 
 Tensor parallelism: query heads (``heads``) and KV heads (``kv_heads``) split over ``tensor`` in
 contiguous blocks (every query head on the device of the KV head it reads), as do the MLP units
 (``mlp``) and the vocabulary (padded when it does not divide); Q/K/V biases follow their heads,
-q/k norms act per head, and the counter rides with the (replicated) hidden state.
+q/k norms act per head, and the layer index rides with the (replicated) hidden state.
 """
 
 from __future__ import annotations
@@ -44,23 +45,20 @@ from fiddlejax.staged import vocab_parallel
 
 from . import families, hf, hf_io, moe_loss, rope
 from .common import (
+    Message,
+    activation,
     annotated,
     attention,
     batch_sides,
-    encode_side,
-    join_side,
     next_token_loss,
     param,
     scan_layers,
     side_inputs,
-    side_values,
-    split_side,
     stacked,
 )
 from .decoder_config import (  # noqa: F401 - the config's names, where they always were
     ACTIVATIONS,
     LAYER_TYPES,
-    MAX_TYPED_LAYERS,
     DecoderConfig,
 )
 from .moe import MoE, MoEOutput
@@ -182,27 +180,18 @@ class DecoderBlock(nnx.Module):
         y, routed = self.routed_mlp(self.mlp_norm(x))
         return x + y, routed
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.routed(x)[0]
+    def __call__(self, msg: Message) -> Message:
+        return self.routed(msg)[0]
 
-    def routed(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def routed(self, msg: Message) -> tuple[Message, jax.Array | None]:
         """The layer on a message, and its router logits ``[B, T, E]`` (None if dense)."""
-        e, tally = self.config.num_experts, None
-        if e:  # the tally rides last, after the side channels, with its gradients
-            x, tally = moe_loss.split(x, e)
-        x, side = split_side(x, self.config.hidden_size)
-        layer, counter = None, None
-        if side is not None and len(self.config.kinds) > 1:  # the last channel: layer index
-            counter, side = side[..., -1:], (side[..., :-1] if side.shape[-1] > 1 else None)
-            layer = jnp.round(counter[0, 0, 0].astype(jnp.float32)).astype(jnp.int32)
-        seg, pos = (None, None) if side is None else side_values(side)
-        x, routed = self.routed_residual(x, self.attention(self.attn_norm(x), seg, pos, layer))
-        if counter is not None:
-            side = counter + 1 if side is None else jnp.concatenate([side, counter + 1], -1)
-        x = join_side(x, side)
+        x, layer = msg.x, msg.layer
+        x, routed = self.routed_residual(
+            x, self.attention(self.attn_norm(x), msg.segment_ids, msg.positions, layer))
+        msg = msg._replace(x=x, layer=None if layer is None else layer + 1)
         if routed is None:
-            return x, None
-        return moe_loss.join(x, moe_loss.accumulate(tally, routed)), routed.router_logits
+            return msg, None
+        return msg._replace(tally=moe_loss.accumulate(msg.tally, routed)), routed.router_logits
 
 
 class Decoder(nnx.Module):
@@ -220,33 +209,32 @@ class Decoder(nnx.Module):
             self.lm_head = param(rngs, normal(0.02), (c.hidden_size, c.vocab_size),
                                  ("embed", "vocab"))
 
-    def embed_tokens(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                     positions: jax.Array | None = None) -> jax.Array:
-        """Token embeddings (times sqrt(hidden) for Gemma); segment ids and positions ride along
-        as side channels (:func:`~models.common.encode_side`), then the layer counter, then
-        (MoE) an empty router tally."""
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings (times sqrt(hidden) for Gemma)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        return x
+
+    def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None) -> Message:
+        """The message entering layer 0: the embeddings, the segment ids and positions of
+        packed documents, layer 0's index (several layer types) and (MoE) an empty tally."""
         segment_ids, positions = side_inputs(tokens, segment_ids, positions)
-        side = None if segment_ids is None else encode_side(segment_ids, positions, x.dtype)
-        if len(self.config.kinds) > 1:
-            zero = jnp.zeros((*tokens.shape, 1), x.dtype)
-            side = zero if side is None else jnp.concatenate([side, zero], axis=-1)
-        x = join_side(x, side)
-        e = self.config.num_experts
-        return moe_loss.join(x, moe_loss.empty(tokens.shape, e, x.dtype)) if e else x
+        c = self.config
+        return Message(
+            self.embed_tokens(tokens), segment_ids, positions,
+            layer=jnp.zeros((), jnp.int32) if len(c.kinds) > 1 else None,
+            tally=moe_loss.empty(tokens.shape, c.num_experts) if c.num_experts else None)
 
-    def prologue(self, batch: dict) -> jax.Array:
-        return self.embed_tokens(batch["tokens"][:, :-1], *batch_sides(batch))
+    def prologue(self, batch: dict) -> Message:
+        return self.message(batch["tokens"][:, :-1], *batch_sides(batch))
 
-    def head(self, x: jax.Array):
+    def head(self, msg: Message | jax.Array):
         """Final norm and vocabulary projection: the logits, or ``(logits, tally)`` when the
         message carries an MoE model's router tally (the loss reads it)."""
-        c, tally = self.config, None
-        if c.num_experts and x.shape[-1] > c.hidden_size:
-            x, tally = moe_loss.split(x, c.num_experts)
-        x = self.norm(split_side(x, c.hidden_size)[0])
+        c, tally = self.config, getattr(msg, "tally", None)
+        x = self.norm(activation(msg))
         if c.tie_word_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...])
         else:
@@ -301,7 +289,7 @@ class Decoder(nnx.Module):
         ``[B, T]`` for packed documents (attention stays within a segment). An MoE model with
         ``output_router_logits=True``: ``(logits, router_logits)``, one ``[B * T, E]`` array
         per layer, as transformers returns them."""
-        x = self.embed_tokens(tokens, segment_ids, positions)
+        x = self.message(tokens, segment_ids, positions)
         if not output_router_logits:
             out = self.head(scan_layers(self.blocks, x))
             return out[0] if isinstance(out, tuple) else out

@@ -17,7 +17,6 @@ from .moe import MoEConfig
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MAX_TYPED_LAYERS = 255  # the counter channel stays an exact integer in bf16 and fp16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +113,6 @@ class DecoderConfig:
         if "sliding_attention" in types and not w:
             raise ValueError(f"{me}.layer_types has sliding_attention layers but "
                              "sliding_window is None")
-        if len(set(types)) > 1 and self.num_hidden_layers > MAX_TYPED_LAYERS:
-            raise ValueError(f"{me}: mixed layer_types need num_hidden_layers <= "
-                             f"{MAX_TYPED_LAYERS}")
         object.__setattr__(self, "layer_types", types)
         e = self.num_experts
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:

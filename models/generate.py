@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .common import split_side
 from .decoder import DecoderBlock
 
 
@@ -79,8 +78,8 @@ def _forward(model, tokens, cache, start):
     positions = jnp.broadcast_to(start + jnp.arange(t), tokens.shape)
     if hasattr(model, "wpe"):  # GPT: learned positions
         x = jnp.take(model.wte[...], tokens, axis=0) + jnp.take(model.wpe[...], positions, 0)
-    else:  # a decoder: its embedding (scaled for Gemma), without the layer counter
-        x = split_side(model.embed_tokens(tokens), model.config.hidden_size)[0]
+    else:  # a decoder: its embedding (scaled for Gemma)
+        x = model.embed_tokens(tokens)
     graphdef, state = nnx.split(model.blocks)
     layers = jnp.arange(cache[0].shape[0])
 

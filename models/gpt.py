@@ -23,14 +23,13 @@ from flax import nnx
 from .common import (
     Block,
     LayerNorm,
+    Message,
+    activation,
     batch_sides,
-    encode_side,
-    join_side,
     next_token_loss,
     param,
     scan_layers,
     side_inputs,
-    split_side,
     stacked,
 )
 
@@ -80,24 +79,24 @@ class GPT(nnx.Module):
             self.lm_head = param(rngs, normal(0.02), (c.d_model, c.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-              positions: jax.Array | None = None) -> jax.Array:
-        """Token + position embeddings; with segment ids or positions, the activation also
-        carries them as side channels for the blocks (:func:`~models.common.encode_side`)."""
+              positions: jax.Array | None = None) -> Message:
+        """Token + position embeddings; with segment ids or positions, the message also
+        carries them (int32) for the blocks."""
         t = tokens.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}")
         x = jnp.take(self.wte[...], tokens, axis=0)
         segment_ids, positions = side_inputs(tokens, segment_ids, positions)
         if segment_ids is None:
-            return x + self.wpe[...][:t]
+            return Message(x + self.wpe[...][:t])
         x = x + jnp.take(self.wpe[...], positions, axis=0)
-        return join_side(x, encode_side(segment_ids, positions, x.dtype))
+        return Message(x, segment_ids, positions)
 
-    def prologue(self, batch: dict) -> jax.Array:
+    def prologue(self, batch: dict) -> Message:
         return self.embed(batch["tokens"][:, :-1], *batch_sides(batch))
 
-    def head(self, x: jax.Array) -> jax.Array:
-        x = self.ln_f(split_side(x, self.config.d_model)[0])
+    def head(self, msg: Message | jax.Array) -> jax.Array:
+        x = self.ln_f(activation(msg))
         if self.config.tie_embeddings:
             return jnp.einsum("btd,vd->btv", x, self.wte[...])
         return x @ self.lm_head[...]

@@ -1,9 +1,10 @@
 """The smallest language model of mixture-of-experts blocks, in the staged protocol.
 
 Embedding, ``layers`` blocks of ``x + MoE(rmsnorm(x))`` stacked for a scan, a linear head; the
-router-loss tally (:mod:`fiddlejax.models.moe_loss`) rides after the activation through every
-block and pipeline stage, and the loss adds the load-balancing and z-losses. No attention: the
-expert layouts' tests and ``benchmarks/expert_parallel.py`` measure the MoE layer alone.
+router-loss tally (:mod:`fiddlejax.models.moe_loss`) rides beside the activation in the
+layers' message through every block and pipeline stage, and the loss adds the load-balancing
+and z-losses. No attention: the expert layouts' tests and
+``benchmarks/expert_parallel.py`` measure the MoE layer alone.
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fiddlejax.models import moe_loss
-from fiddlejax.models.common import cross_entropy, param, stacked
+from fiddlejax.models.common import Message, cross_entropy, param, stacked
 from fiddlejax.models.moe import MoE, MoEConfig
 from fiddlejax.staged import vocab_parallel
 
 
 class MoEBlock(nnx.Module):
-    """x + MoE(rmsnorm(x)), the router-loss tally carried after the activation."""
+    """x + MoE(rmsnorm(x)), the router-loss tally carried in the message."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg, self.moe = cfg, MoE(cfg, rngs=rngs)
 
-    def __call__(self, msg):
-        x, tally = moe_loss.split(msg, self.cfg.num_experts)
+    def __call__(self, msg: Message) -> Message:
+        x = msg.x
         h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
         out = self.moe(h)
-        return moe_loss.join(x + out.output, moe_loss.accumulate(tally, out))
+        return msg._replace(x=x + out.output, tally=moe_loss.accumulate(msg.tally, out))
 
 
 class MoELM(nnx.Module):
@@ -46,11 +47,10 @@ class MoELM(nnx.Module):
 
     def prologue(self, batch):
         x = jnp.take(self.embed[...], batch["tokens"][:, :-1], axis=0)
-        return moe_loss.join(x, moe_loss.empty(x.shape[:-1], self.cfg.num_experts, x.dtype))
+        return Message(x, tally=moe_loss.empty(x.shape[:-1], self.cfg.num_experts))
 
-    def head(self, msg):
-        x, tally = moe_loss.split(msg, self.cfg.num_experts)
-        return x @ self.lm_head[...], tally
+    def head(self, msg: Message):
+        return msg.x @ self.lm_head[...], msg.tally
 
     @vocab_parallel  # its one-hot cross-entropy takes the head's vocabulary-split logits
     def loss(self, outputs, batch):

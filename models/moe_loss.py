@@ -18,16 +18,14 @@ over rows, so microbatches and data shards reduce it exactly (:func:`add_router_
 **Router z-loss** (ST-MoE): ``mean_tokens logsumexp(logits)**2`` per layer, summed over layers,
 per sequence as above, coefficient ``router_z_loss_coef`` (0: off).
 
-**Transport: the tally.** A pipeline moves one array between layers, so every token carries a
-*tally* of ``2E + 2`` channels after the model's channels (and after any other side channels):
-its choice counts per expert, its summed softmax probabilities per expert, its summed
-``logsumexp**2`` and its dropped choices, accumulated over the layers it went through. Each
-MoE layer adds its own (:func:`accumulate`); the head splits the tally off (:func:`split`) and
-the loss reduces it per sequence (:func:`sequence_losses`). Only per-token sums travel, so every
-layout and schedule sees the same numbers; the probability and z channels keep their
-gradients, so the router learns from the aux loss through the pipeline's backward. Counts are
-exact integers in any dtype below 256 layers; under bf16 compute the probability sums carry
-bf16 precision (the loss is a regulariser).
+**Transport: the tally.** Every token carries a float32 *tally* of ``2E + 2`` values in the
+layers' message (``Message.tally``, beside the activation): its choice counts per expert, its
+summed softmax probabilities per expert, its summed ``logsumexp**2`` and its dropped choices,
+accumulated over the layers it went through. Each MoE layer adds its own (:func:`accumulate`);
+the head hands the tally to the loss, which reduces it per sequence (:func:`sequence_losses`).
+Only per-token sums travel, so every layout and schedule sees the same numbers; the
+probabilities and z keep their gradients, so the router learns from the aux loss through the
+pipeline's backward. The tally stays float32 whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -48,24 +46,9 @@ def width(num_experts: int) -> int:
     return 2 * num_experts + 2
 
 
-def empty(lead: tuple[int, ...], num_experts: int, dtype) -> jax.Array:
-    """A zero tally ``[*lead, 2E + 2]`` for the prologue to append."""
+def empty(lead: tuple[int, ...], num_experts: int, dtype=jnp.float32) -> jax.Array:
+    """A zero tally ``[*lead, 2E + 2]`` for the prologue's message."""
     return jnp.zeros((*lead, width(num_experts)), dtype)
-
-
-def split(msg: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """``(rest, tally)``: the tally is the last ``2E + 2`` channels (kept differentiable)."""
-    w = width(num_experts)
-    if msg.shape[-1] <= w:
-        raise ValueError(f"a message of {msg.shape[-1]} channels holds no tally of "
-                         f"{w} (2 * {num_experts} experts + 2) after the activation; append "
-                         "moe_loss.empty(...) in the prologue")
-    return msg[..., :-w], msg[..., -w:]
-
-
-def join(rest: jax.Array, tally: jax.Array) -> jax.Array:
-    """The message: ``rest`` then the tally, in ``rest``'s dtype."""
-    return jnp.concatenate([rest, tally.astype(rest.dtype)], axis=-1)
 
 
 def layer_tally(out: MoEOutput) -> jax.Array:

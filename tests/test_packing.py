@@ -18,6 +18,8 @@ from fiddlejax.models.gpt import GPT, GPTConfig
 from fiddlejax.models.llama import Llama, LlamaConfig
 from tests.helpers import reference_loss_and_grads, rel_err
 
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
+
 V, T = 61, 16
 
 
@@ -57,13 +59,32 @@ def test_packed_row_gives_each_document_its_own_logits(make, fused, monkeypatch)
     assert rel_err(np.asarray(model(row))[0, len(d1):], alone2[0]) > 1e-3
 
 
-def test_side_channels_round_trip_in_bfloat16():
+def test_a_packed_moe_batch_travels_as_int32_ids_and_a_float32_tally():
+    """The layers' message of a packed MoE batch under bf16 compute: the activation in bf16,
+    segment ids and positions as int32 (no float channels; ids past bf16's exact 256 kept),
+    the router tally float32."""
     import jax.numpy as jnp
 
+    from fiddlejax import models
+
+    model = models.from_pretrained(FIXTURES / "hf_mixtral")
     seg = jnp.array([[1, 1, 2, 300, 70000]], jnp.int32)
     pos = jnp.array([[0, 1, 0, 255, 65537]], jnp.int32)
-    got = common.side_values(common.encode_side(seg, pos, jnp.bfloat16))
-    assert np.array_equal(got[0], seg) and np.array_equal(got[1], pos)
+    batch = {"tokens": jnp.zeros((1, 6), jnp.int32),
+             "segment_ids": jnp.pad(seg, ((0, 0), (0, 1))),
+             "positions": jnp.pad(pos, ((0, 0), (0, 1)))}
+    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(model, nnx.Param)))
+    msg = model.prologue(batch)
+    assert isinstance(msg, common.Message)
+    assert msg.segment_ids.dtype == jnp.int32 and msg.positions.dtype == jnp.int32
+    assert np.array_equal(msg.segment_ids, seg) and np.array_equal(msg.positions, pos)
+    assert msg.layer is None and msg.tally.dtype == jnp.float32  # one layer type: no index
+    assert msg.x.dtype == jnp.bfloat16
+    assert msg.x.shape[-1] == model.config.hidden_size  # nothing appended to the activation
+    out = common.scan_layers(model.blocks, msg)  # every leaf keeps its dtype through the layers
+    assert jax.tree.map(lambda a: a.dtype, out) == jax.tree.map(lambda a: a.dtype, msg)
+    assert float(out.tally[..., :model.config.num_experts].sum()) == (
+        model.config.num_hidden_layers * model.config.num_experts_per_tok * seg.size)
 
 
 def test_pack_rows_segments_positions_and_loss_mask():

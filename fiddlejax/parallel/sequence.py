@@ -32,14 +32,20 @@ class SequenceParallel:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _split(self, x):
-        if getattr(x, "ndim", 0) < 3:  # [rows, tokens, features] only
-            return x
+    def _split(self, msg):
+        """The message's ``[rows, tokens, features]`` leaves split over ``tensor`` along the
+        tokens (the activation, a router tally); smaller leaves (segment ids) left as they are."""
         mesh = jax.sharding.get_abstract_mesh()
         mesh = self._mesh if mesh.empty else mesh
         rows = self._rows if self._rows is not None else P.UNCONSTRAINED
-        spec = P(rows, "tensor", *([None] * (x.ndim - 2)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+        def split(x):
+            if getattr(x, "ndim", 0) < 3:
+                return x
+            spec = P(rows, "tensor", *([None] * (x.ndim - 2)))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+        return jax.tree.map(split, msg)
 
     def layer(self, layer_params, x):
         return self._split(self._inner.layer(layer_params, self._split(x)))

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax import message
 from fiddlejax.compute import grad_dtype
 from fiddlejax.pipeline import lockstep as lockstep_lib
 from fiddlejax.pipeline import stage as stage_lib
@@ -33,8 +34,8 @@ class Local(NamedTuple):
     stage program the device keeps its size-1 slice of that axis, see ``stage.Buffers``)."""
 
     stash: list         # residual buffers [num_stash, lmax, ...], one per residual leaf
-    inbox: jax.Array    # [num_inbox, *activation]: messages waiting to be used (+ trash slot)
-    wdy: Any            # [num_wdy, lmax, *activation] (split backwards), else None
+    inbox: Any          # [num_inbox, *message]: messages waiting to be used (+ trash slot)
+    wdy: Any            # [num_wdy, lmax, *message] (split backwards), else None
     g_local: list       # weight gradients of the stage's layers [versions, v, lmax, ...]
     seed: jax.Array     # [1]: inbox slot the head's cotangent goes to next tick (trash if none)
 
@@ -44,7 +45,7 @@ class Carry(NamedTuple):
 
     local: Local
     g_outer: list       # gradients of the parameters outside the stack [versions, ...]
-    dy: jax.Array       # the head's cotangent for the last chunk's backward (delivered next tick)
+    dy: Any             # the head's cotangent for the last chunk's backward (delivered next tick)
     loss: jax.Array     # [steps]: summed microbatch loss sums per optimizer step
     sums: Any           # staged.Sums of [steps]: summed loss weights and reported metrics
 
@@ -151,10 +152,12 @@ class Ends:
         return self.staged.weighted_loss(self.shard.assemble(outer), y, self.microbatch(i))
 
     def embed(self, e: tb.Edge, like):
-        """The activation entering chunk 0 this tick (zeros when no microbatch starts)."""
-        return jax.lax.cond(e.embed >= 0,
-                            lambda: self.prologue(self.outer(e.embed_version), e.embed)
-                            .astype(like.dtype), lambda: self.vary(jnp.zeros_like(like)))
+        """The message entering chunk 0 this tick (zeros when no microbatch starts)."""
+        return jax.lax.cond(
+            e.embed >= 0,
+            lambda: jax.tree.map(self.vary, message.cast(
+                self.prologue(self.outer(e.embed_version), e.embed), like)),
+            lambda: jax.tree.map(self.vary, message.zeros(like)))
 
     def after(self, c: Carry, e: tb.Edge, msg, first: int, last: int) -> Carry:
         """The head and loss on the last chunk's output (stage ``last``'s message) when a
@@ -163,24 +166,30 @@ class Ends:
         read inside the conditionals, so no tick without an end moves them."""
         def head(g_outer, loss, sums, dy):
             (total, w), (d_outer, dy_new) = jax.value_and_grad(
-                self.loss, argnums=(0, 1), has_aux=True)(self.outer(e.head_version), msg[last],
-                                                         e.head)
+                self.loss, argnums=(0, 1), has_aux=True, allow_int=True)(
+                    self.outer(e.head_version), at(msg, last), e.head)
             leaves, tree = jax.tree.flatten(sums)
             return (add_at(g_outer, (e.head_version,), d_outer),
                     add_at([loss], (e.head_step,), [total])[0],
                     jax.tree.unflatten(tree, add_at(leaves, (e.head_step,), w)),
-                    dy_new.astype(dy.dtype))
+                    message.from_vjp(dy_new, dy))
 
         g_outer, loss, sums, dy = jax.lax.cond(
             e.head >= 0, head, lambda *a: a, c.g_outer, c.loss, c.sums, c.dy)
 
         def embed_grad(g_outer):
-            _, vjp = jax.vjp(lambda o: self.prologue(o, e.embed_grad).astype(msg.dtype),
-                             self.outer(e.embed_grad_version))
-            return add_at(g_outer, (e.embed_grad_version,), vjp(msg[first])[0])
+            dx = at(msg, first)
+            _, vjp = jax.vjp(lambda o: jax.tree.map(self.vary, message.cast(
+                self.prologue(o, e.embed_grad), dx)), self.outer(e.embed_grad_version))
+            return add_at(g_outer, (e.embed_grad_version,), vjp(message.to_vjp(dx))[0])
 
         g_outer = jax.lax.cond(e.embed_grad >= 0, embed_grad, lambda g: g, g_outer)
         return c._replace(g_outer=g_outer, dy=dy, loss=loss, sums=sums)
+
+
+def at(msg, k: int):
+    """Stage ``k``'s message out of the tick's ``[pipe, *message]`` ones."""
+    return jax.tree.map(lambda a: a[k], msg)
 
 
 def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
@@ -203,7 +212,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     first, last = place[0], place[-1]
     shard = Shard(versions, s.stack)
     ends = Ends(s, shard, microbatches(batch, steps * m), vary_data)
-    act = ends.prologue(ends.outer(0), 0)  # its shape (the trace is dead code)
+    act = ends.prologue(ends.outer(0), 0)  # its structure (the trace is dead code)
     sums = jax.eval_shape(lambda o, y: ends.loss(o, y, 0)[1], ends.outer(0), act)
     layer = remat(s.layer)
     # collectives inside a layer that every device must reach: run the loops in lockstep
@@ -220,7 +229,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     def stage_layers(local: list) -> stage_lib.Layers:
         example = jax.tree.unflatten(shard.stack_def, [vary(stage_lib.read_at(
             a, (*shard.at(0, 0), 0))) for a in local])
-        return stage_lib.Layers(layer, example, vary(jnp.zeros(act.shape, act.dtype)))
+        return stage_lib.Layers(layer, example, jax.tree.map(vary, message.zeros(act)))
 
     def init(local: list, _x0, _dy) -> Local:
         return initial_local(tables, stage_layers(local).residuals, act, local, lmax, vary)
@@ -230,7 +239,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     def make_tick():
         """A fresh scan body over the current weights (2BW replaces them between steps)."""
         def stage_tick(buf: Local, row, local: list, x0, dy, trips):
-            return local_tick(buf, row, local, shard, stage_layers(local), vary(x0), vary(dy),
+            return local_tick(buf, row, local, shard, stage_layers(local),
+                              jax.tree.map(vary, x0), jax.tree.map(vary, dy),
                               pipeline.p, split, tables.trash, vary,
                               trips if lockstep else None)
 
@@ -248,7 +258,7 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     zeros = lambda *a: vary_data(jnp.zeros(*a))  # noqa: E731
     g_outer = [vary_data(jnp.zeros_like(o, grad_dtype(o.dtype))) for o in shard.outer]
     carry = Carry(local0, g_outer,
-                  zeros(act.shape, act.dtype), zeros((steps,), jnp.float32),
+                  jax.tree.map(vary_data, message.zeros(act)), zeros((steps,), jnp.float32),
                   jax.tree.map(lambda _: zeros((steps,), jnp.float32), sums))
     if update is None:
         return _one_step(carry, shard, tables, make_tick(), pipeline.tick_unroll)
@@ -264,7 +274,8 @@ def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage
     row = tb.Row(*row[0])
     inbox = write_at(buf.inbox, (0, buf.seed[0]), dy)  # the head's cotangent from last tick
     first = (row.branch == tb.F_FIRST) | (row.branch == tb.F_ONLY)
-    x = jnp.where(first, x0.astype(inbox.dtype), read_at(inbox, (0, row.read)))
+    x = read_at(inbox, (0, row.read))
+    x = message.where(first, message.cast(x0, x), x)
 
     at = shard.at(row.version, row.chunk)
 
@@ -274,7 +285,7 @@ def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage
     bufs, msg = stage_lib.tick(layers, params, stage_lib.Buffers(buf.stash, buf.g_local,
                                                                  buf.wdy), row, at, x, split, vary,
                                  lockstep)
-    msg = msg.astype(inbox.dtype)
+    msg = message.cast(msg, x)
     if p > 1:  # the tick's one message, to both neighbours (the same one when p == 2)
         inbox = write_at(inbox, (0, row.from_prev),
                          jax.lax.ppermute(msg, "pipe", [(i, (i + 1) % p) for i in range(p)]))
@@ -285,7 +296,7 @@ def local_tick(buf: Local, row: tb.Row, local: list, shard: Shard, layers: stage
     to_head = (row.branch == tb.F_LAST) | (row.branch == tb.F_ONLY)
     seed = buf.seed * 0 + jnp.where(to_head, row.from_self, trash)
     return Local(stash=bufs.stash, inbox=inbox, wdy=bufs.wdy, g_local=bufs.grad,
-                 seed=seed), msg[None]
+                 seed=seed), jax.tree.map(lambda a: a[None], msg)
 
 
 def _ticks(tables: tb.Tables, unroll: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -323,8 +334,9 @@ def initial_local(tables: tb.Tables, res_abs: list, act, local: list, lmax: int,
 
     return Local(
         stash=[stash_buffer(r) for r in res_abs],
-        inbox=zeros((tables.num_inbox, *act.shape), act.dtype),
-        wdy=zeros((tables.num_wdy, lmax, *act.shape), act.dtype) if tables.split else None,
+        inbox=jax.tree.map(vary, message.zeros(act, (1, tables.num_inbox))),
+        wdy=jax.tree.map(vary, message.zeros(act, (1, tables.num_wdy, lmax)))
+        if tables.split else None,
         g_local=[vary(jnp.zeros_like(x, grad_dtype(x.dtype))) for x in local],
         seed=vary(jnp.full((1,), tables.trash, jnp.int32)))
 

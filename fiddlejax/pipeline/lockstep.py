@@ -32,6 +32,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax import message
+
 _UNSAFE = re.compile(r"= \S+ (collective-permute(?:-start)?)\(")
 
 
@@ -47,7 +49,7 @@ def needs_lockstep(pipeline, layer: Callable, params: nnx.State, act: Any) -> bo
     plan = pipeline.plan
     if plan.tensor == 1 or pipeline.p == 1:
         return False
-    key = (tuple(act.shape), str(act.dtype))
+    key = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(act))
     cache = pipeline.__dict__.setdefault("_lockstep", {})
     if key not in cache:
         found = unsafe_collectives(_probe(pipeline, layer, params, act))
@@ -89,23 +91,25 @@ def _probe(pipeline, layer: Callable, params: nnx.State, act: Any) -> str:
     dims = ([int(d) for d in jax.tree.leaves(pipeline.data_dims[stack])] if sharded
             else [-1] * len(flat_lp))  # fsdp_gather="step": the step gathered them already
     abstract = [one(v, s, d) for v, s, d in zip(flat_lp, flat_specs, dims, strict=True)]
-    x = jax.ShapeDtypeStruct((p, *act.shape), act.dtype, sharding=NamedSharding(mesh, P("pipe")))
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        (p, *a.shape), a.dtype, sharding=NamedSharding(mesh, P("pipe"))), act)
 
     def stage(leaves, h):
         lp_ = jax.tree.unflatten(lp_def, [a[0] for a in leaves])
-        h = h[0]
+        h = jax.tree.map(lambda a: a[0], h)
 
         def body(_, c):
             h, g = c
             out, vjp = jax.vjp(layer, lp_, h)
-            dlp, dh = vjp(out)
-            return ((dh + out).astype(h.dtype),
+            dlp, dh = vjp(message.to_vjp(out))
+            dh = message.from_vjp(dh, h)
+            return (jax.tree.map(lambda a, b, c: (a + b).astype(c.dtype), dh, out, h),
                     [a + d.astype(a.dtype) for a, d in zip(g, jax.tree.leaves(dlp))])
 
         trips = jnp.where(jax.lax.axis_index("pipe") == 0, 1, 0)
         zeros = [jnp.zeros_like(a) for a in jax.tree.leaves(lp_)]
         h, g = jax.lax.fori_loop(0, trips, body, (h, zeros))
-        return h[None], [a[None] for a in g]
+        return jax.tree.map(lambda a: a[None], h), [a[None] for a in g]
 
     program = jax.shard_map(stage, mesh=mesh, in_specs=(P("pipe"), P("pipe")),
                             out_specs=P("pipe"), axis_names={"pipe"}, check_vma=False)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax import message
 from fiddlejax.pipeline import costs, executor
 
 
@@ -37,7 +38,7 @@ def stage_flops(pipeline, params: nnx.State, batch: dict, remat: Callable) -> li
                                                      x.dtype), batch)
     act = jax.eval_shape(pipeline.staged.prologue, params, mb)
     ticks = pipeline.schedule_run.ticks.num_ticks
-    feed = jax.ShapeDtypeStruct((ticks, *act.shape), act.dtype)
+    feed = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ticks, *a.shape), a.dtype), act)
     edges = _edge_flops(pipeline, params, mb, act)
     out = []
     for st in range(pipeline.p):
@@ -58,8 +59,8 @@ def _edge_flops(pl, params: nnx.State, mb: dict, act) -> dict:
 
     def edges(prm, b, y, dx):
         x, pro_vjp = jax.vjp(lambda q: s.prologue(q, b), prm)
-        loss, (g, dy) = jax.value_and_grad(s.epilogue, argnums=(0, 1))(prm, y, b)
-        return x, loss, g, dy, pro_vjp(dx)
+        loss, (g, dy) = jax.value_and_grad(s.epilogue, argnums=(0, 1), allow_int=True)(prm, y, b)
+        return x, loss, g, message.from_vjp(dy, y), pro_vjp(message.to_vjp(dx))
 
     compiled = jax.jit(edges).lower(params, mb, act, act).compile()
     share = pl.m / pl.p
@@ -80,7 +81,7 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
     held, douts, own, sent = {}, {}, {}, []
 
     def incoming(key, t):  # a message from this stage itself, else one from a neighbour
-        return own.pop(key) if key in own else vary(feed[t])
+        return own.pop(key) if key in own else jax.tree.map(lambda a: vary(a[t]), feed)
 
     def emit(key, to_stage, value):
         if to_stage == st:
@@ -116,7 +117,8 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
             dy, grads, outs = incoming(("dy", i, c), t), [], []
             for vjp in reversed(held[(i, c)]):
                 outs.insert(0, dy)
-                dlp, dy = vjp(dy)
+                dlp, dx = vjp(message.to_vjp(dy))
+                dy = message.from_vjp(dx, dy)
                 grads.insert(0, dlp)
             if op == "B":
                 g_local = add_layers(j, grads)
@@ -127,12 +129,13 @@ def _stage_program(pl, remat: Callable, st: int, prm, feed):
             else:
                 emit(("dy", i, c - 1), place[c - 1], dy)
         else:  # W: weight gradients from the cotangents I kept
-            grads = [vjp(d)[0] for vjp, d in zip(held[(i, c)], douts.pop((i, c)))]
+            grads = [vjp(message.to_vjp(d))[0] for vjp, d in zip(held[(i, c)],
+                                                                  douts.pop((i, c)))]
             g_local = add_layers(j, grads)
     grads = shard.assemble([jnp.zeros_like(o[0]) for o in shard.outer],
                            g_local)
-    sent = sent or [jnp.zeros(feed.shape[1:], feed.dtype)]
-    return grads, jnp.stack(sent)[None]
+    sent = sent or [jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), feed)]
+    return grads, jax.tree.map(lambda *a: jnp.stack(a)[None], *sent)
 
 
 __all__ = ["stage_flops"]

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fiddlejax import message
 from fiddlejax.pipeline import tables as tb
 from fiddlejax.storage import from_storage, storage_dtype, to_storage
 
@@ -32,7 +33,7 @@ class Buffers(NamedTuple):
 
     stash: list       # residual leaves [1, num_stash, lmax, ...]
     grad: list        # weight-gradient accumulators [1, (versions,) v, lmax, ...]
-    wdy: Any          # [1, num_wdy, lmax, *activation]: I's cotangents for W (split), else None
+    wdy: Any          # [1, num_wdy, lmax, *message]: I's cotangents for W (split), else None
     # (the leading axis is the device's slice of ``pipe``, kept: a reshape there would let XLA
     # pick another layout for the loop's buffers and copy them whole every tick)
 
@@ -46,7 +47,8 @@ class Layers:
 
     def __init__(self, layer: Callable, example_lp, example_x):
         self.layer = layer
-        _, vjp = jax.vjp(layer, example_lp, example_x)
+        out, vjp = jax.vjp(layer, example_lp, example_x)
+        message.check_layer(out, example_x)
         leaves, self._treedef = jax.tree.flatten(vjp)
         lp_leaves = jax.tree.leaves(example_lp)
         self._src = [next((k for k, c in enumerate(lp_leaves) if leaf is c), None)
@@ -64,18 +66,29 @@ class Layers:
         return jax.tree.unflatten(self._treedef, [next(it) if k is None else lp_leaves[k]
                                                   for k in self._src])
 
+    def backward(self, lp, res, dy) -> tuple:
+        """``(parameter cotangents, input cotangent)`` of the layer for the output cotangent
+        ``dy``, both messages as buffers hold them (:mod:`.message`)."""
+        dlp, dx = self.vjp(lp, res)(message.to_vjp(dy))
+        return dlp, message.from_vjp(dx, dy)
+
 
 def read_at(buf, idx: tuple):
-    """``buf[idx]`` for an index tuple over the leading dimensions."""
-    start = (*idx, *([0] * (buf.ndim - len(idx))))
-    return jax.lax.dynamic_slice(buf, start, (1,) * len(idx) + buf.shape[len(idx):]).reshape(
-        buf.shape[len(idx):])
+    """``buf[idx]`` for an index tuple over the leading dimensions (leaf by leaf for a
+    message's buffers)."""
+    def one(b):
+        start = (*idx, *([0] * (b.ndim - len(idx))))
+        return jax.lax.dynamic_slice(b, start, (1,) * len(idx) + b.shape[len(idx):]).reshape(
+            b.shape[len(idx):])
+    return jax.tree.map(one, buf)
 
 
 def write_at(buf, idx: tuple, x):
-    """``buf[idx] = x`` in place."""
-    x = x.astype(buf.dtype).reshape((1,) * len(idx) + tuple(x.shape))
-    return jax.lax.dynamic_update_slice(buf, x, (*idx, *([0] * (buf.ndim - len(idx)))))
+    """``buf[idx] = x`` in place (leaf by leaf for a message's buffers)."""
+    def one(b, v):
+        v = v.astype(b.dtype).reshape((1,) * len(idx) + tuple(v.shape))
+        return jax.lax.dynamic_update_slice(b, v, (*idx, *([0] * (b.ndim - len(idx)))))
+    return jax.tree.map(one, buf, x)
 
 
 def add_at(buf, idx: tuple, x):
@@ -96,8 +109,8 @@ def _loop(one: bool, trips, body: Callable, carry):
 
 
 def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: tuple, x,
-         split: bool, vary: Callable, lockstep: Any = None) -> tuple[Buffers, jax.Array]:
-    """One stage's action for ``row`` on input ``x`` (an activation for F, a cotangent for
+         split: bool, vary: Callable, lockstep: Any = None) -> tuple[Buffers, Any]:
+    """One stage's action for ``row`` on input ``x`` (a message for F, its cotangent for
     B and I). ``params(i)`` is layer ``i`` of the row's chunk and version, ``grad_at`` that
     chunk's index in the accumulators. Returns the updated buffers and the tick's message (F's
     output or the input cotangent of B and I).
@@ -132,7 +145,7 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
         out, res = layers.forward(params(i), h)
         res = keep(forward, i, [to_storage(r) for r in res],
                    [read_at(s, (*slot, i)) for s in stash] if lockstep is not None else None)
-        return (vary(keep(forward, i, out, h)),
+        return (jax.tree.map(vary, keep(forward, i, out, h)),
                 [write_at(s, (*slot, i), r) for s, r in zip(stash, res)])
 
     h, stash = _loop(one, trips(forward, 0), fwd, (x, buf.stash))
@@ -148,8 +161,9 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
         def bwd(k, c):  # B: layers in reverse, each layer's weight gradient added in place
             dh, grad = c
             i = jnp.maximum(n - 1 - k, 0)
-            dlp, dh_new = layers.vjp(params(i), res_of(stash, i))(dh)
-            return vary(keep(whole, k, dh_new, dh)), add_grads(whole, k, grad, i, dlp)
+            dlp, dh_new = layers.backward(params(i), res_of(stash, i), dh)
+            return (jax.tree.map(vary, keep(whole, k, dh_new, dh)),
+                    add_grads(whole, k, grad, i, dlp))
 
         dx, grad = _loop(one, trips(whole, 1), bwd, (x, grad))
     else:
@@ -158,17 +172,17 @@ def tick(layers: Layers, params: Callable, buf: Buffers, row: tb.Row, grad_at: t
             i = jnp.maximum(n - 1 - k, 0)
             wdy = write_at(wdy, (0, row.wdy, i),
                            keep(inputs, k, dh, read_at(wdy, (0, row.wdy, i))))
-            dh_new = layers.vjp(params(i), res_of(stash, i))(dh)[1]
-            return vary(keep(inputs, k, dh_new, dh)), wdy
+            dh_new = layers.backward(params(i), res_of(stash, i), dh)[1]
+            return jax.tree.map(vary, keep(inputs, k, dh_new, dh)), wdy
 
         dx, wdy = _loop(one, trips(inputs, 2), inp, (dx, wdy))
 
         def wgt(i, grad):  # W: each layer's weight gradient from the cotangent I kept
-            return add_grads(b == tb.W, i, grad, i, layers.vjp(params(i), res_of(stash, i))(
-                read_at(wdy, (0, row.wdy, i)))[0])
+            return add_grads(b == tb.W, i, grad, i, layers.backward(
+                params(i), res_of(stash, i), read_at(wdy, (0, row.wdy, i)))[0])
 
         grad = _loop(one, trips(b == tb.W, 3), wgt, grad)
-    return Buffers(stash, grad, wdy), jnp.where(forward, h, dx)
+    return Buffers(stash, grad, wdy), message.where(forward, h, dx)
 
 
 def lockstep_trips(rows) -> jax.Array:

@@ -374,13 +374,16 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
     epi = (outer_s - pro[0], outer_r - pro[1])
 
     layer = jax.tree.map(lambda a: a[0], params[sm.stack])
-    x = jax.eval_shape(lambda p, e: sm.prologue(p, e), params, example)
-    x = jax.numpy.zeros(x.shape, x.dtype)
+    msg = jax.eval_shape(lambda p, e: sm.prologue(p, e), params, example)
+    msg = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), msg)
+    # the activation: the message's largest floating leaf (the rest ride beside it)
+    x = max((a for a in jax.tree.leaves(msg) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)),
+            key=lambda a: a.size)
     act = {}
     for pol in policies:
         f = remat_layer(sm.layer, pol)
         sp = rp = 0.0
-        for shape in activation_residuals(lambda h, f=f: f(layer, h), x):
+        for shape in activation_residuals(lambda h, f=f: f(layer, h), msg):
             n = float(np.prod(shape))
             if tuple(shape) == tuple(x.shape) or n < np.prod(x.shape) / max(x.shape[-1], 1) + 1:
                 rp += n
