@@ -98,13 +98,18 @@ def run_stack(remat: Callable, layer: Callable, stacked: Any, x: Any,
     ``remat="full"`` each layer keeps its 16-bit inputs as bits (:func:`inputs_as_bits`);
     ``unroll``: as straight-line code (``Plan.unroll_layers``)."""
     x = message.align_varying(x, stacked)  # a loop carry of one type (a pytree message)
-    message.check_layer(jax.eval_shape(layer, jax.tree.map(lambda a: a[0], stacked), x), x)
     if isinstance(remat, Prefetched):
         return remat.stack(layer, unroll=unroll)(stacked, x)
     wrapped = remat(layer)
     if isinstance(remat, InputsOnly):
         wrapped = inputs_as_bits(wrapped)
-    return jax.lax.scan(lambda h, lp: (wrapped(lp, h), None), x, stacked, unroll=unroll)[0]
+
+    def body(h, lp):
+        out = wrapped(lp, h)
+        message.check_layer(out, h)  # at trace time, before the scan's own type error
+        return out, None
+
+    return jax.lax.scan(body, x, stacked, unroll=unroll)[0]
 
 
 def choose(lower_step: Callable[[Any], Any], budget: int):

@@ -111,8 +111,10 @@ def measure(staged, params: nnx.State, example: dict, method: str) -> tuple[floa
         return float(layer_n), float(first), float(last)
     if method == "cost":
         def train_cost(f, n_diff, *args):  # forward + backward w.r.t. the first n_diff args
-            loss = lambda *a: jax.numpy.sum(f(*a))  # noqa: E731
-            return _flops(jax.grad(loss, argnums=tuple(range(n_diff))), *args)
+            def loss(*a):  # a message's floating leaves (integers carry no gradient)
+                return sum(jax.numpy.sum(v) for v in jax.tree.leaves(f(*a))
+                           if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact))
+            return _flops(jax.grad(loss, argnums=tuple(range(n_diff)), allow_int=True), *args)
 
         layer_cost = train_cost(staged.layer, 2, layer, x)
         first = train_cost(pro, 1, outer, example)

@@ -372,13 +372,10 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
     frac_pro = pro_n / max(pro_n + epi_n, 1)
     pro = (int(outer_s * frac_pro), int(outer_r * frac_pro))
     epi = (outer_s - pro[0], outer_r - pro[1])
-
     layer = jax.tree.map(lambda a: a[0], params[sm.stack])
-    msg = jax.eval_shape(lambda p, e: sm.prologue(p, e), params, example)
-    msg = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), msg)
-    # the activation: the message's largest floating leaf (the rest ride beside it)
-    x = max((a for a in jax.tree.leaves(msg) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)),
-            key=lambda a: a.size)
+    msg = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype),
+                       jax.eval_shape(lambda p, e: sm.prologue(p, e), params, example))
+    x = max(jax.tree.leaves(msg), key=lambda a: a.size)  # the activation: the largest leaf
     act = {}
     for pol in policies:
         f = remat_layer(sm.layer, pol)
