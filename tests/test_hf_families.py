@@ -125,7 +125,7 @@ def test_222_training_matches_single_device(family):
 
 
 def test_packed_documents_with_layer_types():
-    """Packed rows (segment ids) and the layer counter share the side channels: each document
+    """Packed rows (segment ids) and the layer index travel in one message: each document
     of a packed row gets the logits it gets alone (Gemma 2: windows, soft-caps)."""
     model = load("gemma2")
     ids = np.asarray(tokens(4, 1, 11, 83)["tokens"])[:, :12]
