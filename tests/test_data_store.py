@@ -166,7 +166,7 @@ def test_stream_resumes_exactly_and_refuses_other_data_on_the_store(corpus, tmp_
         other.set_state(state)
 
 
-def test_sources_stream_in_pieces(corpus, tmp_path):
+def test_sources_stream_in_pieces(corpus, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -175,7 +175,9 @@ def test_sources_stream_in_pieces(corpus, tmp_path):
     files = sources.resolve(str(d / "c.jsonl"))
     cut = sources.pieces(files, opts, piece_bytes=5_000)
     assert len(cut) > 10
-    assert [t for p in cut for t in sources.read_piece(p, opts)] == docs
+    with monkeypatch.context() as m:  # a line's number reads the file up to it: errors only
+        m.setattr(sources, "_line_number", lambda *a: pytest.fail("a valid line was counted"))
+        assert [t for p in cut for t in sources.read_piece(p, opts)] == docs
     pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", row_group_size=7)
     files = sources.resolve(str(tmp_path / "c.parquet"))
     cut = sources.pieces(files, opts)

@@ -256,7 +256,9 @@ def _read_jsonl(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[s
                 have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                 raise DataError(f"{p}:{_line_number(p, pos)}: no field {opts.field!r} (has "
                                 f"{have}); set data.field to the field holding the text")
-            yield _text(rec[opts.field], f"{p}:{_line_number(p, pos)}", opts.field)
+            value = rec[opts.field]  # the line number costs a read: counted only for errors
+            yield value if isinstance(value, str) else _text(
+                value, f"{p}:{_line_number(p, pos)}", opts.field)
     except (OSError, EOFError) as e:
         raise DataError(f"{p}: cannot be read ({e}); is it a valid (gzipped) JSONL file?") \
             from None
