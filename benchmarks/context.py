@@ -35,7 +35,6 @@ from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax.models.llama import Llama, LlamaConfig  # noqa: E402
-from fiddlejax.parallel import context  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2 ** 20
@@ -50,12 +49,8 @@ def llama(seq: int, abstract: bool = True):
 
 
 def trainer(model, c: int, kernel: str = "auto"):
-    context.KERNEL = kernel
-    try:
-        mesh = fj.make_mesh(data=1, context=c, devices=jax.devices()[:c])
-        return fj.parallelize(model, optax.sgd(1e-3), fj.Plan(mesh=mesh))
-    finally:
-        context.KERNEL = "auto"
+    mesh = fj.make_mesh(data=1, context=c, devices=jax.devices()[:c])
+    return fj.parallelize(model, optax.sgd(1e-3), fj.Plan(mesh=mesh, context_kernel=kernel))
 
 
 def temp_mib(seq: int, c: int, kernel: str = "auto") -> float:

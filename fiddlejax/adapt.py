@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fiddlejax import dropout, scanned, sharding
+from fiddlejax import dropout, intercept, scanned, sharding
 from fiddlejax.blocks import (
     block_keys,
     check_params_only,
@@ -137,15 +137,17 @@ class AdaptedModel(StagedModel):
         raise ValueError(f"{self.callsite}: the model's __call__ never called these blocks; "
                          "name the blocks that __call__ runs")
 
-    def layer(self, layer_params: nnx.State, x: jax.Array) -> jax.Array:
-        """One stacked unit of blocks on the packed message."""
+    def layer(self, layer_params: nnx.State, x: jax.Array, ops: Any = None) -> jax.Array:
+        """One stacked unit of blocks on the packed message; the blocks reach ``ops`` (what
+        the layout offers) through :mod:`fiddlejax.intercept`, being the user's own."""
         side = self.sides[x.shape[1:]]
         h, args, kwargs = unpack(x, side)
         keys, count = keys_of(x, side)
         for j, gd in enumerate(self.unit_graphdefs):
             p = layer_params[j] if self.unit > 1 else layer_params
             block = nnx.merge(gd, p, self.unit_rest[j], copy=True)
-            with dropout.keys(keys, None if count is None else count * self.unit + j):
+            with (dropout.keys(keys, None if count is None else count * self.unit + j),
+                  intercept.setting(ops=ops)):
                 h = activation(block(h, *args, **kwargs))
         n = math.prod(side.x_shape)
         return counted(x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype)), side, 1)

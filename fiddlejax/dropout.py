@@ -19,7 +19,6 @@ through every split of the batch; the per-example keys then travel in the activa
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,8 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fiddlejax import intercept
+
 STEP, EXAMPLE = "fiddlejax.step", "fiddlejax.example"
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fiddlejax_dropout", default=None)
 _ORIGINAL = nnx.Dropout.__call__
 
 
@@ -77,15 +77,12 @@ class _Keys:
 def keys(data: jax.Array | None, layer: Any) -> Iterator[None]:
     """``nnx.Dropout`` inside this block draws from per-example ``data`` (``[B, 2]`` key
     data) for block ``layer``; ``data=None``: eval mode, no dropout."""
-    token = _ACTIVE.set(_Keys(data, layer))
-    try:
+    with intercept.setting(dropout=_Keys(data, layer)):
         yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 def _call(self, inputs, *, deterministic: bool | None = None, rngs=None):
-    ctx = _ACTIVE.get()
+    ctx = intercept.current().dropout
     if ctx is None:
         return _ORIGINAL(self, inputs, deterministic=deterministic, rngs=rngs)
     det = self.deterministic if deterministic is None else deterministic

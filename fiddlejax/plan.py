@@ -24,6 +24,9 @@ def interleaves(kind: str | None) -> bool:
     return bool(kind) and _schedules.interleaves(kind)
 
 
+CONTEXT_KERNELS = ("auto", "ring", "allgather")  # how attention joins a context split
+
+
 def __getattr__(name: str):  # SCHEDULES stays a name; it follows the registry
     if name == "SCHEDULES":
         return schedule_kinds()
@@ -101,6 +104,9 @@ class Plan:
       Llama stepped in 0.85x the scan's time (50.0% MFU against 42.6%,
       ``benchmarks/results/mfu.md``). A pipeline's stages always loop (their trip counts vary
       by tick).
+    - ``context_kernel`` (with ``context`` > 1): how attention joins the sequence's shards,
+      ``"ring"`` (K/V blocks around the ring), ``"allgather"`` or ``"auto"`` (by shape:
+      :func:`fiddlejax.parallel.context.pick`).
     - ``check_inputs``: every ``Trainer.step`` checks the batch's ids against the model's
       vocabulary (or classes) and the loss for NaN/inf, raising an error that names the step.
       Costs a host sync per step: for debugging and for runs that must not train on garbage.
@@ -132,6 +138,7 @@ class Plan:
     rules: object = None
     sequence_parallel: bool = False
     unroll_layers: bool | None = None
+    context_kernel: str = "auto"
 
     def __post_init__(self):
         self._check_mesh_and_schedule()
@@ -233,6 +240,9 @@ class Plan:
                 "are split over both tensor and expert; drop sequence_parallel, or use expert=1")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs={self.check_inputs!r} must be True or False")
+        if self.context_kernel not in CONTEXT_KERNELS:
+            raise ValueError(f"context_kernel={self.context_kernel!r} is unknown; use one of "
+                             f"{CONTEXT_KERNELS}")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
             raise TypeError(f"unroll_layers={self.unroll_layers!r} must be True, False or None "
                             "(None: unrolled off the CPU unless zero=3)")

@@ -15,7 +15,6 @@ blocks (the split's check). Scans nested inside a block, or outside these traces
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,10 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fiddlejax import intercept
 from fiddlejax.standins import StandIn
 
-_UNROLL: contextvars.ContextVar = contextvars.ContextVar("fiddlejax_unroll_scan", default=False)
-_CALLS: contextvars.ContextVar = contextvars.ContextVar("fiddlejax_scan_calls", default=None)
 _LAX_SCAN = jax.lax.scan
 
 
@@ -41,7 +39,7 @@ class ScanStandIn(nnx.Module):
         self.count = LayerCount(jnp.zeros((n,), jnp.int32))
 
     def __call__(self, *args, **kwargs):
-        calls = _CALLS.get()
+        calls = intercept.current().scan_calls
         if calls is None:
             raise RuntimeError("a fiddlejax stand-in for stacked blocks ran outside fiddlejax")
         i = calls[0]
@@ -51,18 +49,15 @@ class ScanStandIn(nnx.Module):
 
 def _unrolled_scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
     """``jax.lax.scan`` as a Python loop (the outermost scan while :func:`unrolled` is active)."""
-    if not _UNROLL.get():
+    if not intercept.current().unroll_scan:
         return _LAX_SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
     leaves = jax.tree.leaves(xs)
     n = length if length is not None else leaves[0].shape[0]
-    token = _UNROLL.set(False)  # scans inside a block stay scans
-    try:
+    with intercept.setting(unroll_scan=False):  # scans inside a block stay scans
         carry, ys = init, []
         for i in reversed(range(n)) if reverse else range(n):
             carry, y = f(carry, jax.tree.map(lambda a, i=i: a[i], xs))
             ys.append(y)
-    finally:
-        _UNROLL.reset(token)
     if reverse:
         ys.reverse()
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys else None
@@ -72,12 +67,8 @@ def _unrolled_scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kw)
 def unrolled() -> Iterator[None]:
     """Within this block the outermost ``jax.lax.scan`` runs unrolled and the stand-in counts
     its calls from 0 (see the module docstring)."""
-    t1, t2 = _UNROLL.set(True), _CALLS.set([0])
-    try:
+    with intercept.setting(unroll_scan=True, scan_calls=[0]):
         yield
-    finally:
-        _UNROLL.reset(t1)
-        _CALLS.reset(t2)
 
 
 jax.lax.scan = _unrolled_scan  # delegates to JAX's own outside :func:`unrolled`

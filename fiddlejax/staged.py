@@ -23,12 +23,16 @@ reduced the same exact way, so they too are the same on every layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from fiddlejax import intercept
 
 Loss = Callable[[Any, dict], Any]  # (outputs, batch) -> scalar mean, or (sum, weight)
 # the step's own metrics: a loss may not report under these names
@@ -66,7 +70,10 @@ class Staged(Protocol):
     A message is the activation array, or any pytree of arrays that travels with it between
     layers and pipeline stages (int32 segment ids and positions, float32 statistics): each leaf
     is stashed and sent in its own dtype, integer leaves are not differentiated
-    (:mod:`fiddlejax.message`)."""
+    (:mod:`fiddlejax.message`). A layer whose ``__call__`` takes an ``ops`` keyword gets
+    what the layout offers it there (:class:`fiddlejax.parallel.ops.Ops`: attention across a
+    ``context`` split, expert dispatch), to hand to ``fiddlejax.models.common.attention`` and
+    ``MoE``; one that does not still reaches them when it calls those functions."""
 
     def prologue(self, batch: dict) -> Any:
         """What runs before the stack (embeddings): the message entering layer 0."""
@@ -108,11 +115,18 @@ class StagedModel:
         """Activations entering layer 0 (``params[stack]`` is not read)."""
         return self._bind(params).prologue(batch)
 
-    def layer(self, layer_params: nnx.State, x: Any) -> Any:
-        """One layer of the stack, given that layer's (unstacked) parameters."""
-        if self.layer_rest is None:
-            return nnx.merge(self.layer_graphdef, layer_params, copy=True)(x)
-        return nnx.merge(self.layer_graphdef, layer_params, self.layer_rest, copy=True)(x)
+    def layer(self, layer_params: nnx.State, x: Any, ops: Any = None) -> Any:
+        """One layer of the stack, given that layer's (unstacked) parameters; ``ops``: what the
+        layout offers it (:class:`fiddlejax.parallel.ops.Ops`), passed as the block's ``ops``
+        keyword when it takes one, else through :mod:`fiddlejax.intercept`."""
+        rest = () if self.layer_rest is None else (self.layer_rest,)
+        block = nnx.merge(self.layer_graphdef, layer_params, *rest, copy=True)
+        if ops is None:
+            return block(x)
+        if _takes_ops(type(block)):
+            return block(x, ops=ops)
+        with intercept.setting(ops=ops):
+            return block(x)
 
     def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
         """Head and loss on the activations leaving the last layer, as float32
@@ -145,6 +159,15 @@ class StagedModel:
     def to_model(self, params: nnx.State) -> nnx.State:
         """The canonical tree of staged ``params`` (the inverse of :meth:`to_staged`)."""
         return params
+
+
+@functools.cache
+def _takes_ops(cls: type) -> bool:
+    """Whether a block class's ``__call__`` declares the ``ops`` keyword."""
+    try:
+        return "ops" in inspect.signature(cls.__call__).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def vocab_parallel(loss_fn: Loss) -> Loss:

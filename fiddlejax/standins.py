@@ -9,18 +9,14 @@ run the real blocks and record each call (the once-per-batch-shape check of :fun
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 from flax import nnx
 
+from fiddlejax import intercept
 from fiddlejax.side_inputs import activation, describe
-
-# What the stand-ins do in the current trace: ("prologue",), ("epilogue", x, out_treedef) or
-# ("record", blocks, log).
-_MODE: contextvars.ContextVar = contextvars.ContextVar("fiddlejax_adapt_mode", default=None)
 
 
 class Stop(Exception):  # noqa: N818 -- control flow, not an error
@@ -46,7 +42,7 @@ class StandIn:
         return f"<fiddlejax block {self.i}>"
 
     def __call__(self, *args, **kwargs):
-        mode = _MODE.get()
+        mode = intercept.current().standins
         if mode is None:
             raise RuntimeError("a fiddlejax stand-in block was called outside fiddlejax")
         if mode[0] == "prologue":
@@ -61,12 +57,10 @@ class StandIn:
 
 @contextlib.contextmanager
 def acting(*mode: Any) -> Iterator[None]:
-    """The stand-ins act in ``mode`` (see :class:`StandIn`) within this block."""
-    token = _MODE.set(mode)
-    try:
+    """The stand-ins act in ``mode`` (see :class:`StandIn`) within this block: ``("prologue",)``,
+    ``("epilogue", x, out_treedef)`` or ``("record", blocks, log)``."""
+    with intercept.setting(standins=mode):
         yield
-    finally:
-        _MODE.reset(token)
 
 
 def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list,

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fiddlejax import intercept
 from fiddlejax.memory import names
-from fiddlejax.parallel import context
+from fiddlejax.parallel.ops import Ops
 
 Init = Callable[..., jax.Array]
 
@@ -93,11 +94,12 @@ class Block(nnx.Module):
     def _drop(self, x: jax.Array) -> jax.Array:
         return self.dropout(x) if self.dropout is not None else x
 
-    def attention(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                  ops: Ops | None = None) -> jax.Array:
         q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
         k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
         v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
-        ctx = attention(q, k, v, causal=self.causal, segment_ids=segment_ids)
+        ctx = attention(q, k, v, causal=self.causal, segment_ids=segment_ids, ops=ops)
         out = jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]) + self.bo[...]
         return checkpoint_name(out, names.ATTN_OUT)
 
@@ -106,9 +108,9 @@ class Block(nnx.Module):
         h = jax.nn.gelu(h)
         return checkpoint_name(h @ self.w2[...] + self.b2[...], names.MLP_OUT)
 
-    def __call__(self, msg: Message) -> Message:
+    def __call__(self, msg: Message, ops: Ops | None = None) -> Message:
         x = msg.x
-        x = x + self._drop(self.attention(self.ln1(x), msg.segment_ids))
+        x = x + self._drop(self.attention(self.ln1(x), msg.segment_ids, ops))
         return msg._replace(x=x + self._drop(self.mlp(self.ln2(x))))
 
 
@@ -131,7 +133,6 @@ def activation(msg) -> jax.Array:
     return msg.x if isinstance(msg, Message) else msg
 
 
-SEGMENT_BIAS: bool | None = None  # None: bias on cuDNN, mask on XLA; tests force either
 
 
 def positions_of(segment_ids: jax.Array) -> jax.Array:
@@ -181,7 +182,7 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
               segment_ids: jax.Array | None = None, as_bias: bool | None = None,
               window: int | None = None, softcap: float | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, ops: Ops | None = None) -> jax.Array:
     """softmax(q k^T * scale) v for ``q[B, T, H, Dh]``, ``k, v[B, S, KV, Dh]``; tagged CONTEXT.
 
     One ``jax.nn.dot_product_attention`` call, so the backend picks the kernel: cuDNN's fused
@@ -194,10 +195,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     ``sliding_window``; a local window of the fused call). ``scale`` defaults to ``Dh ** -0.5``.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2), which no fused
     kernel offers: :func:`capped_attention` computes it with XLA.
+    ``ops``: what the layout offers (a block passes on its own ``ops``; a user's block that
+    takes none is reached through :mod:`fiddlejax.intercept`); with ``ops.context`` set the
+    sequence is split over ``context`` and the shards' attention is joined.
     """
-    if context.active() is not None:  # a sequence split over `context`: join the shards
-        return checkpoint_name(context.attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                                 window=window, softcap=softcap, scale=scale),
+    ops = ops if ops is not None else intercept.current().ops
+    if ops is not None and ops.context is not None:  # a sequence split over `context`
+        return checkpoint_name(ops.context.attention(q, k, v, causal=causal,
+                                                     segment_ids=segment_ids, window=window,
+                                                     softcap=softcap, scale=scale),
                                names.CONTEXT)
     if softcap is not None:
         ctx = capped_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window,
@@ -211,8 +217,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
         kw["local_window_size"] = (window - 1, 0)
     if segment_ids is not None:  # documents never see each other (fused path: as a bias)
         mask = segment_mask(segment_ids)
-        if (as_bias if as_bias is not None else SEGMENT_BIAS if SEGMENT_BIAS is not None
-                else impl == "cudnn"):
+        if as_bias if as_bias is not None else impl == "cudnn":
             kw["bias"] = jnp.where(mask, 0.0, -1e9 if q.dtype == jnp.float32 else -3e4
                                    ).astype(q.dtype)
         else:

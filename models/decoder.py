@@ -41,6 +41,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
+from fiddlejax.parallel.ops import Ops
 from fiddlejax.staged import vocab_parallel
 
 from . import families, hf, hf_io, moe_loss, rope
@@ -133,33 +134,35 @@ class DecoderBlock(nnx.Module):
         inv = c.inv_freq(kind)
         return rope.apply_rope(q, inv, positions), rope.apply_rope(k, inv, positions), v
 
-    def attend(self, x: jax.Array, segment_ids, positions, kind: str) -> jax.Array:
+    def attend(self, x: jax.Array, segment_ids, positions, kind: str,
+               ops: Ops | None = None) -> jax.Array:
         """The attention sub-layer of a layer of type ``kind`` (before the output norm)."""
         c = self.config
         q, k, v = self.qkv(x, positions, kind)
         ctx = attention(q, k, v, causal=True, segment_ids=segment_ids, window=c.window(kind),
-                        softcap=c.attn_logit_softcapping, scale=c.attention_scale)
+                        softcap=c.attn_logit_softcapping, scale=c.attention_scale, ops=ops)
         return checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]), names.ATTN_OUT)
 
     def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                  positions: jax.Array | None = None, layer: jax.Array | None = None
-                  ) -> jax.Array:
+                  positions: jax.Array | None = None, layer: jax.Array | None = None,
+                  ops: Ops | None = None) -> jax.Array:
         """Attention of the layer ``layer`` (its index: picks its type), or of the one type."""
         kinds = self.config.kinds
         if len(kinds) == 1 or layer is None:  # one type (or a probe of layer 0 alone)
-            return self.attend(x, segment_ids, positions, self.config.layer_types[0])
+            return self.attend(x, segment_ids, positions, self.config.layer_types[0], ops)
         table = jnp.asarray([kinds.index(t) for t in self.config.layer_types], jnp.int32)
-        branches = [lambda x, s, p, kind=kind: self.attend(x, s, p, kind) for kind in kinds]
+        branches = [lambda x, s, p, kind=kind: self.attend(x, s, p, kind, ops) for kind in kinds]
         return jax.lax.switch(table[jnp.clip(layer, 0, len(table) - 1)], branches, x,
                               segment_ids, positions)
 
     def mlp(self, x: jax.Array) -> jax.Array:
         return self.routed_mlp(x)[0]
 
-    def routed_mlp(self, x: jax.Array) -> tuple[jax.Array, MoEOutput | None]:
+    def routed_mlp(self, x: jax.Array, ops: Ops | None = None
+                   ) -> tuple[jax.Array, MoEOutput | None]:
         """The MLP's output, and the MoE layer's routing (None for a dense MLP)."""
         if self.config.num_experts:
-            out = self.moe(x)
+            out = self.moe(x, ops=ops)
             return out.output, out
         act = ACTIVATIONS[self.config.hidden_act]
         gate = checkpoint_name(x @ self.w1[...], names.MLP_HIDDEN)
@@ -170,24 +173,26 @@ class DecoderBlock(nnx.Module):
         """The rest of the layer once its attention output ``attn`` is known."""
         return self.routed_residual(x, attn)[0]
 
-    def routed_residual(self, x: jax.Array, attn: jax.Array):
+    def routed_residual(self, x: jax.Array, attn: jax.Array, ops: Ops | None = None):
         """:meth:`residual` and the MLP's routing (None for a dense MLP)."""
         if self.config.sandwich_norms:
             x = x + self.attn_post_norm(attn)
-            y, routed = self.routed_mlp(self.mlp_norm(x))
+            y, routed = self.routed_mlp(self.mlp_norm(x), ops)
             return x + self.mlp_post_norm(y), routed
         x = x + attn
-        y, routed = self.routed_mlp(self.mlp_norm(x))
+        y, routed = self.routed_mlp(self.mlp_norm(x), ops)
         return x + y, routed
 
-    def __call__(self, msg: Message) -> Message:
-        return self.routed(msg)[0]
+    def __call__(self, msg: Message, ops: Ops | None = None) -> Message:
+        return self.routed(msg, ops)[0]
 
-    def routed(self, msg: Message) -> tuple[Message, jax.Array | None]:
-        """The layer on a message, and its router logits ``[B, T, E]`` (None if dense)."""
+    def routed(self, msg: Message, ops: Ops | None = None) -> tuple[Message, jax.Array | None]:
+        """The layer on a message, and its router logits ``[B, T, E]`` (None if dense);
+        ``ops``: what the layout offers (:class:`fiddlejax.parallel.ops.Ops`)."""
         x, layer = msg.x, msg.layer
         x, routed = self.routed_residual(
-            x, self.attention(self.attn_norm(x), msg.segment_ids, msg.positions, layer))
+            x, self.attention(self.attn_norm(x), msg.segment_ids, msg.positions, layer, ops),
+            ops)
         msg = msg._replace(x=x, layer=None if layer is None else layer + 1)
         if routed is None:
             return msg, None

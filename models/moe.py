@@ -43,8 +43,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fiddlejax import intercept
 from fiddlejax.memory import names
 from fiddlejax.parallel import expert
+from fiddlejax.parallel.ops import Ops
 
 from .common import param
 
@@ -275,8 +277,13 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, normal(std), (e, d, f), ("expert", "embed", "mlp"))
         self.w_down = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"))
 
-    def __call__(self, x: jax.Array) -> MoEOutput:
+    def __call__(self, x: jax.Array, ops: Ops | None = None) -> MoEOutput:
+        """Route and run ``x [..., d]``; ``ops.expert`` (what the layout offers; a user's block
+        that takes no ``ops`` is reached through :mod:`fiddlejax.intercept`): the experts are
+        split over the ``expert`` axis and tokens travel to them."""
         c = self.config
+        ops = ops if ops is not None else intercept.current().ops
+        ep = None if ops is None else ops.expert
         if x.shape[-1] != c.hidden_size:
             raise ValueError(f"MoE expects [..., {c.hidden_size}] activations "
                              f"(MoEConfig.hidden_size); got {list(x.shape)}")
@@ -291,9 +298,8 @@ class MoE(nnx.Module):
             grouped = c.grouped_matmul
             if grouped == "auto":  # ragged_dot is a dense masked matmul off GPU and TPU
                 grouped = "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
-            ep = expert.active()  # experts split over the `expert` axis: tokens travel
             out = (dropless(flat, gates, experts, *ws, act=act, grouped=grouped) if ep is None
-                   else expert.dropless(flat, gates, experts, ws, functools.partial(
+                   else expert.dropless(ep, flat, gates, experts, ws, functools.partial(
                        grouped_swiglu, act=act, grouped=grouped)))
         elif c.dispatch == "capacity":  # per sequence: the drops are the same on any layout
             t = x.shape[-2] if x.ndim > 1 else 1
@@ -301,7 +307,7 @@ class MoE(nnx.Module):
             buf, where = jax.vmap(lambda x, i: capacity_buffer(
                 x, i, c.num_experts, c.capacity(t)))(rows(flat), rows(experts))
             run = functools.partial(capacity_experts, act=act)
-            y = run(buf, ws) if expert.active() is None else expert.with_capacity(buf, ws, run)
+            y = run(buf, ws) if ep is None else expert.with_capacity(ep, buf, ws, run)
             out, dropped = jax.vmap(capacity_combine)(y, rows(gates), where)
             out, dropped = out.reshape(flat.shape), dropped.reshape(-1)
         else:

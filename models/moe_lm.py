@@ -16,6 +16,7 @@ from flax import nnx
 from fiddlejax.models import moe_loss
 from fiddlejax.models.common import Message, cross_entropy, param, stacked
 from fiddlejax.models.moe import MoE, MoEConfig
+from fiddlejax.parallel.ops import Ops
 from fiddlejax.staged import vocab_parallel
 
 
@@ -25,10 +26,10 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg, self.moe = cfg, MoE(cfg, rngs=rngs)
 
-    def __call__(self, msg: Message) -> Message:
+    def __call__(self, msg: Message, ops: Ops | None = None) -> Message:
         x = msg.x
         h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
-        out = self.moe(h)
+        out = self.moe(h, ops=ops)
         return msg._replace(x=x + out.output, tally=moe_loss.accumulate(msg.tally, out))
 
 

@@ -122,3 +122,33 @@ def test_nothing_outside_the_library_reads_trainer_internals():
              for p in sorted((ROOT / folder).rglob("*.py"))
              for attr in private_trainer_reads(p)}
     assert found <= PENDING, sorted(found - PENDING)
+
+
+# Where trace-time state may live: the one interception of users' unmodified models, and gist's
+# encodings (a user-facing selection that must key JAX's trace caches, hence a jax user context;
+# the bundled CNN still reads it: issue 46 leaves it for the Plan to carry).
+CHANNEL_OWNERS = {"fiddlejax/intercept.py", "fiddlejax/memory/gist.py"}
+CHANNELS = ("threading.local", "ContextVar(", "make_user_context(")
+
+
+def test_no_hidden_channel_reaches_a_block():
+    """Parallel services reach blocks as the ``ops`` argument and data as the message: no
+    thread-local, ContextVar or jax user context outside the declared owners, no module
+    ``global`` rebound at trace time, and the bundled blocks declare ``ops``."""
+    found = {}
+    for path in sorted([*LIBRARY.rglob("*.py"), *(ROOT / "models").rglob("*.py")]):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("fiddlejax/models/"):
+            continue  # the link to models/, read as models/
+        text = path.read_text()
+        for channel in CHANNELS:
+            if channel in text and rel not in CHANNEL_OWNERS:
+                found.setdefault(rel, []).append(channel)
+        tree = ast.parse(text)
+        if any(isinstance(n, ast.Global) for n in ast.walk(tree)) and not rel.startswith(
+                "fiddlejax/distributed/"):  # the process's runtime, not a trace-time channel
+            found.setdefault(rel, []).append("global")
+    assert not found, found
+    for block in ("common.py", "decoder.py", "moe_lm.py"):  # the bundled blocks take `ops`
+        text = (ROOT / "models" / block).read_text()
+        assert "ops: Ops | None = None) -> Message" in text, block

@@ -12,7 +12,7 @@ from flax import nnx
 from helpers import reference_loss_and_grads, rel_err, tokens
 
 import fiddlejax as fj
-from fiddlejax.models.common import positions_of
+from fiddlejax.models.common import positions_of, stacked
 from fiddlejax.models.llama import Llama, LlamaConfig
 from fiddlejax.parallel import context, flash
 
@@ -53,10 +53,10 @@ def assert_exact(model, plan, batch):
 def test_context4_data2_matches_one_device(llama, kernel, monkeypatch):
     """The ring on packed documents (segment ids travel with K/V), its blocks cut into
     one-token tiles; the all-gather on plain rows."""
-    monkeypatch.setattr(context, "KERNEL", kernel)
     monkeypatch.setattr(flash, "TILE", 1 if kernel == "ring" else flash.TILE)
     batch = packed(1, 4) if kernel == "ring" else tokens(1, 4, SEQ, 64)
-    assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=2, context=4)), batch)
+    assert_exact(llama, fj.Plan(mesh=fj.make_mesh(data=2, context=4), context_kernel=kernel),
+                 batch)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -92,14 +92,13 @@ def test_fsdp_over_data_and_context(llama, axes):
 
 @pytest.mark.parametrize("kernel,axes", [("ring", dict(data=2, context=4)),
                                          ("allgather", dict(data=4, context=2))])
-def test_gemma2_window_softcap_scale_matches_one_device(kernel, axes, monkeypatch):
+def test_gemma2_window_softcap_scale_matches_one_device(kernel, axes):
     """Gemma 2 (the transformers fixture): sliding windows of 5 tokens on alternate layers,
     soft-capped scores, query_pre_attn_scalar; sequences of 16 tokens, so the window crosses
     chunks and shards (context=4: chunks of 2 tokens, and the ring skips the blocks wholly
     outside the window), packed documents on the ring."""
     from fiddlejax import models
 
-    monkeypatch.setattr(context, "KERNEL", kernel)
     model = models.from_pretrained(Path(__file__).parent / "fixtures" / "hf_gemma2",
                                    seq_len=SEQ)
     cfg = model.config
@@ -108,15 +107,14 @@ def test_gemma2_window_softcap_scale_matches_one_device(kernel, axes, monkeypatc
     # ids from 1: the fixture's pad row 0 is all zeros (see test_hf_families)
     batch = packed(7, 4) if kernel == "ring" else tokens(7, 4, SEQ, 64)
     batch["tokens"] = 1 + np.asarray(batch["tokens"])
-    assert_exact(model, fj.Plan(mesh=fj.make_mesh(**axes)), batch)
+    assert_exact(model, fj.Plan(mesh=fj.make_mesh(**axes), context_kernel=kernel), batch)
 
 
 def test_unknown_attention_option_is_refused_by_name():
     split = context.Split(size=2, seq=8, mesh=fj.make_mesh(data=4, context=2))
     x = np.zeros((8, 2, 2, 4), np.float32)
     with pytest.raises(ValueError, match=r"sets \['sinks'\].*mesh context=1"):
-        with context.tracing(split):
-            context.attention(x, x, x, causal=True, window=3, sinks=1.0)
+        context.Joining(split).attention(x, x, x, causal=True, window=3, sinks=1.0)
 
 
 def test_split_keeps_targets_and_balances_chunks():
@@ -351,3 +349,45 @@ def test_ring_sends_nothing_for_skipped_steps():
                                          jax.jit(f).lower(q, k, k, seg).compile().as_text()))
                           for f in (fwd, both)]
     assert counts == {None: [9, 26], 3: [6, 18]}, counts
+
+
+class _UserBlock(nnx.Module):
+    """A user's block: takes no ``ops``, calls the library's attention (reached by interception)."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.normal(0.3)
+        self.wqkv = nnx.Param(init(rngs.params(), (3, 16, 2, 8)))
+
+    def __call__(self, x):
+        from fiddlejax.models.common import attention
+
+        q, k, v = (jnp.einsum("btd,dhk->bthk", x, w) for w in self.wqkv[...])
+        return x + attention(q, k, v, causal=True).reshape(x.shape)
+
+
+class _UserLM(nnx.Module):
+    stack = "blocks"
+
+    def __init__(self, rngs):
+        self.embed = nnx.Param(nnx.initializers.normal(0.5)(rngs.params(), (64, 16)))
+        self.blocks = stacked(2, _UserBlock, rngs)
+
+    def batch_spec(self, batch_size):
+        return {"tokens": jax.ShapeDtypeStruct((batch_size, SEQ + 1), jnp.int32)}
+
+    def prologue(self, batch):
+        return jnp.take(self.embed[...], batch["tokens"][:, :-1], axis=0)
+
+    def head(self, x):
+        return x @ self.embed[...].T
+
+    def loss(self, logits, batch):
+        labels = batch["tokens"][:, 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_a_user_block_without_ops_joins_the_shards():
+    """A user's staged model whose blocks call ``fiddlejax.models.common.attention`` without
+    taking ``ops`` (the one interception reaches them) is exact on data=2 x context=4."""
+    model = _UserLM(nnx.Rngs(0))
+    assert_exact(model, fj.Plan(mesh=fj.make_mesh(data=2, context=4)), tokens(3, 4, SEQ, 64))

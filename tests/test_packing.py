@@ -5,6 +5,8 @@ device."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -13,7 +15,7 @@ from flax import nnx
 
 import fiddlejax as fj
 from fiddlejax.data import packing
-from fiddlejax.models import common
+from fiddlejax.models import common, decoder
 from fiddlejax.models.gpt import GPT, GPTConfig
 from fiddlejax.models.llama import Llama, LlamaConfig
 from tests.helpers import reference_loss_and_grads, rel_err
@@ -42,7 +44,9 @@ def two_documents(seed=0, a=7, b=9):
 @pytest.mark.parametrize("make", [gpt, llama], ids=["gpt", "llama"])
 @pytest.mark.parametrize("fused", [False, True], ids=["mask", "bias"])
 def test_packed_row_gives_each_document_its_own_logits(make, fused, monkeypatch):
-    monkeypatch.setattr(common, "SEGMENT_BIAS", fused)
+    forced = functools.partial(common.attention, as_bias=fused)  # every block's attention
+    monkeypatch.setattr(common, "attention", forced)
+    monkeypatch.setattr(decoder, "attention", forced)
     model = make()
     d1, d2 = two_documents()
     row = np.concatenate([d1, d2])[None]

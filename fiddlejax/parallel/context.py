@@ -14,8 +14,9 @@ everything token-wise (embeddings, norms, MLPs, the residual stream, the head an
 on ``1/C`` of the tokens per device with no communication, and the loss is the model's own
 mean over all rows, which is the mean over the whole sequence.
 
-Attention is the one operation that mixes tokens; :func:`attention` replaces it while a layer
-is traced under :func:`active` (``fiddlejax.models.common.attention`` dispatches here). Both
+Attention is the one operation that mixes tokens; :func:`attention` replaces it in a layer whose
+``ops.context`` (a :class:`Joining`) is set (``fiddlejax.models.common.attention`` dispatches
+here). Both
 kernels (:mod:`.ring`) are written for the partitioner, each array's leading axis (the shards)
 pinned to ``context``:
 
@@ -33,9 +34,7 @@ runtime joins every device of the program in each collective-permute (see
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +44,10 @@ from jax.sharding import PartitionSpec as P
 
 from fiddlejax.mesh import axis_size
 from fiddlejax.parallel import ring
+from fiddlejax.parallel.ops import Ops, extend
+from fiddlejax.plan import CONTEXT_KERNELS
 
-KERNELS = ("auto", "ring", "allgather")
-KERNEL = "auto"  # which kernel new layouts use; tests and benchmarks force one
+KERNELS = CONTEXT_KERNELS
 # From this many tokens per shard the ring wins (benchmarks/results/context.md, context=4): a
 # faster step from 256 (0.82x; 0.71x at 512); at 128 the all-gather's one collective is 1.3x
 # faster. Both kernels are tiled (temp memory within 1.3x of each other up to 1024 tokens per
@@ -141,41 +141,29 @@ def _constrain(x: jax.Array, split: Split, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-# -- the attention dispatch ---------------------------------------------------------------------
-_ACTIVE = threading.local()
+# -- the attention service ----------------------------------------------------------------------
+class Joining:
+    """What ``context`` offers a layer (``ops.context``): attention over the whole sequences of
+    its split rows. Counts its calls, so that a layer whose attention never came here (and so
+    would attend within a shard only) is refused rather than silently wrong."""
+
+    def __init__(self, split: Split):
+        self.split, self.calls = split, 0
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                  segment_ids: jax.Array | None = None, **options) -> jax.Array:
+        """:func:`attention` on this layer's split, counted."""
+        self.calls += 1
+        return attention(self.split, q, k, v, causal=causal, segment_ids=segment_ids, **options)
 
 
-def active() -> Split | None:
-    """The split of the layer being traced, or None (attention runs whole)."""
-    return getattr(_ACTIVE, "split", None)
-
-
-@contextlib.contextmanager
-def tracing(split: Split):
-    """While a layer is traced: its attention joins the shards; counts the calls."""
-    before = getattr(_ACTIVE, "split", None)
-    _ACTIVE.split, _ACTIVE.calls = split, 0
-    try:
-        yield
-    finally:
-        calls = _ACTIVE.calls
-        _ACTIVE.split = before
-    if calls == 0:
-        raise ValueError(
-            f"context={split.size} splits each sequence, but this model's layer computed no "
-            "attention through fiddlejax.models.common.attention, so nothing joins the shards "
-            "and the result would be wrong; call that function (or "
-            "fiddlejax.parallel.context.attention) for attention, or use mesh context=1")
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+def attention(split: Split, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
               segment_ids: jax.Array | None = None, **options) -> jax.Array:
     """Attention of ``q[R, n, H, Dh]`` over the whole sequences of the split rows (``k, v``
     ``[R, n, KV, Dh]``; ``R = C * B * 2``, rows sharded over ``context``). ``options`` of the
     model's attention: ``window``, ``softcap`` and ``scale`` (as
     :func:`fiddlejax.models.common.attention` takes them; the window counts places in the whole
     sequence); any other is refused by name."""
-    split = active()
     used = sorted(name for name, value in options.items()
                   if value is not None and name not in OPTIONS)
     if used:
@@ -184,7 +172,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
             f"{list(OPTIONS)}; this model's attention sets {used}, which the split does not "
             "support yet; train it with mesh context=1")
     opts = {name: options.get(name) for name in OPTIONS}
-    _ACTIVE.calls += 1
     c, n = split.size, split.chunk
     kernel = split.kernel_for(2 * n)
     seg = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
@@ -217,9 +204,17 @@ class ContextModel:
     def prologue(self, params, batch):
         return self._inner.prologue(params, split_batch(batch, self.split))
 
-    def layer(self, layer_params, x):
-        with tracing(self.split):
-            return self._inner.layer(layer_params, x)
+    def layer(self, layer_params, x, ops: Ops | None = None):
+        joining = Joining(self.split)
+        out = self._inner.layer(layer_params, x, extend(ops, context=joining))
+        if joining.calls == 0:
+            raise ValueError(
+                f"context={self.split.size} splits each sequence, but this model's layer "
+                "computed no attention through fiddlejax.models.common.attention, so nothing "
+                "joins the shards and the result would be wrong; call that function for "
+                "attention (a block taking an `ops` keyword passes it on), or use mesh "
+                "context=1")
+        return out
 
     def weighted_loss(self, params, x, batch):
         return self._inner.weighted_loss(params, x, split_batch(batch, self.split))
@@ -242,11 +237,11 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None) -> ob
             "'tokens' [batch, seq_len + 1] (a next-token language model)")
     seq = example["tokens"].shape[1] - 1
     check(size, seq)
-    kernel = KERNEL if kernel is None else kernel
+    kernel = plan.context_kernel if kernel is None else kernel
     if kernel not in KERNELS:
         raise ValueError(f"context kernel {kernel!r} is unknown; use one of {KERNELS}")
     return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None))
 
 
-__all__ = ["KERNEL", "KERNELS", "ContextModel", "Split", "active", "attention", "check",
-           "lay_out", "pick", "split_batch", "tracing"]
+__all__ = ["KERNELS", "ContextModel", "Joining", "Split", "attention", "check",
+           "lay_out", "pick", "split_batch"]

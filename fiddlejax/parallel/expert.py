@@ -37,10 +37,8 @@ logits whose rows are split over ``expert`` (optax's integer-label cross-entropy
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable
 
 import jax
@@ -49,6 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax.mesh import axis_size
+from fiddlejax.parallel.ops import Ops, extend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,25 +68,6 @@ class Split:
         return num_experts // self.size
 
 
-_ACTIVE = threading.local()
-
-
-def active() -> Split | None:
-    """The split of the layer being traced, or None (experts run where their weights are)."""
-    return getattr(_ACTIVE, "split", None)
-
-
-@contextlib.contextmanager
-def tracing(split: Split):
-    """While a layer is traced, its MoE layers send their tokens to their experts' devices."""
-    before = getattr(_ACTIVE, "split", None)
-    _ACTIVE.split = split
-    try:
-        yield
-    finally:
-        _ACTIVE.split = before
-
-
 def buffer_rows(tokens: int, top_k: int, local_experts: int) -> int:
     """Rows of one destination's all-to-all buffer: the most pairs ``tokens`` can send it."""
     return tokens * min(top_k, local_experts)
@@ -106,13 +86,12 @@ def _send_plan(experts: jax.Array, num_experts: int, shards: int, rows: int):
     return order, dest * rows + rank, owner % local
 
 
-def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
+def dropless(split: Split, x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
              matmuls: Callable) -> jax.Array:
     """:func:`fiddlejax.models.moe.dropless` with the experts split over ``expert``: ``x [N,
     d]`` (rows split over ``expert``), ``gates``, ``experts [N, k]``, the experts' stacked
     weights ``ws`` (``[E, ...]`` each) and ``matmuls(rows, sizes, ws)``, the model's grouped
     matmul of rows sorted by expert (``sizes[e]`` rows each)."""
-    split = active()
     s, e = split.size, ws[0].shape[0]
     local = split.local(e)
     big, k = experts.shape
@@ -160,13 +139,12 @@ def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, ws: tuple,
     return out.reshape(big, d)
 
 
-def with_capacity(buf: jax.Array, ws: tuple, run: Callable) -> jax.Array:
+def with_capacity(split: Split, buf: jax.Array, ws: tuple, run: Callable) -> jax.Array:
     """The capacity dispatch's experts with the experts split over ``expert``: the sequences'
     buffers ``buf [B, E, C, d]`` (rows split over ``expert``) cut by destination, sent by one
     all-to-all, run by each shard's ``E / S`` experts (``run(buf, ws)``) and sent back. The
     buffers are already static (capacity ``C`` per expert and sequence): nothing is padded
     beyond what the capacity dispatch holds on one device."""
-    split = active()
     s, e = split.size, ws[0].shape[0]
     local = split.local(e)
     b, _, c, d = buf.shape
@@ -277,9 +255,8 @@ class ExpertModel:
     def prologue(self, params, batch):
         return self._inner.prologue(params, self._rows(batch))
 
-    def layer(self, layer_params, x):
-        with tracing(self.split):
-            return self._inner.layer(layer_params, self._rows(x))
+    def layer(self, layer_params, x, ops: Ops | None = None):
+        return self._inner.layer(layer_params, self._rows(x), extend(ops, expert=self.split))
 
     def weighted_loss(self, params, x, batch):
         if getattr(self._inner, "loss_layout", None) is not None:  # see loss_inputs
@@ -335,5 +312,5 @@ def experts(canonical, rules) -> dict[str, int]:
     return out
 
 
-__all__ = ["ExpertModel", "Split", "active", "buffer_rows", "constrain_rows", "dropless",
-           "experts", "lay_out", "loss_inputs", "tracing", "with_capacity"]
+__all__ = ["ExpertModel", "Split", "buffer_rows", "constrain_rows", "dropless", "experts",
+           "lay_out", "loss_inputs", "with_capacity"]

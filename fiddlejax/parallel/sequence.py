@@ -47,8 +47,8 @@ class SequenceParallel:
 
         return jax.tree.map(split, msg)
 
-    def layer(self, layer_params, x):
-        return self._split(self._inner.layer(layer_params, self._split(x)))
+    def layer(self, layer_params, x, ops=None):
+        return self._split(self._inner.layer(layer_params, self._split(x), ops))
 
 
 def lay_out(staged, plan, example: dict | None):

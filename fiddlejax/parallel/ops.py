@@ -1,0 +1,41 @@
+"""What a layout offers a layer: the collectives its blocks call, handed over as an argument.
+
+A parallel concern that changes how a block computes, not only where its arrays live, offers
+the block a service: ``context`` joins the sequence's shards in attention
+(:class:`fiddlejax.parallel.context.Joining`), ``expert`` sends MoE tokens to their experts'
+devices (:class:`fiddlejax.parallel.expert.Split`). Each concern's wrapper adds its service to
+the :class:`Ops` it passes down with the layer call (``staged.layer(params, x, ops)``); a block
+whose ``__call__`` takes an ``ops`` keyword receives it and hands it to
+``fiddlejax.models.common.attention`` and ``MoE``; ``None`` (every field unset) means the
+block runs whole, as on one device. Nothing reaches a block through a side channel: a
+newcomer adding a concern adds a field here and an argument where blocks use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fiddlejax.parallel.context import Joining
+    from fiddlejax.parallel.expert import Split as ExpertSplit
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The services a layer's blocks may call (None: that concern is not split)."""
+
+    context: Joining | None = None
+    expert: ExpertSplit | None = None
+
+    def adding(self, **services: Any) -> Ops:
+        """These ops with ``services`` added (a wrapper's step on the way down)."""
+        return dataclasses.replace(self, **services)
+
+
+NONE = Ops()
+
+
+def extend(ops: Ops | None, **services: Any) -> Ops:
+    """``ops`` (None: none yet) with ``services`` added."""
+    return (ops or NONE).adding(**services)
