@@ -57,7 +57,7 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
                                             pipeline is not None)
     model = staged if outer_view is None else compute.ViewedModel(staged, outer_view)
     if pipeline is not None:
-        pipeline.data_dims, pipeline.staged = zero.dims, model
+        pipeline = pipeline.running(model, zero.dims)
     mesh = plan.mesh
     params = layout.shardings(mesh, specs)
     stepper = exchange.pick(plan)

@@ -8,7 +8,7 @@ model as it computes, its pipeline, its storage over ``data``, every sharding).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -20,6 +20,11 @@ from fiddlejax.plan import Plan
 from fiddlejax.staged import StagedModel
 from fiddlejax.state import TrainState
 
+if TYPE_CHECKING:
+    from fiddlejax.compute import ViewedModel
+    from fiddlejax.parallel.exchange import DenseExchange
+    from fiddlejax.pipeline.runtime import Pipeline
+
 
 @dataclasses.dataclass
 class Layout:
@@ -28,18 +33,18 @@ class Layout:
     plan: Plan
     name: str                   # the model's class name, for messages
     source: StagedModel         # the model as it computes (no gathers, no casts)
-    model: Any                  # the model as a step runs it (through the ZeRO view, if any)
+    model: StagedModel | ViewedModel  # as a step runs it (through the ZeRO view, if any)
     template: nnx.State         # canonical parameters as ShapeDtypeStructs
-    pipeline: Any               # fiddlejax.pipeline.runtime.Pipeline, or None
+    pipeline: Pipeline | None
     zero: Zero
     specs: nnx.State            # the internal parameters' PartitionSpecs
-    param_shardings: Any
-    grad_shardings: Any
-    opt_shardings: Any
-    residual_shardings: Any
+    param_shardings: nnx.State  # of NamedSharding, like the internal parameters
+    grad_shardings: nnx.State
+    opt_shardings: Any          # the optimizer state's own pytree, of NamedSharding
+    residual_shardings: nnx.State | None  # top-k's per-replica residual
     state_shardings: TrainState
     batch_sharding: NamedSharding
-    stepper: Any                # fiddlejax.parallel.exchange: how gradients are exchanged
+    stepper: DenseExchange      # how gradients are exchanged (a subclass per algorithm)
 
     @property
     def mesh(self):

@@ -18,6 +18,7 @@ and the head and loss run between the stage programs over every device, partitio
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -63,14 +64,23 @@ class Pipeline:
             index[st, j, : self.counts[c]] = starts[c] + np.arange(self.counts[c])
         self.index = index
         self._tables_2bw: dict[int, Tables] = {}
-        # FSDP (zero=3): each internal leaf's dimension sharded over `data` (-1: none), set by
-        # the Trainer (fiddlejax.compute); None without FSDP.
+        # FSDP (zero=3): each internal leaf's dimension sharded over `data` (-1: none); None
+        # without FSDP. Known once the storage is laid out: see :meth:`running`.
         self.data_dims = None
         # Ticks per scan iteration. Measurement only: cost_analysis counts a loop body once, so
         # bytes(unroll=2) - bytes(unroll=1) is one tick's memory traffic.
         self.tick_unroll = 1
         flat = index.reshape(-1)
         self.inverse = np.array([int(np.nonzero(flat == layer)[0][0]) for layer in range(L)])
+
+    def running(self, model, data_dims) -> Pipeline:
+        """This pipeline (its stages and tables unchanged) running ``model``, the staged model
+        as a step runs it (through FSDP's parameter view, if any), with each internal leaf's
+        ``data`` dimension ``data_dims`` (None without FSDP): a new object, so the stage plan
+        the storage was laid out from is never changed after the fact."""
+        out = copy.copy(self)
+        out.staged, out.data_dims, out._tables_2bw = model, data_dims, {}
+        return out
 
     def _partition(self, params: nnx.State, example: dict | None) -> list[int]:
         """Layers per chunk: uniform, or balanced by parameters / measured FLOPs (PipeDream)."""
