@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fiddlejax import sharding
+
 
 def find_blocks(model: nnx.Module, layers: str) -> tuple[Any, str, list[str | int], list]:
     """(parent module, attribute, state keys of the blocks, the blocks) for ``layers``."""
@@ -143,10 +145,10 @@ def repeating_unit(model: nnx.Module, layers: str, blocks: list) -> int:
                 f"and the {n} blocks repeat in no pattern that divides {n}; fiddlejax stacks "
                 "identical blocks (or a repeating unit of them). Make the blocks identical, or "
                 "a whole number of repeats of a unit")
-        # stacklevel 4: the user's parallelize() call (here < adapt < split_model < parallelize).
         warnings.warn(
             f"{type(model).__name__}.{layers}: blocks differ in {diff}; stacking units of {k} "
-            f"blocks ({n // k} units: a pipeline cuts between units)", stacklevel=4)
+            f"blocks ({n // k} units: a pipeline cuts between units)",
+            stacklevel=sharding.user_stacklevel())
     return k
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -79,6 +80,18 @@ def param_specs(
 
 
 # -- models without annotations, and annotations that do not fit --------------------------------
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which a warning points at the first frame outside fiddlejax (the
+    user's call), however deep inside the library it is raised."""
+    import sys
+
+    root = str(Path(__file__).resolve().parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -150,7 +163,7 @@ def name_stack(model: nnx.Module, stack: str) -> None:
         warnings.warn(f"{type(model).__name__}.{stack}: {len(fixed)} stacked parameters lack the "
                       f"'layers' name of their leading axis (e.g. {fixed[0]}); fiddlejax added "
                       "it. Build the stack with transform_metadata={nnx.PARTITION_NAME: "
-                      "'layers'}", stacklevel=3)
+                      "'layers'}", stacklevel=user_stacklevel())
 
 
 # Fused projections (q, k and v side by side) are left replicated: splitting their output over
@@ -218,9 +231,11 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     column-parallel ``(embed, mlp)``; kernels back to the width (``o/out/down/proj``)
     row-parallel ``(mlp, embed)``; attention kernels ``[embed, heads, head_dim]`` split on
     heads; the vocabulary embedding and projection on ``vocab``; biases like their kernel's
-    output; fused q/k/v kernels (and their output projection), norms and everything else
-    replicated; an MoE layer's stacked experts ``[E, d, f]`` / ``[E, f, d]`` (a path naming
-    ``expert``) ``(expert, embed, mlp)`` / ``(expert, mlp, embed)``. Writes the names into the
+    output; fused q/k/v kernels (and their output projection), convolutions (``nnx.Conv``,
+    whose ``[window, in, out]`` kernel is not attention's ``[embed, heads, head_dim]``), norms
+    and everything else replicated; an MoE layer's stacked experts ``[E, d, f]`` /
+    ``[E, f, d]`` (a path naming ``expert``) ``(expert, embed, mlp)`` /
+    ``(expert, mlp, embed)``. Writes the names into the
     model's variables (as :func:`annotate` does), warns with what it split and how, and returns
     ``{path: names}``."""
     flat = [(tuple(str(k) for k in p), v)
@@ -231,8 +246,12 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     if d is None:
         return {}
     fused = {p[:-2] for p, _ in flat if len(p) > 1 and p[-2] in _FUSED}
+    convs = {tuple(str(k) for k in path) for path, m in nnx.iter_graph(model)
+             if isinstance(m, nnx.Conv | nnx.ConvTranspose)}
     named: dict[tuple, tuple] = {}
     for p, v in flat:
+        if p[:-1] in convs:  # (*window, in, out): not attention, whatever its rank; kept whole
+            continue
         if p[-1] == "embedding" and vocab is not None and tuple(v.shape) == (vocab, d):
             named[p] = ("vocab", "embed")
         elif (names := _expert_names(p, tuple(v.shape), d)) is not None:
@@ -249,7 +268,7 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     out = {"/".join(p): n for p, n in named.items()}
     warnings.warn(f"{type(model).__name__} has no sharding names; fiddlejax inferred them "
                   f"(model width {d}): {describe_split(out, len(flat))}. Override with "
-                  "fj.sharding.annotate(model, {regex: names})", stacklevel=4)
+                  "fj.sharding.annotate(model, {regex: names})", stacklevel=user_stacklevel())
     return out
 
 
@@ -279,7 +298,7 @@ def describe_split(named: Mapping[str, tuple], total: int) -> str:
     return f"{split} of {total} parameters split over `tensor` ({parts}); the rest replicated"
 
 
-def tensor_unused(spec_tree: Any, tensor: int, model_name: str, stacklevel: int = 3) -> None:
+def tensor_unused(spec_tree: Any, tensor: int, model_name: str) -> None:
     """Warn when ``tensor > 1`` but no parameter is split over ``tensor``: every weight would be
     replicated and the tensor axis would only repeat work."""
     if tensor <= 1:
@@ -291,4 +310,5 @@ def tensor_unused(spec_tree: Any, tensor: int, model_name: str, stacklevel: int 
     warnings.warn(f"tensor={tensor}, but no parameter of {model_name} is mapped to the tensor "
                   "axis (no sharding names, or rules that map none to 'tensor'): every weight is "
                   "replicated. Annotate with fj.sharding.annotate(model, {regex: names}) or map "
-                  "the model's names with Plan(rules={name: 'tensor'})", stacklevel=stacklevel)
+                  "the model's names with Plan(rules={name: 'tensor'})",
+                  stacklevel=user_stacklevel())

@@ -102,6 +102,23 @@ def test_inferred_names_without_an_embedding():
     assert "classifier/kernel" not in named  # 10 classes: whole
 
 
+def test_a_rank3_convolution_is_not_read_as_attention():
+    """Whisper's encoder stem (issue 50): a Conv1d kernel ``[3, in, d]`` has attention's rank
+    and ends in the width, yet is no ``[heads, head_dim, embed]``: it stays whole (with 3
+    input channels it would be refused as "n_heads=3 not divisible by tensor")."""
+    class Stem(nnx.Module):
+        def __init__(self, rngs):
+            self.conv1 = nnx.Conv(3, 16, kernel_size=(3,), rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(2, 16, decode=False, rngs=rngs)
+            self.linear1 = nnx.Linear(16, 32, rngs=rngs)
+            self.linear2 = nnx.Linear(32, 16, rngs=rngs)
+
+    with pytest.warns(UserWarning, match="inferred them"):
+        named = fj.sharding.infer_names(Stem(nnx.Rngs(0)))
+    assert "conv1/kernel" not in named and "conv1/bias" not in named
+    assert named["attention/out/kernel"] == ("heads", "head_dim", "embed")
+
+
 # -- 2: inputs are shifted only when declared ------------------------------------------------
 class Classifier(nnx.Module):
     """Takes the whole ``tokens`` (a classifier with a ``label`` key)."""
@@ -271,3 +288,16 @@ def test_bonsai_vit_gets_tensor_parallelism_without_an_embedding():
 
     for layout_ in [(4, 1, 2, None, 1, 1), (2, 2, 2, "1f1b", 2, 1)]:
         check_exact(model, lambda m: m(batch["x"], rngs=None), ce, batch, "layers", layout_)
+
+
+def test_warnings_point_at_the_users_call():
+    """The inferred-names warning names the caller's file and line, not a library frame
+    (computed from the stack, not a hand-counted ``stacklevel``)."""
+    class Stem(nnx.Module):
+        def __init__(self, rngs):
+            self.linear1 = nnx.Linear(16, 32, rngs=rngs)
+            self.linear2 = nnx.Linear(32, 16, rngs=rngs)
+
+    with pytest.warns(UserWarning, match="inferred them") as caught:
+        fj.sharding.infer_names(Stem(nnx.Rngs(0)))
+    assert {Path(w.filename).name for w in caught} == {Path(__file__).name}

@@ -38,9 +38,7 @@ def param_specs(internal: nnx.State, plan: Plan, pipeline, model_name: str) -> n
     specs = (pipeline.param_specs(internal) if pipeline is not None
              else layout.specs(internal, plan.axis_rules))
     layout.check_divisible(internal, specs, plan.mesh)
-    # the warning points at the user's parallelize() call: tensor_unused, param_specs, lay_out,
-    # Trainer.__init__, parallelize, the caller
-    sharding.tensor_unused(specs, plan.tensor, model_name, stacklevel=6)
+    sharding.tensor_unused(specs, plan.tensor, model_name)  # warns at the user's call
     if plan.tensor > 1:
         logging.getLogger("fiddlejax").info("%s on tensor=%d: %s", model_name, plan.tensor,
                                             split_summary(specs))
