@@ -8,7 +8,7 @@ model as it computes, its pipeline, its storage over ``data``, every sharding).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -22,8 +22,18 @@ from fiddlejax.state import TrainState
 
 if TYPE_CHECKING:
     from fiddlejax.compute import ViewedModel
-    from fiddlejax.parallel.exchange import DenseExchange
     from fiddlejax.pipeline.runtime import Pipeline
+
+
+class Stepper(Protocol):
+    """How gradients are exchanged (:func:`fiddlejax.parallel.exchange.pick`'s choice): what
+    the state holds for it and what it accepts."""
+
+    residual: bool          # a per-replica residual in TrainState (top-k's error feedback)
+    local_optimizer: bool   # one optimizer state per data replica
+    versions: int           # weight versions in TrainState (2BW keeps two)
+
+    def check(self, optimizer: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -44,7 +54,7 @@ class Layout:
     residual_shardings: nnx.State | None  # top-k's per-replica residual
     state_shardings: TrainState
     batch_sharding: NamedSharding
-    stepper: DenseExchange      # how gradients are exchanged (a subclass per algorithm)
+    stepper: Stepper
 
     @property
     def mesh(self):

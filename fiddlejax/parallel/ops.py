@@ -14,19 +14,31 @@ newcomer adding a concern adds a field here and an argument where blocks use it.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from fiddlejax.parallel.context import Joining
-    from fiddlejax.parallel.expert import Split as ExpertSplit
+
+class ContextService(Protocol):
+    """``context``'s offer (:class:`fiddlejax.parallel.context.Joining`): attention over the
+    whole sequences of a layer's split rows."""
+
+    def attention(self, q, k, v, *, causal: bool, segment_ids=None, **options): ...
+
+
+class ExpertService(Protocol):
+    """``expert``'s offer (:class:`fiddlejax.parallel.expert.Split`): the experts split over
+    ``size`` devices, handed to :func:`fiddlejax.parallel.expert.dropless`."""
+
+    size: int
+
+    def local(self, num_experts: int) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The services a layer's blocks may call (None: that concern is not split)."""
 
-    context: Joining | None = None
-    expert: ExpertSplit | None = None
+    context: ContextService | None = None
+    expert: ExpertService | None = None
 
     def adding(self, **services: Any) -> Ops:
         """These ops with ``services`` added (a wrapper's step on the way down)."""
