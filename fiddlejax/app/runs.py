@@ -59,7 +59,7 @@ def restore(run_dir: str | Path, *, step: int | None = None,
 
         plan = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
     trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
-    mgr = fj.CheckpointManager(ckpt, trainer)
+    mgr = fj.CheckpointManager(ckpt, trainer, read_only=True)  # a reader: never deletes
     try:
         restored = mgr.restore_all(step)
     finally:
