@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fiddlejax.app import export_dir, runs
+from fiddlejax.app import beside_writer, export_dir, runs
 from fiddlejax.model_names import DECODERS
 
 
@@ -58,16 +58,19 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"),
                          cfg["model"].get("from_pretrained"))
     c = model.config
-    try:  # the parameters only, one leaf at a time, written tensor by tensor
-        step, shapes, leaf = checkpoint_params.param_leaves(mgr, step)
+    def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
+        step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
         with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()), step=step) as tmp:
             models.save_hf(model, tmp, max_shard_size=max_shard_size, dtype=dtype,  # GPT: gpt2
                            leaves=(shapes, leaf))
             tokenizer_files.save(tmp, tok, getattr(c, "max_position_embeddings", None)
                                  or getattr(c, "seq_len", None))
+        return step
+
+    try:  # a live job deleting the step being read: again at its newer latest
+        return beside_writer.read(mgr, step, write)
     finally:
         mgr.close()
-    return step
 
 
 def export_command(argv: list[str]) -> int:

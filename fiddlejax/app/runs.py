@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from fiddlejax.app import beside_writer
 from fiddlejax.config import AUTO_CHECKPOINT_DIR
 
 
@@ -61,7 +62,7 @@ def restore(run_dir: str | Path, *, step: int | None = None,
     trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
     mgr = fj.CheckpointManager(ckpt, trainer, read_only=True)  # a reader: never deletes
     try:
-        restored = mgr.restore_all(step)
+        restored = beside_writer.read(mgr, step, lambda m, s: m.restore_all(s))
     finally:
         mgr.close()
     nnx.update(model, trainer.params(restored.state))
