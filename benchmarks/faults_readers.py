@@ -11,7 +11,7 @@
   (they must stay byte-identical), into one holding a ``config.json`` no export wrote (refused,
   exit 2, one line, nothing touched), then a re-export under ``ulimit -f 8`` (shards larger
   than the limit): exit 1, one line, the previous export byte-identical and loadable
-  (``fiddlejax eval model.from_pretrained=OUT``).
+  (``fiddlejax generate model.from_pretrained=OUT``).
 """
 
 from __future__ import annotations
@@ -132,13 +132,13 @@ def export(tmp: Path) -> dict:
     lines = r.stderr.strip().splitlines()
     intact = _digest(out) == before
     left = [q.name for q in tmp.iterdir() if "fiddlejax-export" in q.name]
-    loads = run(_cli("eval", f"model.from_pretrained={out}", "batches=1", "model.seq_len=16",
-                     "data.batch_size=8"))
+    loads = run(_cli("generate", f"model.from_pretrained={out}", "prompt=def ",
+                     "max_new_tokens=4"))
     ok &= (r.returncode == 1 and len(lines) == 1 and "File too large" in lines[0] and intact
            and not left and loads.returncode == 0)
     notes.append(f"re-export past `ulimit -f 8`: exit {r.returncode}, {len(lines)} stderr line, "
                  f"previous export {'byte-identical' if intact else 'CHANGED'}, "
-                 f"{'loads' if loads.returncode == 0 else 'DOES NOT LOAD'} (fiddlejax eval "
+                 f"{'loads' if loads.returncode == 0 else 'DOES NOT LOAD'} (fiddlejax generate "
                  f"exit {loads.returncode}), {len(left)} temporary directories left")
     return {"scenario": "fiddlejax export beside user files, over a user's file, failing "
                         "half-way", "trials": 3, "failures": int(not ok), "lost": 0,

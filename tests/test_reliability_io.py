@@ -223,3 +223,36 @@ def test_the_lock_file_is_never_followed_through_a_link(tmp_path, monkeypatch, f
     with pytest.raises(DirectoryInUse, match="is a hard link to another file"):
         DirectoryLock(ck).acquire()
     assert precious.read_bytes() == b"do not truncate"
+
+
+def test_a_step_deleted_while_read_is_read_from_a_snapshot(run_dir, tmp_path):
+    """A job saving every step deletes a step within a few steps (max_to_keep): a reader
+    failed on it as "truncated or corrupted"."""
+    import shutil
+
+    from fiddlejax.app import beside_writer
+
+    ck = tmp_path / "ck"
+    for s in ("2", "3"):
+        shutil.copytree(run_dir / "checkpoints" / "2", ck / s)
+    seen = []
+
+    def read(m, s):
+        seen.append((m.directory, s))
+        if len(seen) == 1:  # the job deletes the step being read
+            shutil.rmtree(ck / str(s))
+            raise ValueError("checkpoint step 3 is truncated or corrupted")
+        return m.restore_all(s).step
+
+    m = fj.CheckpointManager(ck, _trainer(), read_only=True)
+    try:
+        assert beside_writer.read(m, None, read) == 2
+        assert seen[1][0].name.startswith(".fiddlejax-reader-") and seen[1][1] == 2
+        assert sorted(p.name for p in ck.iterdir()) == ["2"]  # the snapshot is gone
+        seen.clear()
+        shutil.copytree(ck / "2", ck / "3")
+        with pytest.raises(FileNotFoundError, match=r"checkpoint step 3 in .* was deleted while "
+                           r"it was read, by the job saving there .*its steps now: \[2\]"):
+            beside_writer.read(m, 3, read)  # a named step is not replaced by another
+    finally:
+        m.close()
