@@ -18,10 +18,12 @@ compares with an uninterrupted reference run of the same config, step by step:
   without saves.
 - ``concurrent``, ``nan``, ``frozen``, ``ulimit`` (round three, ``benchmarks/faults_jobs.py``):
   two jobs on one checkpoint directory, NaN injection, a frozen peer, a file-size limit.
+- ``readers``, ``export`` (round four, ``benchmarks/faults_readers.py``): eval, generate and
+  export against a live trainer; export beside the user's files and failing half-way.
 
     python benchmarks/faults.py [--kills 20] [--trials 2] [--seed 0]
 
-writes ``benchmarks/results/faults.md``.
+writes ``benchmarks/results/faults.md`` (with ``--only``: replaces or adds only those rows).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 import faults_jobs
+import faults_readers
 from fault_tools import (
     CACHE,
     ONE,
@@ -243,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=2,
                     help="trials of the concurrent-jobs and frozen-peer faults (default 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", nargs="*", default=None, help="scenario names to run (debugging; "
-                    "the results file is written only for a full run)")
+    ap.add_argument("--only", nargs="*", default=None, help="scenario names to run (their rows "
+                    "replace those of the results file; the others stay)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="fiddlejax-faults-"))
@@ -261,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                          ("concurrent", lambda: faults_jobs.concurrent(tmp, args.trials)),
                          ("nan", lambda: faults_jobs.nan(tmp)),
                          ("frozen", lambda: faults_jobs.frozen(tmp, args.trials)),
-                         ("ulimit", lambda: faults_jobs.ulimit(tmp))):
+                         ("ulimit", lambda: faults_jobs.ulimit(tmp)),
+                         ("readers", lambda: faults_readers.readers(tmp)),
+                         ("export", lambda: faults_readers.export(tmp))):
             if args.only is not None and name not in args.only:
                 continue
             t = time.time()
@@ -270,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {rows[-1]}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.only is not None:
+        _merge(rows, f"--only {' '.join(args.only)}", time.time() - t0)
+        return int(any(r["failures"] for r in rows))
     lines = ["# Fault injection", "",
              f"`python benchmarks/faults.py --kills {args.kills} --trials {args.trials} "
              f"--seed {args.seed}` "
@@ -280,14 +288,33 @@ def main(argv: list[str] | None = None) -> int:
              "interrupted-and-resumed run equals the reference bitwise.", "",
              "| scenario | trials | failures | steps lost | exact resumes | notes |",
              "|---|---|---|---|---|---|"]
-    for r in rows:
-        exact = "-" if r["exact"] is None else ("yes" if r["exact"] else "NO")
-        lines.append(f"| {r['scenario']} | {r['trials']} | {r['failures']} | {r['lost']} | "
-                     f"{exact} | {r['note']} ({r['seconds']:.0f} s) |")
-    if args.only is None:
-        OUT.write_text("\n".join(lines) + "\n")
+    lines += [_row(r) for r in rows]
+    OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return int(any(r["failures"] for r in rows))
+
+
+def _row(r: dict) -> str:
+    exact = "-" if r["exact"] is None else ("yes" if r["exact"] else "NO")
+    return (f"| {r['scenario']} | {r['trials']} | {r['failures']} | {r['lost']} | {exact} | "
+            f"{r['note']} ({r['seconds']:.0f} s) |")
+
+
+def _merge(rows: list[dict], how: str, seconds: float) -> None:
+    """``--only``: each row replaces the results file's row of its scenario (or joins the
+    table), noted under the table; the other rows stay as the last full run measured them."""
+    lines = OUT.read_text().splitlines()
+    for r in rows:
+        at = [i for i, x in enumerate(lines) if x.startswith(f"| {r['scenario']} |")]
+        if at:
+            lines[at[0]] = _row(r)
+        else:
+            lines.insert(max(i for i, x in enumerate(lines) if x.startswith("|")) + 1, _row(r))
+    note = (f"Rows {', '.join(repr(r['scenario']) for r in rows)}: "
+            f"`python benchmarks/faults.py {how}` ({seconds:.0f} s).")
+    lines = [x for x in lines if not x.startswith(note.split(":")[0] + ":")] + ["", note]
+    OUT.write_text("\n".join(lines).replace("\n\n\n", "\n\n") + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

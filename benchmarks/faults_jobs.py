@@ -120,7 +120,7 @@ def _finite_checkpoints(ck: Path, cfg: list[str], manager) -> tuple[bool, int]:
     c = config.load(None, [*TINY, *cfg])
     tr = fj.parallelize(build.build_model(c["model"], 0), build.make_optimizer(c),
                         fj.Plan(mesh=fj.make_mesh(data=1, devices=jax.devices()[:1])))
-    with manager(ck, tr) as m:
+    with manager(ck, tr, read_only=True) as m:
         steps = m.all_steps()
         ok = all(all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(m.restore(s)))
                  for s in steps)

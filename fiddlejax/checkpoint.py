@@ -27,15 +27,16 @@ CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkfreq`, SIGT
 :mod:`fiddlejax.preemption`, the ``fiddlejax train`` glue :mod:`fiddlejax.app.checkpoints`): with
 ``every="auto"`` the manager times every ``save`` call it gets (call it every step): the step
 time, the snapshot stall, the background persist time and the slowdown of steps that overlap a
-persist, and picks the smallest interval that keeps the measured
-cost under ``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish
-before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred
-(the clock is :mod:`fiddlejax.checkpoint_timing`).
+persist, and picks the smallest interval that keeps the measured cost under
+``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish before the
+next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred (the
+clock is :mod:`fiddlejax.checkpoint_timing`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ __all__ = ["FORMAT", "CheckFreq", "CheckpointManager", "NonFiniteState", "Preemp
 
 class NonFiniteState(FloatingPointError):
     """:meth:`CheckpointManager.save` was given a state holding NaN or inf: it is not written."""
+
+
+def _no_read_only_notice(record: logging.LogRecord) -> bool:  # Orbax logs every reader's open
+    return not record.getMessage().startswith("Given directory is read only")
 
 
 # -- what a restore returns --------------------------------------------------------------------
@@ -83,6 +88,8 @@ class CheckpointManager:
       ``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``) when ``best_metric`` is set.
     - ``async_save``: the write runs in the background after a blocking device-to-host snapshot.
     - ``config``: the job config, stored as metadata (``fiddlejax train`` passes its own).
+    - ``read_only``: a reader beside a running job (eval, generate, export): it never writes
+      or deletes (a writer's save in progress included) and needs no lock; ``save`` refuses.
 
     Every process calls every method (Orbax writes each process's shards and synchronizes).
     """
@@ -91,7 +98,7 @@ class CheckpointManager:
                  max_to_keep: int | None = 3, best_metric: str | None = None,
                  best_mode: str = "min", keep_best: int = 1, async_save: bool = True,
                  checkfreq_overhead: float = 0.035, config: dict | None = None,
-                 preemption: Preemption | None = None):
+                 preemption: Preemption | None = None, read_only: bool = False):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
@@ -104,7 +111,8 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep={max_to_keep!r} must be >= 1 (or None to keep all)")
         self.directory = Path(directory).absolute()
         self.trainer, self.every, self.config = trainer, every, config
-        self.best_metric, self.async_save = best_metric, async_save
+        self.best_metric, self.async_save = best_metric, async_save and not read_only
+        self.read_only = read_only
         self.preemption = preemption
         self.checkfreq = CheckFreq(checkfreq_overhead) if every == "auto" else None
         self.restored: Restored | None = None
@@ -120,7 +128,9 @@ class CheckpointManager:
 
             policies.append(cm.BestN(get_metric_fn=best_fn, reverse=best_mode == "min",
                                      n=keep_best, keep_checkpoints_without_metrics=False))
-        options = ocp.CheckpointManagerOptions(
+        options = ocp.CheckpointManagerOptions(  # a reader: no temporary directory cleaned
+            read_only=True, create=False, save_interval_steps=0,
+            enable_async_checkpointing=False) if read_only else ocp.CheckpointManagerOptions(
             best_fn=best_fn, best_mode=best_mode,
             preservation_policy=cm.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
@@ -128,6 +138,7 @@ class CheckpointManager:
                            if async_save else None),
         )
         self._ocp = ocp
+        logging.getLogger("absl").addFilter(_no_read_only_notice)  # added once
         # Replica-parallel writes slice every replicated shard on device first; on CPU that is
         # ~200 tiny dispatches (and compiles) per save, 5x the whole snapshot. Orbax already
         # turns it off on GPU; one replica writes each shard instead.
@@ -165,6 +176,9 @@ class CheckpointManager:
         ``extra`` (anything JSON) come back from :meth:`restore_all`. ``metrics`` rank checkpoints
         for ``best_metric``. The call blocks only for the device-to-host snapshot when async.
         """
+        if self.read_only:
+            raise ValueError(f"this CheckpointManager of {self.directory} was opened read_only="
+                             "True (a reader); open one without it to save")
         step = int(step)
         if self.checkfreq is not None:  # time steps exactly: wait for the step to finish
             jax.block_until_ready(state.step)
@@ -192,7 +206,11 @@ class CheckpointManager:
             raise NonFiniteState(
                 f"step {step}: the state is not finite ({bad}); not saved to {self.directory}; "
                 + self._last_good_text())
-        meta = self._meta(step, paths, leaves, fps, data_state, rng, extra, metrics)
+        meta = {"format": FORMAT, "step": step, "model": self.trainer.model_name,
+                "plan": jsonable(self.trainer.plan.describe()), "config": jsonable(self.config),
+                "arrays": manifest.array_records(paths, leaves, fps),
+                "data_state": jsonable(data_state), "rng": manifest.rng_record(rng),
+                "extra": jsonable(extra), "metrics": jsonable(metrics), "time": time.time()}
         ocp = self._ocp
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(manifest.nest(paths, leaves)),
                                   meta=ocp.args.JsonSave(meta))
@@ -210,14 +228,6 @@ class CheckpointManager:
             self._check_committed(step)
         timing.last_return = end
         return True
-
-    def _meta(self, step, paths, leaves, fps, data_state, rng, extra, metrics) -> dict:
-        arrays = manifest.array_records(paths, leaves, fps)
-        rng_meta = manifest.rng_record(rng)
-        return {"format": FORMAT, "step": step, "model": self.trainer.model_name,
-                "plan": jsonable(self.trainer.plan.describe()), "config": jsonable(self.config),
-                "arrays": arrays, "data_state": jsonable(data_state), "rng": rng_meta,
-                "extra": jsonable(extra), "metrics": jsonable(metrics), "time": time.time()}
 
     def stats(self) -> dict:
         """Measured checkpoint costs: overhead share of wall time, interval, last phases."""

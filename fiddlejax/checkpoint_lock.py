@@ -7,7 +7,9 @@ holder file naming the host, pid and run directory of the job that holds it. The
 a flock however the process ends (SIGKILL included), so a lock is never left behind by a dead
 job; the holder file such a job leaves is recognised and taken over. On filesystems without
 flock (some network mounts) the holder file itself is the lock (created with ``O_EXCL``), and a
-holder on this host whose pid no longer runs is stale and taken over.
+holder on this host whose pid no longer runs is stale and taken over. The holder file is never
+opened through a symbolic link (nor written when it has other hard links): a link planted there
+would have the lock's record written into the file it points at.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 LOCK_NAME = ".fiddlejax-lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class DirectoryInUse(ValueError):
@@ -73,7 +76,7 @@ class DirectoryLock:
         import fcntl
 
         for _ in range(5):  # the file can be replaced between open and lock: retry
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open(os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -104,7 +107,7 @@ class DirectoryLock:
         note = None
         for _ in range(2):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = self._open(os.O_RDWR | os.O_CREAT | os.O_EXCL)
             except FileExistsError:
                 holder = _read_path(self.path)
                 if not _stale(holder, self.me["host"]):
@@ -116,6 +119,23 @@ class DirectoryLock:
             self._fd = fd
             return note
         raise self._in_use(_read_path(self.path), flock=False)
+
+    def _open(self, flags: int) -> int:
+        """Open the holder file, refusing a symbolic or hard link (never written through)."""
+        try:
+            fd = os.open(self.path, flags | _NOFOLLOW, 0o644)
+        except OSError:
+            if not self.path.is_symlink():
+                raise
+            what = f"a symbolic link (to {os.readlink(self.path)})"
+        else:
+            if os.fstat(fd).st_nlink <= 1:
+                return fd
+            os.close(fd)
+            what = "a hard link to another file"
+        raise DirectoryInUse(
+            f"{self.what}: its lock file {self.path} is {what}; fiddlejax never writes "
+            f"through a link. Remove it (rm {self.path}) and start again")
 
     def _write(self, fd: int) -> None:
         data = json.dumps({**self.me, "since": time.time()}).encode()
@@ -173,7 +193,7 @@ def _read(fd: int) -> dict | None:
 
 def _read_path(path: Path) -> dict | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     except OSError:
         return None
     try:

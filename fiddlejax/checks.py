@@ -90,10 +90,12 @@ def check_finite(metrics: dict, step: int, state: Any = None) -> None:
 
 def check_not_donated(state: Any, call: str = "trainer.step") -> None:
     """A clear error for a TrainState whose buffers an earlier step consumed (donated): using
-    one crashes the process inside XLA instead (a segmentation fault, jax 0.10.2)."""
+    one crashes the process inside XLA instead (a segmentation fault, jax 0.10.2). Tracers
+    (``trainer.step`` inside a user's ``jax.jit`` or ``lax.scan``) own no buffers: skipped."""
     import jax
 
-    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+    if any(not isinstance(x, jax.core.Tracer) and getattr(x, "is_deleted", lambda: False)()
+           for x in jax.tree.leaves(state)):
         raise ValueError(
             f"this TrainState was consumed by an earlier {call} (its buffers were donated to "
             "the new state, to save memory) and cannot be used again; use the state that call "

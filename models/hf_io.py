@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -286,8 +287,9 @@ def write(directory: Path, planned: list[tuple[str, tuple[int, ...]]],
     files = [SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
              for i in range(n)]
     if writer:
-        for old in [*directory.glob("model*.safetensors"), directory / INDEX]:
-            old.unlink(missing_ok=True)  # a previous export's shards would mix in
+        for old in directory.glob("model*.safetensors*"):  # a previous save's would mix in
+            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old.name):
+                old.unlink()  # only names this writes: model_v1.safetensors is the user's
     stream = iter(tensors)
     for group, file in zip(groups, files):
         out = open(directory / file, "wb") if writer else None  # noqa: SIM115 - closed below

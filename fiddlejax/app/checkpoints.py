@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,12 +100,12 @@ def check_directory(cfg: dict) -> None:
                 "directory (it is created if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".fiddlejax-write-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
+        fd, probe = tempfile.mkstemp(prefix=".fiddlejax-write-probe-", dir=path)  # O_EXCL:
+        with open(fd, "wb") as f:  # never a planted link's target
             f.write(b"\0" * 65536)
             f.flush()
             os.fsync(f.fileno())
-        probe.unlink()
+        os.unlink(probe)
     except OSError as e:
         raise PermissionError(
             f"checkpoint.dir={d} is not writable ({e.strerror or e}); give a directory this "

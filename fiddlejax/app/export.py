@@ -8,7 +8,9 @@ state) restore one leaf at a time onto one device (a checkpoint restores onto an
 verified array by array (:mod:`fiddlejax.checkpoint_params`), and the model's
 ``save_pretrained`` writes them tensor by tensor as ``config.json`` + safetensors (host memory:
 about one leaf and one tensor), beside the job's tokenizer files and
-``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`).
+``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`). Everything is written
+into a temporary directory first and swapped into place when complete; the target's other
+files are kept (:mod:`fiddlejax.app.export_dir`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from fiddlejax.app import runs
+from fiddlejax.app import beside_writer, export_dir, runs
 from fiddlejax.model_names import DECODERS
 
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
            checkpoint_dir: str | Path | None = None, max_shard_size: int | str = "5GB",
-           dtype: str | None = None) -> int:
+           dtype: str | None = None, overwrite: bool = False) -> int:
     """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out_dir``
     in Hugging Face's layout of the run's family; returns the step written. ``dtype``: None
-    writes the dtype of the checkpoint the run started from (float32 from scratch)."""
+    writes the dtype of the checkpoint the run started from (float32 from scratch).
+    ``overwrite``: replace files in ``out_dir`` that no earlier export wrote (else refused)."""
     run_dir = Path(run_dir)
     cfg = runs.run_config(run_dir)
     if cfg["model"]["name"] not in DECODERS:
@@ -35,6 +38,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                          "mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text) as "
                          "themselves and GPT runs as gpt2 directories")
     ckpt = runs.checkpoint_dir(cfg, run_dir, checkpoint_dir)
+    export_dir.check_target(out_dir, overwrite)  # before anything is read
 
     from fiddlejax.app import build
 
@@ -47,22 +51,26 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
 
     one = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
     trainer = fj.parallelize(model, build.make_optimizer(cfg), one)
-    mgr = fj.CheckpointManager(ckpt, trainer)
-    try:  # the parameters only, one leaf at a time, written tensor by tensor
-        step, shapes, leaf = checkpoint_params.param_leaves(mgr, step)
-        models.save_hf(model, out_dir, max_shard_size=max_shard_size, dtype=dtype,  # GPT: gpt2
-                       leaves=(shapes, leaf))
-    finally:
-        mgr.close()
-    # the job's tokenizer (model.from_pretrained's own unless data.tokenizer named another)
+    mgr = fj.CheckpointManager(ckpt, trainer, read_only=True)  # a reader: never deletes
     from fiddlejax.data import tokenizer, tokenizer_files
 
+    # the job's tokenizer (model.from_pretrained's own unless data.tokenizer named another)
     tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"),
                          cfg["model"].get("from_pretrained"))
     c = model.config
-    tokenizer_files.save(out_dir, tok, getattr(c, "max_position_embeddings", None)
-                         or getattr(c, "seq_len", None))
-    return step
+    def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
+        step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
+        with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()), step=step) as tmp:
+            models.save_hf(model, tmp, max_shard_size=max_shard_size, dtype=dtype,  # GPT: gpt2
+                           leaves=(shapes, leaf))
+            tokenizer_files.save(tmp, tok, getattr(c, "max_position_embeddings", None)
+                                 or getattr(c, "seq_len", None))
+        return step
+
+    try:  # a live job deleting the step being read: again at its newer latest
+        return beside_writer.read(mgr, step, write)
+    finally:
+        mgr.close()
 
 
 def export_command(argv: list[str]) -> int:
@@ -82,14 +90,20 @@ def export_command(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default: the dtype of model.from_pretrained's checkpoint (float32 "
                         "for a model trained from scratch)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files in OUT_DIR that no earlier export wrote (config.json, "
+                        "model*.safetensors, tokenizer files); its other files are always kept")
     args = p.parse_args(argv)
     try:
         step = export(args.run_dir, args.out_dir, step=args.step,
                       checkpoint_dir=args.checkpoint_dir, max_shard_size=args.max_shard_size,
-                      dtype=args.dtype)
+                      dtype=args.dtype, overwrite=args.overwrite)
+    except export_dir.ExportFailed as e:  # like a failed checkpoint save: a failure, exit 1
+        print(f"fiddlejax export: {e}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, OSError) as e:
         print(f"fiddlejax export: {e}", file=sys.stderr)
         return 2
-    files = sorted(x.name for x in Path(args.out_dir).iterdir())
+    files = export_dir.recorded(args.out_dir)
     print(f"exported step {step} of {args.run_dir} to {args.out_dir}: {', '.join(files)}")
     return 0

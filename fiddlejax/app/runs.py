@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from fiddlejax.app import beside_writer
 from fiddlejax.config import AUTO_CHECKPOINT_DIR
 
 
@@ -59,9 +60,9 @@ def restore(run_dir: str | Path, *, step: int | None = None,
 
         plan = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
     trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
-    mgr = fj.CheckpointManager(ckpt, trainer)
+    mgr = fj.CheckpointManager(ckpt, trainer, read_only=True)  # a reader: never deletes
     try:
-        restored = mgr.restore_all(step)
+        restored = beside_writer.read(mgr, step, lambda m, s: m.restore_all(s))
     finally:
         mgr.close()
     nnx.update(model, trainer.params(restored.state))
