@@ -21,14 +21,17 @@ aside), so the model learns to stop. A token counts when its characters overlap 
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 
+from fiddlejax.data import sources
 from fiddlejax.data.sources import DataError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -60,6 +63,29 @@ def is_chat(record) -> bool:
     return isinstance(record, dict) and (
         isinstance(record.get("messages"), list) or ("prompt" in record and "completion" in
                                                      record))
+
+
+def detect(files: list[sources.SourceFile], field: str) -> str:
+    """``data.format=auto``: ``chat`` when the first record of the first file has no
+    ``field`` but ``messages`` (or ``prompt`` and ``completion``), else ``text``."""
+    f = files[0] if files else None
+    names: list[str] = []
+    if f is not None and f.kind == "jsonl":
+        opener = gzip.open if f.path.lower().endswith(".gz") else open
+        with opener(f.path, "rb") as fh:
+            for line in fh:
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        return "text"  # the reader names the bad line
+                    names = list(rec) if isinstance(rec, dict) else []
+                    break
+    elif f is not None and f.kind == "parquet":
+        names = sources._parquet(Path(f.path)).schema_arrow.names
+    if field in names:
+        return "text"
+    return "chat" if "messages" in names or {"prompt", "completion"} <= set(names) else "text"
 
 
 # -- the template ----------------------------------------------------------------------------
