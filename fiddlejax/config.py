@@ -143,6 +143,8 @@ SPECS: dict[str, Spec] = {
     "optimizer.stale_correction": Spec(float, lo=0, hi=1), "optimizer.clip": Spec(float, lo=0),
     "data.batch_size": POSITIVE, "data.seed": COUNT,
     "data.field": Spec(str), "data.tokenizer": Spec(str), "data.pack": Spec(bool),
+    "data.format": Spec(str, choices=("auto", "text", "chat")),
+    "data.chat_template": Spec(str, null=True, empty=False),
     "data.val_fraction": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True, null=True),
     "data.eos_id": Spec(int, lo=0, null=True), "data.workers": COUNT,
     "data.token_dtype": Spec(str, choices=("uint16", "uint32")), "data.allow_change": Spec(bool),

@@ -273,7 +273,7 @@ def _meta(spec: Spec, infos: list[dict], seconds: float) -> dict:
             "fingerprint": fp, "tokenizer": {"name": spec.tok.describe(),
                                              "sha256": spec.tok.fingerprint},
             "fraction": spec.fraction, "pieces": len(infos),
-            "splits": {s: {k: sum(i["splits"][s][k] for i in infos)
+            "splits": {s: {k: sum(i["splits"][s].get(k, 0) for i in infos)
                            for k in ("docs", "tokens", "targets")} for s in store.SPLITS},
             "format": spec.opts.format, "loss_mask": spec.chat,
             "min_id": min(i["min_id"] for i in infos), "max_id": max(i["max_id"] for i in infos),
