@@ -123,6 +123,8 @@ def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
         fraction = 0.0
     elif fraction is None:
         fraction = DEFAULT_VAL_FRACTION
+    if opts.format not in ("auto", "text", "chat"):
+        raise DataError(f"data.format={opts.format} is none of auto, text, chat")
     if opts.format == "auto":
         opts = dataclasses.replace(opts, format=chat.detect(files, opts.field))
     if opts.format == "chat":
