@@ -20,12 +20,11 @@ aside), so the model learns to stop. A token counts when its characters overlap 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import json
 import os
-from contextlib import contextmanager
-from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
 
@@ -89,6 +88,18 @@ def detect(files: list[sources.SourceFile], field: str) -> str:
 
 
 # -- the template ----------------------------------------------------------------------------
+TRACKER = "fiddlejax_generation_spans"  # the variable a tracked render passes its _Tracker in
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """What a render has written so far and the ``{% generation %}`` spans found in it."""
+
+    blocks: list
+    spans: list
+
+
+# -- compiling -------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def compile_template(source: str):
     """``source`` compiled in transformers' chat-template environment."""
@@ -97,36 +108,23 @@ def compile_template(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
-        """``{% generation %}...{% endgeneration %}``: records the block's character span."""
+        """``{% generation %}...{% endgeneration %}``: the block's character span is recorded
+        in the :class:`_Tracker` the render was given (as transformers' tracker does)."""
 
         tags = {"generation"}
-
-        def __init__(self, environment):
-            super().__init__(environment)
-            environment.extend(track=self.track)
-            self._spans = ContextVar("spans", default=None)
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body) \
-                .set_lineno(lineno)
+            call = self.call_method("_mark", [jinja2.nodes.Name(TRACKER, "load")])
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
-        def _mark(self, caller):
+        def _mark(self, tracker, caller):
             text = caller()
-            if (state := self._spans.get()) is not None:
-                blocks, spans = state
-                start = len("".join(blocks))
-                spans.append((start, start + len(text)))
+            if isinstance(tracker, _Tracker):
+                start = len("".join(tracker.blocks))
+                tracker.spans.append((start, start + len(text)))
             return text
-
-        @contextmanager
-        def track(self, blocks: list, spans: list):
-            token = self._spans.set((blocks, spans))
-            try:
-                yield
-            finally:
-                self._spans.reset(token)
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -164,11 +162,10 @@ class Template:
         try:
             if spans is None:
                 return self.compiled.render(**kw)
-            blocks: list[str] = []
-            with self.compiled.environment.track(blocks, spans):
-                for block in self.compiled.generate(**kw):
-                    blocks.append(block)
-            return "".join(blocks)
+            tracker = _Tracker([], spans)
+            for block in self.compiled.generate(**kw, **{TRACKER: tracker}):
+                tracker.blocks.append(block)
+            return "".join(tracker.blocks)
         except jinja2.TemplateError as e:
             raise DataError(f"the chat template refuses the conversation {_short(msgs)}: {e}") \
                 from None
