@@ -74,7 +74,6 @@ def test_records_and_refusals(tmp_path):
     pc = {"prompt": "hi", "completion": "yo"}
     assert chat.messages(pc) == [{"role": "user", "content": "hi"},
                                  {"role": "assistant", "content": "yo"}]
-    assert chat.is_chat(pc) and chat.is_chat({"messages": []}) and not chat.is_chat({"text": 1})
     with pytest.raises(DataError, match="needs 'messages'"):
         chat.messages({"text": "plain"}, "f.jsonl:3")
     with pytest.raises(DataError, match="has none"):

@@ -57,13 +57,6 @@ def messages(record, where: str = "a record") -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None} for m in msgs]
 
 
-def is_chat(record) -> bool:
-    """Whether a record has the shape of chat data (``data.format=auto`` looks at one)."""
-    return isinstance(record, dict) and (
-        isinstance(record.get("messages"), list) or ("prompt" in record and "completion" in
-                                                     record))
-
-
 def detect(files: list[sources.SourceFile], field: str) -> str:
     """``data.format=auto``: ``chat`` when the first record of the first file has no
     ``field`` but ``messages`` (or ``prompt`` and ``completion``), else ``text``."""
