@@ -164,14 +164,23 @@ def batch_sides(batch: dict) -> tuple:
 def next_token_loss(logits: jax.Array, batch: dict, vocab_size: int):
     """Next-token cross-entropy against ``tokens[:, 1:]``: the mean for plain windows; for a
     packed or padded batch (``segment_ids``) the pair ``(sum, count)`` over the targets that
-    continue their input's document (not the token after an EOS, not padding), which
-    fiddlejax reduces exactly over microbatches and replicas."""
+    continue their input's document (not the token after an EOS, not padding), and with a
+    ``loss_mask`` (chat data: 1 on the assistant's tokens) over those it marks; fiddlejax
+    reduces the pair exactly over microbatches and replicas (the global batch's masked mean)."""
     ce = cross_entropy(logits, batch["tokens"][:, 1:], vocab_size)
-    seg = batch.get("segment_ids")
-    if seg is None:
+    mask = target_mask(batch)
+    if mask is None:
         return ce.mean()
-    mask = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
     return jnp.sum(jnp.where(mask, ce, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+
+def target_mask(batch: dict) -> jax.Array | None:
+    """Which targets ``[:, 1:]`` count (``[B, T]`` bool), or None: all of them."""
+    seg, keep = batch.get("segment_ids"), batch.get("loss_mask")
+    mask = None if seg is None else (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    if keep is not None:
+        mask = keep[:, 1:] > 0 if mask is None else mask & (keep[:, 1:] > 0)
+    return mask
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:

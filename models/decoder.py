@@ -56,6 +56,7 @@ from .common import (
     scan_layers,
     side_inputs,
     stacked,
+    target_mask,
 )
 from .decoder_config import (  # noqa: F401 - the config's names, where they always were
     ACTIVATIONS,
@@ -261,7 +262,8 @@ class Decoder(nnx.Module):
         mask = weights = None
         if seg is not None:
             mask = seg[:, :-1] > 0
-            weights = jnp.sum((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), -1)
+        if (targets := target_mask(batch)) is not None:
+            weights = jnp.sum(targets, -1)
         return moe_loss.add_router_losses(value, tally, c.num_experts_per_tok,
                                           c.router_aux_loss_coef, c.router_z_loss_coef, mask,
                                           None if weights is None else weights.astype(

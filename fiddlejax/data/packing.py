@@ -10,6 +10,11 @@ begins another document, and the padding are never targets.
 
 Rows carry ``length = seq_len + 1`` tokens, like ``tokens``: inputs are ``[:, :-1]``, targets
 ``[:, 1:]``.
+
+Chat data (:mod:`.chat`) gives each document a mask too, 1 on the assistant's tokens: packed
+alongside as ``loss_mask`` (int32, like ``tokens``; 0 on padding), a batch key the loss reads
+(a target counts only where ``loss_mask[:, 1:]`` is 1 as well), so it is split, microbatched
+and laid out like every other key of the batch.
 """
 
 from __future__ import annotations
@@ -33,12 +38,22 @@ def _positions(segments: np.ndarray) -> np.ndarray:
     return (cols - np.maximum.accumulate(np.where(starts, cols, 0), axis=1)).astype(np.int32)
 
 
-def pack_rows(docs: Sequence[np.ndarray], length: int, *, pack: bool = True) -> dict:
-    """``{"tokens", "segment_ids", "positions"}``, each int32 ``[rows, length]``.
+def pack_rows(docs: Sequence[np.ndarray], length: int, *, pack: bool = True,
+              masks: Sequence[np.ndarray] | None = None) -> dict:
+    """``{"tokens", "segment_ids", "positions"}``, each int32 ``[rows, length]``, and
+    ``loss_mask`` when ``masks`` (one per document, its length) are given.
 
     Packed, the tail that does not fill a row is dropped; unpacked, each document fills
     ``ceil(len / length)`` rows, the last one padded (token 0, segment 0, position 0).
     """
+    if masks is not None:
+        if len(masks) != len(docs) or any(len(m) != len(d) for m, d in zip(masks, docs)):
+            raise ValueError("pack_rows: give one mask per document, as long as it")
+        keep = [i for i, d in enumerate(docs) if len(d)]
+        rows = pack_rows([docs[i] for i in keep], length, pack=pack)
+        # the masks ride through the same cut as tokens: pack them as if they were ids
+        tagged = pack_rows([np.asarray(masks[i], np.int32) for i in keep], length, pack=pack)
+        return {**rows, "loss_mask": np.where(rows["segment_ids"] > 0, tagged["tokens"], 0)}
     if length < 2:
         raise ValueError(f"rows of length {length} hold no target; use seq_len >= 1")
     docs = [np.asarray(d, np.int32) for d in docs if len(d)]

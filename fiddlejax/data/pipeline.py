@@ -138,9 +138,11 @@ def summary(what: str, meta: dict, tok: tokenizers.Tokenizer) -> str:
     """The job's data line: documents, tokens, the split and the tokenizer (the store's
     counts)."""
     t, v = meta["splits"]["train"], meta["splits"]["validation"]
+    chat = (f"; chat: {t.get('targets', 0):,} of the {t['tokens']:,} train tokens are the "
+            "assistant's (the loss's targets)") if meta.get("loss_mask") else ""
     return (f"# data: {what}: {t['docs'] + v['docs']:,} documents ({t['docs']:,} train, "
             f"{v['docs']:,} validation), {t['tokens']:,} + {v['tokens']:,} tokens; tokenizer "
-            f"{tok.describe()} ({tok.vocab_size:,} ids)")
+            f"{tok.describe()} ({tok.vocab_size:,} ids){chat}")
 
 
 class _Ids(grain.sources.RandomAccessDataSource):

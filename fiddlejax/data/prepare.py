@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fiddlejax.data import packing, sources, store
+from fiddlejax.data import chat, packing, sources, store
 from fiddlejax.data import tokenizer as tokenizers
 from fiddlejax.data.sources import DataError
 
@@ -45,10 +45,18 @@ def cache_dir(dcfg: dict) -> Path:
     return Path(d).expanduser()
 
 
+def doc_bytes(doc) -> bytes:
+    """A document's content as bytes: text, ids, or a chat record (its JSON)."""
+    if isinstance(doc, dict):
+        return json.dumps(doc, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    return doc.encode("utf-8") if isinstance(doc, str) else np.asarray(doc, "<i8").tobytes()
+
+
 def doc_hash(doc) -> int:
     """A stable hash of a document's content (text or ids): the validation split's key."""
-    data = doc.encode("utf-8") if isinstance(doc, str) else np.asarray(doc, np.int64).tobytes()
-    return zlib.crc32(data)
+    if isinstance(doc, str | dict):
+        return zlib.crc32(doc_bytes(doc))
+    return zlib.crc32(np.asarray(doc, np.int64).tobytes())
 
 
 @dataclasses.dataclass
@@ -62,6 +70,11 @@ class Spec:
     opts: sources.Options
     tok: tokenizers.Tokenizer
     label: list[str]  # the paths a checkpoint names
+    template: str | None = None  # data.chat_template (chat data; None: the tokenizer's)
+
+    @property
+    def chat(self) -> bool:
+        return self.opts.format == "chat"
 
     def work(self) -> list[tuple[sources.Piece, str]]:
         """Every piece with what its documents become: ``hash`` (split by ``fraction``),
@@ -81,7 +94,9 @@ class Spec:
         val = [[f.path, f.size, os.stat(f.path).st_mtime_ns] for f in self.val_files or []]
         blob = json.dumps([store.VERSION, sources.PIECE_BYTES, stat, val, self.fraction,
                            dataclasses.asdict(self.opts), self.tok.describe(),
-                           self.tok.fingerprint, self.tok.bos_id, self.tok.eos_id])
+                           self.tok.fingerprint, self.tok.bos_id, self.tok.eos_id]
+                          + ([chat.template_of(self.tok, self.template).source]
+                             if self.chat else []))
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def name(self) -> str:
@@ -93,7 +108,7 @@ class Spec:
 def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
     """The :class:`Spec` of ``path`` (None: the bundled stdlib corpus) under ``data:``."""
     opts = sources.Options(dcfg.get("field", "text"), dcfg.get("eos_id"),
-                           dcfg.get("token_dtype", "uint16"))
+                           dcfg.get("token_dtype", "uint16"), dcfg.get("format") or "auto")
     if path is None:
         from fiddlejax.data.builtin import stdlib_files
 
@@ -108,7 +123,17 @@ def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
         fraction = 0.0
     elif fraction is None:
         fraction = DEFAULT_VAL_FRACTION
-    return Spec(files, val_files, float(fraction), opts, tok, label)
+    if opts.format not in ("auto", "text", "chat"):
+        raise DataError(f"data.format={opts.format} is none of auto, text, chat")
+    if opts.format == "auto":
+        opts = dataclasses.replace(opts, format=chat.detect(files, opts.field))
+    if opts.format == "chat":
+        bad = [f.path for f in files + (val_files or []) if f.kind in ("txt", "bin", "npy")]
+        if bad:
+            raise DataError(f"data.format=chat reads records (.jsonl, .parquet, Arrow, "
+                            f"ArrayRecord), not {bad[0]}; convert it, or use data.format=text")
+        chat.template_of(tok, dcfg.get("chat_template"))  # refuse a tokenizer without one now
+    return Spec(files, val_files, float(fraction), opts, tok, label, dcfg.get("chat_template"))
 
 
 # -- one piece -------------------------------------------------------------------------------
@@ -121,6 +146,10 @@ def build_piece(piece: sources.Piece, mode: str, spec: Spec, out: Path) -> dict:
     cut = int(round(spec.fraction * 2 ** 32))
     tok, dtype = spec.tok, np.dtype(spec.dtype())
     files = {s: open(tmp / f"{s}.bin", "wb") for s in store.SPLITS}  # noqa: SIM115
+    template = chat.template_of(tok, spec.template) if spec.chat else None
+    masks = {s: open(tmp / f"{s}.mask.bin", "wb") for s in store.SPLITS} \
+        if spec.chat else {}  # noqa: SIM115
+    targets = dict.fromkeys(store.SPLITS, 0)
     lens: dict[str, list[int]] = {s: [] for s in store.SPLITS}
     h, lo, hi = hashlib.sha256(), None, None
 
@@ -129,17 +158,25 @@ def build_piece(piece: sources.Piece, mode: str, spec: Spec, out: Path) -> dict:
         texts = [d for d in docs if isinstance(d, str)]
         encoded = iter(tok.encode_batch(texts) if texts else [])
         for d in docs:
-            ids = next(encoded) if isinstance(d, str) else np.asarray(d, np.int64)
+            mask = None
+            if template is not None:  # the template writes the specials itself
+                ids, mask = chat.encode(d, tok, template, f"{piece.file.path}")
+            else:
+                ids = next(encoded) if isinstance(d, str) else np.asarray(d, np.int64)
             if len(ids):
                 lo = min(int(ids.min()), lo if lo is not None else 1 << 62)
                 hi = max(int(ids.max()), hi if hi is not None else -1)
-            ids = packing.with_specials(ids, tok.eos_id, tok.bos_id)
+            if mask is None:
+                ids = packing.with_specials(ids, tok.eos_id, tok.bos_id)
             split = mode if mode != "hash" else (
                 "validation" if doc_hash(d) < cut else "train")
-            h.update(d.encode("utf-8") if isinstance(d, str) else np.asarray(d, "<i8").tobytes())
+            h.update(doc_bytes(d))
             h.update(b"\0")
             files[split].write(ids.astype(dtype).tobytes())
             lens[split].append(len(ids))
+            if mask is not None:
+                masks[split].write(mask.astype(np.uint8).tobytes())
+                targets[split] += int(mask.sum())
 
     try:
         batch, size = [], 0
@@ -151,13 +188,13 @@ def build_piece(piece: sources.Piece, mode: str, spec: Spec, out: Path) -> dict:
                 batch, size = [], 0
         flush(batch)
     finally:
-        for f in files.values():
+        for f in (*files.values(), *masks.values()):
             f.close()
     specials = [i for i in (tok.eos_id, tok.bos_id) if i is not None]
     lo = min([lo] + specials if lo is not None else specials)
     hi = max([hi] + specials if hi is not None else specials)
-    info = {"splits": {s: {"docs": len(lens[s]), "tokens": int(sum(lens[s]))}
-                       for s in store.SPLITS},
+    info = {"splits": {s: {"docs": len(lens[s]), "tokens": int(sum(lens[s])),
+                           "targets": targets[s]} for s in store.SPLITS},
             "sha256": h.hexdigest(), "mode": mode, "min_id": lo, "max_id": hi}
     for s in store.SPLITS:
         np.save(tmp / f"{s}.len.npy", np.asarray(lens[s], np.int64))
@@ -238,8 +275,9 @@ def _meta(spec: Spec, infos: list[dict], seconds: float) -> dict:
             "fingerprint": fp, "tokenizer": {"name": spec.tok.describe(),
                                              "sha256": spec.tok.fingerprint},
             "fraction": spec.fraction, "pieces": len(infos),
-            "splits": {s: {k: sum(i["splits"][s][k] for i in infos) for k in ("docs", "tokens")}
-                       for s in store.SPLITS},
+            "splits": {s: {k: sum(i["splits"][s].get(k, 0) for i in infos)
+                           for k in ("docs", "tokens", "targets")} for s in store.SPLITS},
+            "format": spec.opts.format, "loss_mask": spec.chat,
             "min_id": min(i["min_id"] for i in infos), "max_id": max(i["max_id"] for i in infos),
             "prepare_seconds_process0": round(seconds, 3)}
 

@@ -138,11 +138,13 @@ def fingerprint(files: list[SourceFile]) -> dict:
 # -- reading ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """How documents are read: the text field and, for token files, the EOS id and dtype."""
+    """How documents are read: the text field and, for token files, the EOS id and dtype;
+    ``format="chat"``: each record whole, a dict (:mod:`.chat` renders it)."""
 
     field: str = "text"
     eos_id: int | None = None
     token_dtype: str = "uint16"
+    format: str = "text"
 
 
 def documents(files: list[SourceFile], opts: Options) -> Iterator[str | np.ndarray]:
@@ -252,6 +254,9 @@ def _read_jsonl(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[s
             except UnicodeDecodeError:
                 raise DataError(f"{p}:{_line_number(p, pos)}: not UTF-8 text; convert the "
                                 "file to UTF-8") from None
+            if opts.format == "chat" and isinstance(rec, dict):
+                yield rec
+                continue
             if not isinstance(rec, dict) or opts.field not in rec:
                 have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                 raise DataError(f"{p}:{_line_number(p, pos)}: no field {opts.field!r} (has "
@@ -264,13 +269,19 @@ def _read_jsonl(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[s
             from None
 
 
-def _check_column(names: list[str], p: Path, field: str) -> None:
-    if field not in names:
+def _check_column(names: list[str], p: Path, field: str | None) -> None:
+    if field is None and "messages" not in names and not {"prompt", "completion"} <= {*names}:
+        raise DataError(f"{p}: chat data needs a 'messages' column, or 'prompt' and "
+                        f"'completion' (columns: {names})")
+    if field is not None and field not in names:
         raise DataError(f"{p}: no column {field!r} (columns: {names}); set "
                         "data.field to the column holding the text")
 
 
-def _batches_text(batches, p: Path, field: str) -> Iterator[str]:
+def _batches_text(batches, p: Path, field: str | None) -> Iterator[str]:
+    if field is None:  # chat: each row as a dict
+        yield from (row for batch in batches for row in batch.to_pylist())
+        return
     n = 0
     for batch in batches:
         for v in batch.column(field).to_pylist():
@@ -288,12 +299,12 @@ def _parquet(p: Path):
 
 
 def _read_parquet(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
-    f = _parquet(p)
-    _check_column(f.schema_arrow.names, p, opts.field)
+    f, field = _parquet(p), None if opts.format == "chat" else opts.field
+    _check_column(f.schema_arrow.names, p, field)
     groups = list(range(lo, f.metadata.num_row_groups if hi < 0 else hi))
     if groups:  # one record batch at a time: never the whole file
-        yield from _batches_text(f.iter_batches(batch_size=4096, row_groups=groups,
-                                                columns=[opts.field]), p, opts.field)
+        yield from _batches_text(f.iter_batches(batch_size=4096, row_groups=groups, columns=(
+            None if field is None else [field])), p, field)
 
 
 def _read_arrow(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
@@ -310,8 +321,9 @@ def _read_arrow(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[s
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             except pa.ArrowInvalid as e:
                 raise DataError(f"{p}: not an Arrow file ({e})") from None
-        _check_column(reader.schema.names, p, opts.field)
-        yield from _batches_text(batches, p, opts.field)
+        field = None if opts.format == "chat" else opts.field
+        _check_column(reader.schema.names, p, field)
+        yield from _batches_text(batches, p, field)
 
 
 def _array_record(p: Path):
@@ -344,6 +356,8 @@ def _record_text(rec: bytes, p: Path, n: int, opts: Options) -> str:
             obj = json.loads(text)
         except json.JSONDecodeError:
             obj = None
+        if isinstance(obj, dict) and opts.format == "chat":
+            return obj
         if isinstance(obj, dict):
             if opts.field not in obj:
                 raise DataError(f"{p}: record {n} has no field {opts.field!r} (has "

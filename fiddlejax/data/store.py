@@ -36,22 +36,29 @@ VERSION = 1
 
 class Split:
     """One split's token stream: ``tokens(lo, hi)`` across its piece files, and its documents'
-    end offsets, all memory-mapped (files open on first use)."""
+    end offsets, all memory-mapped (files open on first use); chat data has a loss mask beside
+    the tokens (``mask(lo, hi)``: 1 where a token is the assistant's)."""
 
-    def __init__(self, root: Path, name: str, dtype: np.dtype):
-        self.root, self.name, self.dtype = root, name, dtype
+    def __init__(self, root: Path, name: str, dtype: np.dtype, masked: bool = False):
+        self.root, self.name, self.dtype, self.masked = root, name, dtype, masked
         self.ends = np.load(root / f"{name}.idx.npy", mmap_mode="r")
         self.shard_ends = np.load(root / f"{name}.shards.npy")
         self.n_tokens = int(self.shard_ends[-1]) if len(self.shard_ends) else 0
         self._maps: dict[int, np.ndarray] = {}
 
-    def _shard(self, i: int) -> np.ndarray:
-        if i not in self._maps:
-            self._maps[i] = np.memmap(self.root / "pieces" / f"{i:05d}" / f"{self.name}.bin",
-                                      dtype=self.dtype, mode="r")
-        return self._maps[i]
+    def _shard(self, i: int, what: str = "bin") -> np.ndarray:
+        if (i, what) not in self._maps:
+            path = self.root / "pieces" / f"{i:05d}" / f"{self.name}.{what}"
+            self._maps[i, what] = np.memmap(path, dtype=self.dtype if what == "bin" else
+                                            np.uint8, mode="r") if path.stat().st_size else \
+                np.zeros(0, np.uint8)
+        return self._maps[i, what]
 
-    def tokens(self, lo: int, hi: int) -> np.ndarray:
+    def mask(self, lo: int, hi: int) -> np.ndarray:
+        """The loss mask of tokens ``[lo, hi)`` as int32."""
+        return self.tokens(lo, hi, "mask.bin")
+
+    def tokens(self, lo: int, hi: int, what: str = "bin") -> np.ndarray:
         """Tokens ``[lo, hi)`` of the split as int32 (a copy of just those)."""
         out = np.empty(hi - lo, np.int32)
         i = int(np.searchsorted(self.shard_ends, lo, side="right"))
@@ -60,7 +67,7 @@ class Split:
             start = int(self.shard_ends[i - 1]) if i else 0
             end = min(hi, int(self.shard_ends[i]))
             if end > pos:
-                out[pos - lo:end - lo] = self._shard(i)[pos - start:end - start]
+                out[pos - lo:end - lo] = self._shard(i, what)[pos - start:end - start]
                 pos = end
             i += 1
         return out
@@ -92,14 +99,21 @@ class Rows:
             toks = self.split.tokens(i * n, (i + 1) * n)
             doc = np.searchsorted(self.split.ends, np.arange(i * n, (i + 1) * n), side="right")
             seg = (doc - doc[0] + 1).astype(np.int32)
-            return {"tokens": toks, "segment_ids": seg,
-                    "positions": packing._positions(seg[None])[0]}
+            row = {"tokens": toks, "segment_ids": seg,
+                   "positions": packing._positions(seg[None])[0]}
+            if self.split.masked:
+                row["loss_mask"] = self.split.mask(i * n, (i + 1) * n)
+            return row
         start, size = (int(x) for x in self.table[i])
         toks = np.zeros(n, np.int32)
         toks[:size] = self.split.tokens(start, start + size)
         seg = (np.arange(n) < size).astype(np.int32)
-        return {"tokens": toks, "segment_ids": seg,
-                "positions": np.where(seg > 0, np.arange(n), 0).astype(np.int32)}
+        row = {"tokens": toks, "segment_ids": seg,
+               "positions": np.where(seg > 0, np.arange(n), 0).astype(np.int32)}
+        if self.split.masked:
+            row["loss_mask"] = np.zeros(n, np.int32)
+            row["loss_mask"][:size] = self.split.mask(start, start + size)
+        return row
 
 
 def _row_table(split: Split, length: int) -> np.ndarray:
@@ -134,7 +148,8 @@ class Store:
         self.root = Path(root)
         self.meta = json.loads((self.root / "meta.json").read_text())
         dtype = np.dtype(self.meta["dtype"])
-        self.splits = {s: Split(self.root, s, dtype) for s in SPLITS}
+        masked = bool(self.meta.get("loss_mask"))
+        self.splits = {s: Split(self.root, s, dtype, masked) for s in SPLITS}
 
     def rows(self, split: str, length: int, pack: bool = True) -> Rows:
         return Rows(self.splits[split], length, pack)

@@ -53,7 +53,7 @@ KERNELS = CONTEXT_KERNELS
 # faster. Both kernels are tiled (temp memory within 1.3x of each other up to 1024 tokens per
 # shard), but the all-gather holds the whole sequence's K/V on every device.
 RING_FROM_TOKENS = 256
-SEQ_KEYS = ("tokens", "segment_ids", "positions")
+SEQ_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 OPTIONS = ("window", "softcap", "scale")  # the model attention's options the kernels take
 
 
