@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from fiddlejax import batches, canonical, checks, dropout, measure, remat, staged
+from fiddlejax import batches, canonical, checks, dropout, lora, measure, remat, staged
 from fiddlejax.parallel import compose, data
 from fiddlejax.parallel.exchange import Program
 from fiddlejax.plan import Plan
@@ -38,6 +38,8 @@ class Trainer:
         self.plan, self.mesh, self.optimizer = plan, plan.mesh, optimizer
         self.model_name = type(model).__name__
         source, self._init_params = split_model(model, loss, layers=layers)
+        if lora.has_adapters(self._init_params):  # LoRA: the optimizer sees only the adapters
+            optimizer = self.optimizer = lora.optimizer(optimizer)
         self._batch_spec = getattr(model, "batch_spec", None)
         example = self._batch_spec(1) if self._batch_spec is not None else None
         self.layout = compose.lay_out(source, self._init_params, plan, optimizer,

@@ -32,6 +32,18 @@ def param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | 
     return annotated(init(rngs.params(), shape, jnp.float32), axes)
 
 
+def project(module: nnx.Module, name: str, x: jax.Array, spec: str) -> jax.Array:
+    """``einsum(spec, x, module.<name>)``, plus its LoRA update ``scale * (x @ A) @ B`` when the
+    kernel carries adapters (``<name>_lora_a``, ``<name>_lora_b``: :mod:`fiddlejax.lora`)."""
+    y = jnp.einsum(spec, x, getattr(module, name)[...])
+    a = getattr(module, f"{name}_lora_a", None)
+    if a is None:
+        return y
+    a, b = a[...], getattr(module, f"{name}_lora_b")[...]
+    xa = jnp.tensordot(x, a.astype(x.dtype), a.ndim - 1)  # [..., rank]: O(T d r)
+    return y + (module.lora_scale * jnp.tensordot(xa, b.astype(x.dtype), 1)).astype(y.dtype)
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
     """LayerNorm with float32 statistics whatever the compute dtype (bf16 sums lose digits),
     applied in the input's dtype (so a bf16 layer keeps bf16 residuals, not float32 copies)."""
@@ -57,6 +69,9 @@ class Block(nnx.Module):
     Q/K/V are column-parallel over heads, the output projection row-parallel; the MLP's first
     matmul is column-parallel over its hidden units, the second row-parallel (Megatron).
     """
+
+    lora_targets = {"wq": (1, 2), "wk": (1, 2), "wv": (1, 2), "wo": (2, 1), "w1": (1, 1),
+                    "w2": (1, 1)}  # kernel: (input dims, output dims) (fiddlejax.lora)
 
     def __init__(
         self,
@@ -96,17 +111,19 @@ class Block(nnx.Module):
 
     def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
                   ops: Ops | None = None) -> jax.Array:
-        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
-        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
-        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
+        q = checkpoint_name(project(self, "wq", x, "btd,dhk->bthk"), names.QUERY)
+        k = checkpoint_name(project(self, "wk", x, "btd,dhk->bthk"), names.KEY)
+        v = checkpoint_name(project(self, "wv", x, "btd,dhk->bthk"), names.VALUE)
         ctx = attention(q, k, v, causal=self.causal, segment_ids=segment_ids, ops=ops)
-        out = jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]) + self.bo[...]
+        out = project(self, "wo", ctx, "bthk,hkd->btd") + self.bo[...]
         return checkpoint_name(out, names.ATTN_OUT)
 
     def mlp(self, x: jax.Array) -> jax.Array:
-        h = checkpoint_name(x @ self.w1[...] + self.b1[...], names.MLP_HIDDEN)
+        h = checkpoint_name(project(self, "w1", x, "...d,df->...f") + self.b1[...],
+                            names.MLP_HIDDEN)
         h = jax.nn.gelu(h)
-        return checkpoint_name(h @ self.w2[...] + self.b2[...], names.MLP_OUT)
+        return checkpoint_name(project(self, "w2", h, "...f,fd->...d") + self.b2[...],
+                               names.MLP_OUT)
 
     def __call__(self, msg: Message, ops: Ops | None = None) -> Message:
         x = msg.x

@@ -53,6 +53,7 @@ from .common import (
     batch_sides,
     next_token_loss,
     param,
+    project,
     scan_layers,
     side_inputs,
     stacked,
@@ -92,6 +93,9 @@ class DecoderBlock(nnx.Module):
     gate and up projections (both ``MLP_HIDDEN``) and the down projection.
     """
 
+    lora_targets = {"wq": (1, 2), "wk": (1, 2), "wv": (1, 2), "wo": (2, 1), "w1": (1, 1),
+                    "w3": (1, 1), "w2": (1, 1)}  # kernel: (input dims, output dims)
+
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = self.config = config
         d, h, kv, dh, f = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -125,9 +129,9 @@ class DecoderBlock(nnx.Module):
     def qkv(self, x: jax.Array, positions: jax.Array | None, kind: str):
         """Queries, keys and values of ``x[B, T, d]``: biases, norms and rotary applied."""
         c = self.config
-        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wq[...]), names.QUERY)
-        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wk[...]), names.KEY)
-        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.wv[...]), names.VALUE)
+        q = checkpoint_name(project(self, "wq", x, "btd,dhk->bthk"), names.QUERY)
+        k = checkpoint_name(project(self, "wk", x, "btd,dhk->bthk"), names.KEY)
+        v = checkpoint_name(project(self, "wv", x, "btd,dhk->bthk"), names.VALUE)
         if c.attention_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if c.qk_norm:
@@ -142,7 +146,7 @@ class DecoderBlock(nnx.Module):
         q, k, v = self.qkv(x, positions, kind)
         ctx = attention(q, k, v, causal=True, segment_ids=segment_ids, window=c.window(kind),
                         softcap=c.attn_logit_softcapping, scale=c.attention_scale, ops=ops)
-        return checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, self.wo[...]), names.ATTN_OUT)
+        return checkpoint_name(project(self, "wo", ctx, "bthk,hkd->btd"), names.ATTN_OUT)
 
     def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
                   positions: jax.Array | None = None, layer: jax.Array | None = None,
@@ -166,9 +170,10 @@ class DecoderBlock(nnx.Module):
             out = self.moe(x, ops=ops)
             return out.output, out
         act = ACTIVATIONS[self.config.hidden_act]
-        gate = checkpoint_name(x @ self.w1[...], names.MLP_HIDDEN)
-        up = checkpoint_name(x @ self.w3[...], names.MLP_HIDDEN)
-        return checkpoint_name((act(gate) * up) @ self.w2[...], names.MLP_OUT), None
+        gate = checkpoint_name(project(self, "w1", x, "...d,df->...f"), names.MLP_HIDDEN)
+        up = checkpoint_name(project(self, "w3", x, "...d,df->...f"), names.MLP_HIDDEN)
+        return checkpoint_name(project(self, "w2", act(gate) * up, "...f,fd->...d"),
+                               names.MLP_OUT), None
 
     def residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         """The rest of the layer once its attention output ``attn`` is known."""

@@ -15,7 +15,8 @@ Between 1 and 2, ``context`` (:mod:`fiddlejax.parallel.context`): sequences spli
 (it has no parameters of its own); then sequence parallelism over ``tensor``
 (:mod:`fiddlejax.parallel.sequence`, ``Plan(sequence_parallel=True)``); then ``expert``
 (:mod:`fiddlejax.parallel.expert`): rows split over ``expert`` between the layers, the MoE
-layers' tokens sent to their experts' devices.
+layers' tokens sent to their experts' devices; last, a model with LoRA adapters sees the rest
+of its parameters frozen (:mod:`fiddlejax.lora`).
 The result, a :class:`~fiddlejax.parallel.layout.Layout`, holds no arrays; the step functions
 read it.
 """
@@ -28,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import compute, layout
+from fiddlejax import compute, layout, lora
 from fiddlejax.parallel import context, exchange, expert, sequence, tensor
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.parallel.layout import Layout, to_internal
@@ -46,6 +47,7 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     staged = context.lay_out(staged, plan, example)
     staged = sequence.lay_out(staged, plan, example)
     staged = expert.lay_out(staged, plan, canonical)
+    staged = lora.lay_out(staged, canonical)  # adapters: the rest frozen, on every layout
     pipeline = None
     if plan.schedule is not None:
         from fiddlejax.pipeline import runtime

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import compute
+from fiddlejax import compute, lora
 from fiddlejax import remat as remat_
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.plan import Plan
@@ -110,6 +110,11 @@ def reduce(lay: Layout, loss, grads):
     if n == 1:  # no data parallelism: nothing to reduce
         return loss, grads
     loss = jax.lax.pmean(loss, "data")
+    if lora.has_adapters(grads) and zero.scatter_dims is None:  # only adapters are exchanged
+        dims = jax.tree.map(lambda _: -1, grads) if zero.dims is None else jax.tree.map(
+            lambda d, g: jax.tree.map(lambda _: d, g), zero.dims, grads)  # one per leaf
+        return loss, lora.reduce_frozen(
+            grads, dims, lambda a, d: a / n if d >= 0 else jax.lax.pmean(a, "data"))
     if zero.scatter_dims is not None:  # whole sums (ZeRO-2, FSDP gathered once)
         grads = compute.scatter_whole(grads, zero.scatter_dims, zero.gather_specs)
     sharded = zero.dims if zero.dims is not None else zero.scatter_dims

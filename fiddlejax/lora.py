@@ -1,0 +1,226 @@
+"""LoRA: low-rank adapters trained on a frozen base (Hu et al. 2021), on every layout.
+
+Design. An adapter is two ordinary parameters next to the kernel it adapts, named after it:
+``wq_lora_a`` (the kernel's input dims + ``rank``) and ``wq_lora_b`` (``rank`` + its output
+dims), carrying the kernel's logical axis names on those dims, so tensor, pipeline and FSDP
+shard them as they shard the kernel, and checkpoints hold them with the state. A layer computes
+``x @ W + (alpha / rank) * (x @ A) @ B`` (:func:`fiddlejax.models.common.project`); B starts at
+zero (the model is the base at step 0), A as peft's ``kaiming_uniform(a=sqrt(5))``.
+
+A model with adapters trains only them, whatever the layout; nothing hidden carries the choice,
+the parameter names do (``*lora_a`` / ``*lora_b``: also ``flax.nnx.LoRA``'s, so a user's NNX
+model wrapped with ``nnx.LoRA`` / ``nnx.LoRALinear`` is frozen the same way):
+
+- :func:`lay_out` wraps the staged model so every function of it (prologue, each layer, head
+  and loss) sees the frozen parameters through ``lax.stop_gradient``: autodiff never forms
+  their weight gradients (no ``T x d x d`` matmul, no gather transposed into a reduce-scatter),
+  on the data path and in every pipeline schedule alike; the adapters' ``dA, dB`` cost
+  ``O(T d r)``;
+- :func:`reduce_frozen` gives their (zero) gradients back without an all-reduce;
+- :func:`optimizer` gives them no optimizer state (``optax.multi_transform`` with
+  ``set_to_zero``: an ``optax.MaskedNode``, which the ZeRO shardings and the canonical
+  conversions already pass through), so they stay bit-for-bit the base.
+
+:func:`add` puts adapters on a bundled model (the modules that declare ``lora_targets``);
+:func:`merge` folds them into the base for export (``W + (alpha / rank) A @ B``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+SUFFIXES = ("lora_a", "lora_b")
+DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and MLP projections
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """What :func:`add` puts on a model: ``rank``, ``alpha`` (the update is scaled by
+    ``alpha / rank``), ``dropout`` (on the adapters' input; not yet: 0 only) and the
+    ``targets``, kernels by attribute name (Meta's: ``wq wk wv wo`` attention, ``w1 w3 w2``
+    gate, up, down; Hugging Face's ``q_proj`` ... ``down_proj`` are accepted too)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank={self.rank!r} must be a positive integer, e.g. 16")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha={self.alpha!r} must be positive, e.g. 2 * rank")
+        if self.dropout:
+            raise ValueError(f"LoRA dropout={self.dropout} is not supported yet; use "
+                             "dropout=0 (plan.lora.dropout=0)")
+        names = tuple(HF_NAMES.get(t, t) for t in self.targets)
+        if not names:
+            raise ValueError("LoRA targets is empty; name kernels, e.g. [wq, wv]")
+        object.__setattr__(self, "targets", names)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1",
+            "up_proj": "w3", "down_proj": "w2"}
+
+
+# -- which parameters train -------------------------------------------------------------------
+def _key(entry) -> str:
+    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", ""))))
+
+
+def is_adapter(path) -> bool:
+    """Whether a tree path names an adapter (a key ``lora_a``/``lora_b`` or ending so)."""
+    return any(_key(e).endswith(SUFFIXES) for e in path)
+
+
+def has_adapters(tree) -> bool:
+    """Whether ``tree`` (parameters, any layout) holds adapters: then only they train."""
+    return any(is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree))
+
+
+def freeze(tree):
+    """``tree`` with every non-adapter leaf behind ``stop_gradient`` (same values)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if is_adapter(p) else jax.lax.stop_gradient(x), tree)
+
+
+def labels(tree):
+    """``"train"`` for the adapters, ``"frozen"`` for the rest (``optax.multi_transform``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: "train" if is_adapter(p) else "frozen", tree)
+
+
+def optimizer(opt: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``opt`` on the adapters alone; the frozen base gets no state and a zero update."""
+    return optax.multi_transform({"train": opt, "frozen": optax.set_to_zero()}, labels)
+
+
+def reduce_frozen(grads, dims, reduce_leaf):
+    """``reduce_leaf(g, d)`` applied to the adapters' gradients (``dims``: one FSDP dimension
+    per leaf); the base's (zeros: nothing flowed into them) come back as fresh zeros, without
+    a collective."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, g, d: reduce_leaf(g, d) if is_adapter(p) else jnp.zeros(g.shape, g.dtype),
+        grads, dims)
+
+
+class Frozen:
+    """A staged model whose functions see the non-adapter parameters as constants."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def prologue(self, params, batch):
+        return self._inner.prologue(freeze(params), batch)
+
+    def layer(self, layer_params, x):
+        return self._inner.layer(freeze(layer_params), x)
+
+    def weighted_loss(self, params, x, batch):
+        return self._inner.weighted_loss(freeze(params), x, batch)
+
+    def epilogue(self, params, x, batch):
+        return self._inner.epilogue(freeze(params), x, batch)
+
+
+def lay_out(staged, canonical):
+    """The freezing step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself for
+    a model without adapters."""
+    return Frozen(staged) if has_adapters(canonical) else staged
+
+
+# -- adapters on a model ----------------------------------------------------------------------
+def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
+    """Put adapters on ``model``'s target kernels, in place; returns ``model``.
+
+    A module declares what may be adapted as ``lora_targets = {name: (input dims, output
+    dims)}`` (leading dims beyond those, e.g. the stacked ``layers``, are kept) and reads its
+    kernels with :func:`fiddlejax.models.common.project`."""
+    key, found = jax.random.key(seed), []
+    for path, module in nnx.iter_modules(model):
+        table = getattr(type(module), "lora_targets", {})
+        for name in lora.targets:
+            if name not in table or not isinstance(getattr(module, name, None), nnx.Param):
+                continue
+            key, sub = jax.random.split(key)
+            _adapt(module, name, table[name][0], lora.rank, sub)
+            found.append(".".join(map(str, (*path, name))))
+        if any(n in table for n in lora.targets):
+            module.lora_scale = lora.scale
+    if not found:
+        have = sorted({n for _, m in nnx.iter_modules(model)
+                       for n in getattr(type(m), "lora_targets", {})})
+        raise ValueError(
+            f"LoRA targets {list(lora.targets)} match no kernel of {type(model).__name__}; "
+            + (f"it has {have}" if have else "it declares no lora_targets (a bundled family "
+               "does; wrap your own nnx.Linear layers with nnx.LoRALinear instead)"))
+    return model
+
+
+def _adapt(module: nnx.Module, name: str, n_in: int, rank: int, key) -> None:
+    base = getattr(module, name)
+    axes = tuple(base.get_metadata().get("out_sharding") or (None,) * base.ndim)
+    lead = base.ndim - n_in - type(module).lora_targets[name][1]  # stacked dims (layers)
+    shape = base.shape
+    fan_in = math.prod(shape[lead:lead + n_in])
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)), as peft initializes A
+    a = jax.random.uniform(key, (*shape[:lead + n_in], rank), jnp.float32, -bound, bound)
+    b = jnp.zeros((*shape[:lead], rank, *shape[lead + n_in:]), jnp.float32)
+    setattr(module, f"{name}_lora_a", nnx.Param(
+        a.astype(base.dtype), out_sharding=(*axes[:lead + n_in], None), eager_sharding=False))
+    setattr(module, f"{name}_lora_b", nnx.Param(
+        b.astype(base.dtype), out_sharding=(*axes[:lead], None, *axes[lead + n_in:]),
+        eager_sharding=False))
+
+
+def merge(params: dict, scale: float) -> dict:
+    """Flat ``{path: array}`` parameters with each adapter pair folded into its kernel
+    (``W + scale * A @ B`` over the stacked leading dims) and removed."""
+    out = {k: v for k, v in params.items() if not k.endswith(SUFFIXES)}
+    for k, a in params.items():
+        if not k.endswith("_lora_a"):
+            continue
+        base = k[: -len("_lora_a")]
+        b, w = np.asarray(params[base + "_lora_b"]), np.asarray(out[base])
+        a = np.asarray(a)
+        lead = _lead(w, a, b)
+        aa = a.reshape(*w.shape[:lead], -1, a.shape[-1]).astype(np.float32)
+        bb = b.reshape(*w.shape[:lead], b.shape[lead], -1).astype(np.float32)
+        delta = (aa @ bb).reshape(w.shape)
+        out[base] = (w.astype(np.float32) + scale * delta).astype(w.dtype)
+    return out
+
+
+def _lead(w, a, b) -> int:
+    """Stacked leading dims: ``a = lead + in + [r]``, ``b = lead + [r] + out``, ``w = lead +
+    in + out``, so ``a.ndim + b.ndim - 2 = w.ndim + lead``."""
+    return a.ndim + b.ndim - 2 - w.ndim
+
+
+def trainable_count(tree) -> tuple[int, int]:
+    """``(adapter parameters, all parameters)`` of a parameter tree (arrays or shapes)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    n = lambda x: int(np.prod(np.shape(x)))
+    return (sum(n(x) for p, x in leaves if is_adapter(p)), sum(n(x) for _, x in leaves))
+
+
+def targets_of(value: str | Iterable[str]) -> tuple[str, ...]:
+    """Targets from a config value: a list, or a comma/space-separated string."""
+    if isinstance(value, str):
+        return tuple(t for t in value.replace(",", " ").split() if t)
+    return tuple(value)
