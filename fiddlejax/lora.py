@@ -189,27 +189,36 @@ def _adapt(module: nnx.Module, name: str, n_in: int, rank: int, key) -> None:
 
 
 def merge(params: dict, scale: float) -> dict:
-    """Flat ``{path: array}`` parameters with each adapter pair folded into its kernel
-    (``W + scale * A @ B`` over the stacked leading dims) and removed."""
-    out = {k: v for k, v in params.items() if not k.endswith(SUFFIXES)}
-    for k, a in params.items():
-        if not k.endswith("_lora_a"):
-            continue
-        base = k[: -len("_lora_a")]
-        b, w = np.asarray(params[base + "_lora_b"]), np.asarray(out[base])
-        a = np.asarray(a)
-        lead = _lead(w, a, b)
+    """Flat ``{key: array}`` parameters (keys tuples or dotted strings) with each adapter
+    pair folded into its kernel and removed."""
+    shapes = {k: np.shape(v) for k, v in params.items()}
+    shapes, leaf = merged_leaves(shapes, params.__getitem__, scale)
+    return {k: leaf(k) for k in shapes}
+
+
+def merged_leaves(shapes: dict, leaf, scale: float):
+    """``(shapes, leaf)`` of flat parameters read one at a time, the adapters folded into
+    their kernels (``W + scale * A @ B`` over stacked leading dims), for export."""
+    def suffixed(k, s):
+        return (*k[:-1], k[-1] + s) if isinstance(k, tuple) else k + s
+
+    def named(k) -> str:
+        return k[-1] if isinstance(k, tuple) else k
+
+    kept = {k: v for k, v in shapes.items() if not named(k).endswith(SUFFIXES)}
+
+    def merged(k):
+        w = leaf(k)
+        if suffixed(k, "_lora_a") not in shapes:
+            return w
+        a, b = np.asarray(leaf(suffixed(k, "_lora_a"))), np.asarray(leaf(suffixed(k, "_lora_b")))
+        w = np.asarray(w)
+        lead = a.ndim + b.ndim - 2 - w.ndim  # a: lead+in+[r], b: lead+[r]+out, w: lead+in+out
         aa = a.reshape(*w.shape[:lead], -1, a.shape[-1]).astype(np.float32)
         bb = b.reshape(*w.shape[:lead], b.shape[lead], -1).astype(np.float32)
-        delta = (aa @ bb).reshape(w.shape)
-        out[base] = (w.astype(np.float32) + scale * delta).astype(w.dtype)
-    return out
+        return (w.astype(np.float32) + scale * (aa @ bb).reshape(w.shape)).astype(w.dtype)
 
-
-def _lead(w, a, b) -> int:
-    """Stacked leading dims: ``a = lead + in + [r]``, ``b = lead + [r] + out``, ``w = lead +
-    in + out``, so ``a.ndim + b.ndim - 2 = w.ndim + lead``."""
-    return a.ndim + b.ndim - 2 - w.ndim
+    return kept, merged
 
 
 def trainable_count(tree) -> tuple[int, int]:

@@ -54,11 +54,18 @@ def resolve_data(cfg: dict) -> None:
         m["vocab_size"] = tokenizer.vocab_size(tok, max(int(cfg["mesh"]["tensor"]), 1))
 
 
-def build_model(mcfg: dict, seed: int, weights: bool = True):
+def build_model(mcfg: dict, seed: int, weights: bool = True, lora: dict | None = None):
     """The model of the config's ``model:`` section, initialized from ``seed``
     (``vocab_size=auto`` without :func:`resolve_data`: the default tokenizer's size).
     ``weights=False``: a ``model.from_pretrained`` model stays abstract (shapes only), for
-    :func:`initial_params` to load by shards or a checkpoint to restore into."""
+    :func:`initial_params` to load by shards or a checkpoint to restore into. ``lora``
+    (``plan.lora``): adapters added (:mod:`fiddlejax.lora`); a pretrained base then loads
+    whole, before them."""
+    if lora is not None:
+        from fiddlejax import lora as lora_
+
+        settings = lora_settings(lora)
+        return lora_.add(build_model(mcfg, seed, weights=True), settings, seed)
     name = mcfg["name"]
     if mcfg.get("from_pretrained") and name not in FAMILIES:
         raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
@@ -80,6 +87,21 @@ def build_model(mcfg: dict, seed: int, weights: bool = True):
         if clear is None:
             raise
         raise clear from e
+
+
+def lora_settings(value: dict):
+    """``plan.lora`` as :class:`fiddlejax.lora.LoRA`, its keys checked."""
+    from fiddlejax import lora as lora_
+
+    known = ("rank", "alpha", "dropout", "targets")
+    if not isinstance(value, dict) or set(value) - set(known):
+        raise ValueError(f"plan.lora={value!r}: give a mapping of {', '.join(known)}, e.g. "
+                         "plan.lora.rank=16 (alpha defaults to 2 x rank)")
+    kw = dict(value)
+    if "targets" in kw:
+        kw["targets"] = lora_.targets_of(kw["targets"])
+    kw.setdefault("alpha", 2.0 * kw.get("rank", 16))
+    return lora_.LoRA(**kw)
 
 
 def initial_params(model):

@@ -46,7 +46,8 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     import fiddlejax as fj
     from fiddlejax import checkpoint_params, models
 
-    model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False)  # restored
+    model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False,  # restored
+                              lora=cfg["plan"].get("lora"))
     import jax  # one device: the checkpoint restores onto any layout, leaf by leaf
 
     one = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
@@ -60,6 +61,11 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     c = model.config
     def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
         step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
+        if cfg["plan"].get("lora") is not None:  # the base with the adapters folded in
+            from fiddlejax import lora
+
+            shapes, leaf = lora.merged_leaves(shapes, leaf,
+                                              build.lora_settings(cfg["plan"]["lora"]).scale)
         with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()), step=step) as tmp:
             models.save_hf(model, tmp, max_shard_size=max_shard_size, dtype=dtype,  # GPT: gpt2
                            leaves=(shapes, leaf))

@@ -54,7 +54,8 @@ def restore(run_dir: str | Path, *, step: int | None = None,
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
     ckpt = checkpoint_dir(cfg, run_dir, checkpoint_dir_)
-    model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False)  # restored
+    model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False,  # restored
+                              lora=cfg["plan"].get("lora"))
     if plan is None:  # one device: checkpoints restore onto any layout
         import jax
 

@@ -213,7 +213,8 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     say = print if is_main else _quiet
     say(f"# reading model.from_pretrained={source}'s config (its weights load by shards at init)"
         if source else "# building the model")
-    model = build.build_model(cfg["model"], tcfg["seed"], weights=False)  # pretrained: shapes
+    model = build.build_model(cfg["model"], tcfg["seed"], weights=False,  # pretrained: shapes
+                              lora=cfg["plan"].get("lora"))
     build.check_seq_len(cfg, model)
     plan = build.make_plan(cfg)
     build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
