@@ -16,7 +16,9 @@ model wrapped with ``nnx.LoRA`` / ``nnx.LoRALinear`` is frozen the same way):
   their weight gradients (no ``T x d x d`` matmul, no gather transposed into a reduce-scatter),
   on the data path and in every pipeline schedule alike; the adapters' ``dA, dB`` cost
   ``O(T d r)``;
-- :func:`reduce_frozen` gives their (zero) gradients back without an all-reduce;
+- :func:`drop_frozen` keeps their (zero) gradients out of the microbatch sums and
+  :func:`reduce_frozen` gives them back without an all-reduce (the data path; a pipeline
+  sums them as zeros);
 - :func:`optimizer` gives them no optimizer state (``optax.multi_transform`` with
   ``set_to_zero``: an ``optax.MaskedNode``, which the ZeRO shardings and the canonical
   conversions already pass through), so they stay bit-for-bit the base.
@@ -114,6 +116,20 @@ def reduce_frozen(grads, dims, reduce_leaf):
     return jax.tree_util.tree_map_with_path(
         lambda p, g, d: reduce_leaf(g, d) if is_adapter(p) else jnp.zeros(g.shape, g.dtype),
         grads, dims)
+
+
+def drop_frozen(tree):
+    """``tree`` with the non-adapter leaves removed (None): what a microbatch loop sums."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: x if is_adapter(p) else None, tree)
+
+
+def fill_frozen(dropped, like, dtype):
+    """:func:`drop_frozen`'s tree made whole again on ``like``'s structure, the removed leaves
+    fresh zeros of ``dtype(leaf)``."""
+    found = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(dropped)}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: found[jax.tree_util.keystr(p)] if is_adapter(p)
+        else jnp.zeros(x.shape, dtype(x)), like)
 
 
 class Frozen:

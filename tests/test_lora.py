@@ -50,7 +50,7 @@ def model_and_reference():
 
 
 @pytest.mark.parametrize("layout", [
-    dict(shape=(2, 1, 2), steps=True),                               # data x tensor
+    dict(shape=(2, 1, 2), microbatches=2, steps=True),               # data x tensor
     dict(shape=(4, 1, 1), zero=3, steps=False),                      # FSDP
     dict(shape=(2, 2, 1), schedule="1f1b", microbatches=2, steps=False),  # pipeline
 ])

@@ -52,13 +52,14 @@ def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
     microbatches (inside shard_map); :func:`replica_mean` normalizes them."""
     m = lay.plan.microbatches
     vg = jax.value_and_grad(lambda p, b: microbatch_loss(lay, remat, p, b), has_aux=True)
+    adapters = lora.has_adapters(params)  # LoRA: only the adapters' gradients are summed
 
     def one(mb):
         (total, weight), grads = vg(params, mb)
-        return total, weight, grads
+        return total, weight, lora.drop_frozen(grads) if adapters else grads
 
     if m == 1:
-        total, sums, grads = one(batch)
+        (total, sums), grads = vg(params, batch)
         return total, sums, jax.tree.map(
             lambda g: g.astype(compute.grad_dtype(g.dtype)), grads)
     mbs = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
@@ -70,8 +71,12 @@ def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
     sums = sums_like(lay.model, params, jax.tree.map(lambda x: x[0], mbs))
     # float32 sums even for weights gathered once in bf16 (fsdp_gather="step")
     zeros = (zero, jax.tree.map(lambda _: zero, sums), jax.tree.map(
-        lambda x: jnp.zeros_like(x, compute.grad_dtype(x.dtype)), params))
-    return jax.lax.scan(body, zeros, mbs)[0]
+        lambda x: jnp.zeros_like(x, compute.grad_dtype(x.dtype)),
+        lora.drop_frozen(params) if adapters else params))
+    total, sums, grads = jax.lax.scan(body, zeros, mbs)[0]
+    if adapters:  # the base's gradients: zeros, never accumulated
+        grads = lora.fill_frozen(grads, params, lambda x: compute.grad_dtype(x.dtype))
+    return total, sums, grads
 
 
 def sums_like(model, params: nnx.State, batch: dict) -> Sums:
