@@ -216,6 +216,8 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     model = build.build_model(cfg["model"], tcfg["seed"], weights=False,  # pretrained: shapes
                               lora=cfg["plan"].get("lora"))
     build.check_seq_len(cfg, model)
+    if cfg["plan"].get("lora") is not None:
+        say(lora_line(model))
     plan = build.make_plan(cfg)
     build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
     loaded = runs.init_weights(cfg, model, plan)  # init_from=DIR: weights only, step 0
@@ -243,6 +245,17 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
         job.log.close()
         raise
     return job
+
+
+def lora_line(model) -> str:
+    """What ``plan.lora`` trains: its adapters' parameters, against the whole model's."""
+    from flax import nnx
+
+    from fiddlejax import lora
+
+    n, total = lora.trainable_count(nnx.state(model, nnx.Param))
+    return (f"# plan.lora: training {n:,} adapter parameters ({100 * n / total:.2f}% of "
+            f"{total:,}); the base is frozen (no gradients, no optimizer state)")
 
 
 def _loop(job: Job, state, start: int, val: float, acc: float | None
