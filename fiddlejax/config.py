@@ -178,7 +178,6 @@ HINTS = {
     "checkpoint.dir": "checkpoint.dir=auto saves under run.dir/checkpoints, checkpoint.dir=DIR "
                       "in DIR, checkpoint.dir=null saves nothing",
     "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={mlp: null, kv_heads: null}",
-    "plan.lora": "LoRA's settings, e.g. plan.lora.rank=16 or plan.lora={rank: 16, alpha: 32}",
     "run.cpu_devices": f"0 (real devices) or up to {MAX_CPU_DEVICES}, e.g. run.cpu_devices=8",
     "run.dir": "the directory for logs and checkpoints, e.g. run.dir=runs/default",
 }

@@ -38,8 +38,6 @@ class Trainer:
         self.plan, self.mesh, self.optimizer = plan, plan.mesh, optimizer
         self.model_name = type(model).__name__
         source, self._init_params = split_model(model, loss, layers=layers)
-        if lora.has_adapters(self._init_params):  # LoRA: the optimizer sees only the adapters
-            optimizer = self.optimizer = lora.optimizer(optimizer)
         self._batch_spec = getattr(model, "batch_spec", None)
         example = self._batch_spec(1) if self._batch_spec is not None else None
         self.layout = compose.lay_out(source, self._init_params, plan, optimizer,
@@ -305,4 +303,6 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
             and callable(getattr(optimizer, "update", None))):
         raise TypeError(f"optimizer must be an optax.GradientTransformation, e.g. "
                         f"optax.adamw(1e-3), got {optimizer!r}")
+    if lora.has_adapters(nnx.state(model, nnx.Param)):  # LoRA: only the adapters train
+        optimizer = lora.optimizer(optimizer)
     return Trainer(model, optimizer, plan, loss, layers)
