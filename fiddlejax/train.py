@@ -52,11 +52,9 @@ class Trainer:
         self.remat_policy = None if plan.remat == "auto" else plan.remat
         self._remat = None if plan.remat == "auto" else remat.layer_remat(plan.remat, lay.zero)
         shardings = (self.state_shardings, None)
-        self._step = jax.jit(self._step_impl, in_shardings=shardings, out_shardings=shardings,
-                             donate_argnums=0)
-        self._gated_step = jax.jit(checks.skip_bad_ids(self._step_impl, self._value_ranges),
-                                   in_shardings=shardings, out_shardings=shardings,
-                                   donate_argnums=0)  # device batches: ids checked in-graph
+        jit = dict(in_shardings=shardings, out_shardings=shardings, donate_argnums=0)
+        self._step = jax.jit(self._step_impl, **jit)  # gated: a device batch's ids, in-graph
+        self._gated_step = jax.jit(checks.skip_bad_ids(self._step_impl, self._value_ranges), **jit)
         self._steps = jax.jit(lambda s, b: lay.stepper.steps(self._program(), s,
                                                              self._indexed(b, s.step, steps=True)),
                               in_shardings=shardings, out_shardings=shardings, donate_argnums=0)

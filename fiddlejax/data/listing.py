@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 
-def _error(text: str):
-    from fiddlejax.data.sources import DataError  # the one error the data package raises
-
-    return DataError(text)
+class DataError(ValueError):
+    """A data source that cannot be read: the message names the file, the line and the fix
+    (defined here, the package's lowest module; :mod:`.sources` gives it to the others)."""
 
 
 def hf_files(d: Path) -> list[Path]:
@@ -18,7 +17,7 @@ def hf_files(d: Path) -> list[Path]:
     if (d / "dataset_dict.json").is_file():
         splits = read_list(d / "dataset_dict.json", "splits")
         if "train" not in splits:
-            raise _error(f"{d} is a Hugging Face DatasetDict with splits {splits} but no "
+            raise DataError(f"{d} is a Hugging Face DatasetDict with splits {splits} but no "
                          "'train'; point data.path at one split's directory")
         return hf_files(d / "train")
     state = d / "state.json"
@@ -28,7 +27,7 @@ def hf_files(d: Path) -> list[Path]:
         files = sorted(d.glob("*.arrow"))
     missing = [str(f) for f in files if not f.is_file()]
     if missing or not files:
-        raise _error(f"{d} looks like a Hugging Face save_to_disk directory but its Arrow "
+        raise DataError(f"{d} looks like a Hugging Face save_to_disk directory but its Arrow "
                      f"files are missing ({missing or 'no *.arrow'}); save it again")
     return files
 
@@ -43,7 +42,7 @@ def read_list(path: Path, key: str) -> list:
         raise ValueError(f'"{key}" is not a list of file names')
     except (ValueError, UnicodeDecodeError, AttributeError) as e:  # AttributeError: not an object
         why = "not a JSON object" if isinstance(e, AttributeError) else str(e).split(":")[0]
-        raise _error(f"{path} is damaged ({why}); save the dataset again with "
+        raise DataError(f"{path} is damaged ({why}); save the dataset again with "
                      "save_to_disk") from None
 
 

@@ -29,15 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from fiddlejax.data import listing
+from fiddlejax.data.listing import DataError
 
 TEXT_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet",
               ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord"}
 TOKEN_KINDS = {".bin": "bin", ".npy": "npy"}
 HF_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
-
-
-class DataError(ValueError):
-    """A data source that cannot be read: the message names the file, the line and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +65,9 @@ def resolve(spec, key: str = "data.path") -> list[SourceFile]:
     out: list[SourceFile] = []
     for entry in entries:
         out += _resolve_one(str(entry), key)
-    return out
+    seen: set[str] = set()  # one file through links (or two entries) is read once
+    return [f for f in out if not (os.path.realpath(f.path) in seen
+                                   or seen.add(os.path.realpath(f.path)))]
 
 
 def _resolve_one(entry: str, key: str) -> list[SourceFile]:
@@ -100,9 +99,7 @@ def _resolve_one(entry: str, key: str) -> list[SourceFile]:
             raise DataError(f"{key}: {f} has an unknown kind; use .txt, .jsonl, .jsonl.gz, "
                             ".parquet, .arrayrecord, .bin or .npy")
         out.append(SourceFile(str(f), kind, f.stat().st_size))
-    seen: set[str] = set()  # one file through links (or two matches) is read once
-    return [f for f in out if not (os.path.realpath(f.path) in seen
-                                   or seen.add(os.path.realpath(f.path)))]
+    return out
 
 
 def fingerprint(files: list[SourceFile]) -> dict:
