@@ -113,12 +113,31 @@ def check_ids(batch: dict, ranges: dict[str, tuple[int, int, str]]) -> None:
             check_values({key: x}, {key: ranges[key]}, 0)
 
 
-def bad_id_count(batch: dict, ranges: dict[str, tuple[int, int, str]]):
-    """How many integer ids of ``batch`` fall outside their range, computed on the device (a
-    device scalar, for batches already there, where a host check would cost a sync)."""
-    bounds = tuple((k, lo, hi) for k, (lo, hi, _) in sorted(ranges.items()) if k in batch
-                   and np.issubdtype(batch[k].dtype, np.integer))
-    return _count_bad(bounds)({k: batch[k] for k, _, _ in bounds})
+def skip_bad_ids(step, ranges: dict[str, tuple[int, int, str]]):
+    """``step(state, batch)`` run only when every id of ``batch`` is in its range, decided
+    in-graph (a ``lax.cond``: no host sync): a batch with any other is skipped as a
+    non-finite step is (the counter advanced, the parameters kept, ``nonfinite_skipped`` 1,
+    the loss NaN); ``metrics["bad_ids"]`` counts them. A device batch's ids out of range
+    trained on a finite meaningless loss before."""
+    import jax
+    import jax.numpy as jnp
+
+    def gated(state, batch):
+        bounds = tuple((k, lo, hi) for k, (lo, hi, _) in sorted(ranges.items()) if k in batch
+                       and jnp.issubdtype(batch[k].dtype, jnp.integer))
+        bad = _count_bad(bounds)({k: batch[k] for k, _, _ in bounds})
+        shapes = jax.eval_shape(step, state, batch)[1]
+
+        def skip(s):
+            m = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan if jnp.issubdtype(
+                x.dtype, jnp.inexact) else 0, x.dtype), shapes)
+            return s.advanced(), {**m, "nonfinite_skipped": jnp.ones_like(
+                m["nonfinite_skipped"])}
+
+        new, metrics = jax.lax.cond(bad == 0, lambda s: step(s, batch), skip, state)
+        return new, {**metrics, "bad_ids": bad}
+
+    return gated
 
 
 @functools.cache

@@ -52,8 +52,9 @@ class Trainer:
         self.remat_policy = None if plan.remat == "auto" else plan.remat
         self._remat = None if plan.remat == "auto" else remat.layer_remat(plan.remat, lay.zero)
         shardings = (self.state_shardings, None)
-        self._step = jax.jit(self._step_impl, in_shardings=shardings, out_shardings=shardings,
-                             donate_argnums=0)
+        jit = dict(in_shardings=shardings, out_shardings=shardings, donate_argnums=0)
+        self._step = jax.jit(self._step_impl, **jit)  # gated: a device batch's ids, in-graph
+        self._gated_step = jax.jit(checks.skip_bad_ids(self._step_impl, self._value_ranges), **jit)
         self._steps = jax.jit(lambda s, b: lay.stepper.steps(self._program(), s,
                                                              self._indexed(b, s.step, steps=True)),
                               in_shardings=shardings, out_shardings=shardings, donate_argnums=0)
@@ -158,8 +159,9 @@ class Trainer:
 
         ``state`` is consumed (donated): continue from the returned one. A step whose loss or
         gradient norm is not finite keeps the old parameters (``metrics["nonfinite_skipped"]``
-        is 1). Ids of a NumPy batch are checked on the host; a batch already on the device adds
-        ``metrics["bad_ids"]``, its count of ids outside the vocabulary, computed in-graph."""
+        is 1). Ids of a NumPy batch are checked on the host; a batch already on the device is
+        skipped so too when it holds ids outside the vocabulary (``metrics["bad_ids"]``, their
+        count, computed in-graph)."""
         checks.check_not_donated(state)
         if self.plan.check_inputs:  # opt-in: ids in range before the step, a finite loss after
             n = int(state.step) + 1
@@ -169,10 +171,8 @@ class Trainer:
             return state, metrics
         on_device = self._value_ranges and isinstance(batch, dict) and any(
             isinstance(x, jax.Array) for x in batch.values())
-        state, metrics = self._step(state, self._prepare(state, batch))
-        if on_device:  # no host sync: a device scalar, dispatched after the step
-            metrics = {**metrics, "bad_ids": checks.bad_id_count(batch, self._value_ranges)}
-        return state, metrics
+        step = self._gated_step if on_device else self._step  # host batches: checked on host
+        return step(state, self._prepare(state, batch))
 
     def steps(self, state: TrainState, batches_: dict) -> tuple[TrainState, dict]:
         """``K`` optimizer steps in one jitted program; ``batches_`` leaves are

@@ -341,7 +341,9 @@ class Decoder(nnx.Module):
                                      source_dir=str(directory))
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         model.pretrained_from = str(directory)
-        hf_io.sources(directory)  # every file's header now: a damaged file is named at build
+        # every file's header now: a damaged file, a tensor of the wrong shape named at build
+        hf.check_shapes(hf_io.sources(directory), config, nnx.state(model, nnx.Param),
+                        cls.__name__)
         if not abstract:
             nnx.update(model, model.pretrained_params(shardings, dtype=dtype))
         return model

@@ -94,6 +94,13 @@ def _rope(hf: dict, family: str, mpe: int) -> dict:
                          " (the local layers' RoPE is plain, with its own base)")
         return {"rope_theta": float(full.pop("rope_theta")), "rope_scaling": full or None,
                 "local_rope_theta": float(local["rope_theta"])}
+    scaling = {("rope_type" if k == "type" else k): v
+               for k, v in (hf.get("rope_scaling") or {}).items()}
+    if params and any(params.get(k) != v for k, v in scaling.items()):
+        raise ValueError(f"config.json has rope_parameters={params!r} and rope_scaling="
+                         f"{hf['rope_scaling']!r}, which disagree (rope_parameters wins, the "
+                         "scaling would be ignored); keep one: move the scaling into "
+                         "rope_parameters, or remove rope_scaling")
     rope = dict(params or hf.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:

@@ -251,18 +251,10 @@ def flat_params(params: nnx.State) -> dict[tuple[str, ...], Any]:
     return {_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def load_params(tensors: dict, config: Any, template: nnx.State, what: str = "Llama",
-                dtype: Any = None, shardings: Any = None) -> nnx.State:
-    """Canonical parameters (the tree of ``template``) from Hugging Face tensors (a name ->
-    :mod:`.hf_io` source or array), as float32 (or ``dtype``), each leaf placed by
-    ``shardings`` (a function of our leaf's key, or None: the default device) and read by
-    the slices this process's devices hold. ``what``: the model's name, for the messages."""
-    if shardings is not None and not callable(shardings):  # a tree like the parameters'
-        flat = {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
-        shardings = flat.__getitem__
-    tensors = {k: v if hasattr(v, "read") else hf_io.InMemory(v) for k, v in tensors.items()
-               if not k.endswith("rotary_emb.inv_freq")}
+def _rows(tensors: dict, config: Any, what: str) -> dict:
+    """Our leaf key -> (its source(s): one, one per layer, or per layer per expert;
+    transposed; stacked), every tensor of ``tensors`` (name -> :mod:`.hf_io` source) used."""
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if getattr(config, "model_type", "") == "phi3":
         tensors = _split_fused(tensors, config)
     if getattr(config, "num_experts", 0):
@@ -295,20 +287,54 @@ def load_params(tensors: dict, config: Any, template: nnx.State, what: str = "Ll
     if extra:
         raise ValueError(f"the checkpoint has tensors this {what} does not use: {extra[:5]}"
                          f"{' ...' if len(extra) > 5 else ''}; is config.json the right one?")
+    return rows
+
+
+def check_shapes(tensors: dict, config: Any, template: nnx.State, what: str = "Llama") -> None:
+    """Every tensor (each layer's, each expert's) against the shape ``config`` gives it, from
+    the headers (no data read): a mismatch names the tensor, its file and config.json's
+    sizes, before anything is built."""
+    rows = _rows(tensors, config, what)
+    for path, v in jax.tree_util.tree_flatten_with_path(
+            template, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        src, tr, stacked = rows[_key(path)]
+        experts = stacked and isinstance(src[0], list)
+        shape = tuple(v.shape)
+        inner = shape[(1 + experts) if stacked else 0:]
+        each = [x for layer in src for x in (layer if experts else [layer])] if stacked else [src]
+        for i, one in enumerate(src if experts else []):
+            if len(one) != shape[1]:
+                raise ValueError(f"layer {i} has {len(one)} experts; config.json has "
+                                 f"num_experts={shape[1]}")
+        for one in each:
+            if not hf_io.matches(one, tr, inner):
+                dims = ", ".join(f"{k}={getattr(config, k)}" for k in (
+                    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "intermediate_size") if getattr(config, k, None) is not None)
+                raise ValueError(f"{hf_io.where(one)} has shape {tuple(one.shape)}, which does "
+                                 f"not fit config.json ({dims}: {'.'.join(_key(path))} is "
+                                 f"{inner}); is config.json the checkpoint's own?")
+
+
+def load_params(tensors: dict, config: Any, template: nnx.State, what: str = "Llama",
+                dtype: Any = None, shardings: Any = None) -> nnx.State:
+    """Canonical parameters (the tree of ``template``) from Hugging Face tensors (a name ->
+    :mod:`.hf_io` source or array), as float32 (or ``dtype``), each leaf placed by
+    ``shardings`` (a function of our leaf's key, or None: the default device) and read by
+    the slices this process's devices hold. ``what``: the model's name, for the messages."""
+    if shardings is not None and not callable(shardings):  # a tree like the parameters'
+        flat = {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+        shardings = flat.__getitem__
+    tensors = {k: v if hasattr(v, "read") else hf_io.InMemory(v) for k, v in tensors.items()}
+    check_shapes(tensors, config, template, what)
+    rows = _rows(tensors, config, what)
 
     def fill(path, v):
         key = _key(path)
         src, tr, stacked = rows[key]
         experts = stacked and isinstance(src[0], list)
         shape = tuple(v.shape)
-        first = src[0][0] if experts else src[0] if stacked else src
-        inner = shape[(1 + experts) if stacked else 0:]
-        if not hf_io.matches(first, tr, inner) or (experts and len(src[0]) != shape[1]):
-            theirs = list(first.shape)
-            if tr:
-                theirs[-2:] = theirs[-1], theirs[-2]
-            raise ValueError(f"{'.'.join(key)}: checkpoint shape {tuple(theirs)} does not match "
-                             f"config.json's {inner}")
         reader = hf_io.leaf_reader(src, tr, shape, stacked, experts)
         sharding = shardings(key) if shardings is not None else None
         return v.replace(hf_io.leaf_array(shape, sharding, reader, dtype or jnp.float32))

@@ -47,7 +47,21 @@ class Stored:
         from safetensors import safe_open
 
         with safe_open(str(self.path), framework="numpy") as f:
-            return np.array(f.get_slice(self.name)[index])  # a copy, never the mapped pages
+            block = np.array(f.get_slice(self.name)[index])  # a copy, never the mapped pages
+        # checked as read (a few MB at a time): a NaN weight would train on NaN losses
+        if block.dtype.kind in "fcV" and not np.isfinite(block).all():
+            raise ValueError(f"{where(self)} holds NaN or infinite values; restore or "
+                             "re-download it (a model trained on it is NaN)")
+        return block
+
+
+def where(src) -> str:
+    """A source, as a message names it: its tensor and file."""
+    if isinstance(src, Part):
+        return f"a part of {where(src.base)}"
+    if isinstance(src, Stored):
+        return f"{src.name} in {src.path}"
+    return "an in-memory tensor"
 
 
 class InMemory:

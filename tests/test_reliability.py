@@ -145,9 +145,16 @@ def test_negative_token_ids_are_refused_by_default():
         t.loss_and_grads(state, bad)
     with pytest.raises(ValueError, match=match):
         t.step(state, bad)
-    # On the device the check would cost a sync: the step counts them in-graph instead.
+    # On the device the check would cost a sync: the step counts them in-graph and skips the
+    # update, as a non-finite step's (issue 49: it was applied, on a finite meaningless loss)
+    before = leaves(t.to_canonical_state(state))
     state, m = t.step(state, {k: jnp.asarray(v) for k, v in bad.items()})
-    assert int(m["bad_ids"]) == 1
+    assert int(m["bad_ids"]) == 1 and int(m["nonfinite_skipped"]) == 1
+    assert not np.isfinite(float(m["loss"])) and int(state.step) == 1
+    after = leaves(t.to_canonical_state(state))  # [0]: the step counter
+    assert all(np.array_equal(a, b) for a, b in zip(before[1:], after[1:]))
+    state, m = t.step(state, {k: jnp.asarray(v) for k, v in batch(1).items()})  # good: applied
+    assert int(m["bad_ids"]) == 0 and int(m["nonfinite_skipped"]) == 0 and int(state.step) == 2
 
 
 def test_a_donated_state_is_named_not_a_crash():

@@ -41,6 +41,7 @@ def resolve_data(cfg: dict) -> None:
     from fiddlejax.data import pipeline, tokenizer
 
     m, d = cfg["model"], cfg["data"]
+    pipeline.components(d)  # data.mixture's weights, before anything is read
     if m["name"] not in DECODERS and pipeline.wanted(d, m.get("from_pretrained")):
         raise config_lib.ConfigError(
             f"data.path, data.mixture and data.tokenizer feed the decoders; model.name="

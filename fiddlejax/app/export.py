@@ -30,6 +30,12 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     in Hugging Face's layout of the run's family; returns the step written. ``dtype``: None
     writes the dtype of the checkpoint the run started from (float32 from scratch).
     ``overwrite``: replace files in ``out_dir`` that no earlier export wrote (else refused)."""
+    from fiddlejax.config import parse_bytes
+
+    # the arguments first: a restore takes a minute at size
+    max_shard_size = parse_bytes(max_shard_size, "--max-shard-size")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"OUT_DIR {out_dir} is a file; pass a directory to write")
     run_dir = Path(run_dir)
     cfg = runs.run_config(run_dir)
     if cfg["model"]["name"] not in DECODERS:

@@ -127,6 +127,7 @@ def evaluate(cfg: dict, model, batches: int) -> float:
 
 def eval_command(argv: list[str]) -> int:
     own, overrides = parse(argv, "eval")
+    _number(own, "batches", int, 0)  # a typo is refused before the checkpoint is restored
     cfg, model, _, what = load(own, overrides, "eval")
     n = _number(own, "batches", int, cfg["train"].get("eval_batches") or 8)
     loss = evaluate(cfg, model, max(n, 1))
@@ -137,18 +138,32 @@ def eval_command(argv: list[str]) -> int:
 
 def generate_command(argv: list[str]) -> int:
     own, overrides = parse(argv, "generate")
+    n, sampling = sampling_args(own)  # before the model loads (a minute, at size)
     cfg, model, tok, what = load(own, overrides, "generate")
     if cfg["model"]["name"] not in DECODERS:
         raise config_lib.ConfigError(f"fiddlejax generate runs the decoders "
                                      f"({', '.join(DECODERS)}); {what} is "
                                      f"model.name={cfg['model']['name']}")
     prompt = own.get("prompt", "")
-    new = continuation(model, tok, prompt, _number(own, "max_new_tokens", int, 64),
-                       temperature=_number(own, "temperature", float, 0.0),
-                       top_p=_number(own, "top_p", float, 1.0),
-                       seed=_number(own, "seed", int, 0))
+    new = continuation(model, tok, prompt, n, **sampling)
     print(prompt + tok.decode(new))
     return 0
+
+
+def sampling_args(own: dict) -> tuple[int, dict]:
+    """``max_new_tokens`` and the sampling keys of ``generate``, checked: a NaN or negative
+    temperature, a ``top_p`` outside (0, 1] or no new token would decode nothing useful."""
+    n = _number(own, "max_new_tokens", int, 64)
+    t, p = _number(own, "temperature", float, 0.0), _number(own, "top_p", float, 1.0)
+    if n < 1:
+        raise config_lib.ConfigError(f"max_new_tokens={n} must be at least 1")
+    if not (math.isfinite(t) and t >= 0):
+        raise config_lib.ConfigError(f"temperature={own['temperature']} must be a number >= 0 "
+                                     "(0: greedy decoding; e.g. temperature=0.7 samples)")
+    if not 0 < p <= 1:  # NaN too
+        raise config_lib.ConfigError(f"top_p={own['top_p']} must be in (0, 1] (1: off; e.g. "
+                                     "top_p=0.9 samples from the top 90% of the probability)")
+    return n, {"temperature": t, "top_p": p, "seed": _number(own, "seed", int, 0)}
 
 
 def continuation(model, tok, prompt: str, max_new_tokens: int, **sampling) -> list[int]:

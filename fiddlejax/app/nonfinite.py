@@ -36,11 +36,20 @@ class NonFiniteSteps:
         self.streak: list[tuple[int, float, float]] = []  # (step, loss, grad norm) in a row
 
     def check(self, step: int, losses: list[float], norms: list[float],
-              flags: list[int]) -> list[bool]:
+              flags: list[int], bad_ids: list[int] | None = None) -> list[bool]:
         """Steps ``step``, ``step + 1``, ...: whether each was skipped. Raises
-        :class:`NonFiniteLoss` when the job must stop."""
+        :class:`NonFiniteLoss` when the job must stop: at once for a batch whose ids fell
+        outside the vocabulary (``bad_ids``; skipped in-graph), which no step would fix."""
         out = []
         for i, (loss, norm, flag) in enumerate(zip(losses, norms, flags)):
+            if bad_ids and bad_ids[i]:
+                s = step + i
+                raise NonFiniteLoss(s, loss, (
+                    f"; its update was skipped; stopped before saving it; "
+                    f"{self.last_good(s)}. Fix the data (plan.check_inputs=true names the "
+                    "first bad id and where it is)"),
+                    what=f"the batch holds {bad_ids[i]} token ids outside the model's "
+                         "vocabulary")
             bad = bool(flag) or not (math.isfinite(loss) and math.isfinite(norm))
             out.append(bad)
             if not bad:

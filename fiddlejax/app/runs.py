@@ -22,7 +22,18 @@ def run_config(run_dir: str | Path) -> dict:
     if not p.is_file():
         raise FileNotFoundError(f"{run_dir} has no config.yaml; pass the run.dir of a "
                                 "`fiddlejax train` run")
-    return yaml.safe_load(p.read_text())
+    try:
+        cfg = yaml.safe_load(p.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # a python/* tag, a damaged file
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"{p} is not a config fiddlejax wrote{at}: "
+                         f"{getattr(e, 'problem', None) or e}; fiddlejax reads plain YAML only: "
+                         "fix the file, or pass another run.dir") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p} is not a config fiddlejax wrote (not a mapping of sections); "
+                         "pass the run.dir of a `fiddlejax train` run")
+    return cfg
 
 
 def checkpoint_dir(cfg: dict, run_dir: Path, given: str | Path | None = None) -> Path:

@@ -286,12 +286,13 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
         # One transfer (it syncs: time runs to completion). A step whose loss or gradient norm
         # is not finite was not applied (in-graph); the guard counts it or stops the job.
         # the step's own metrics, and any the model's loss reports (an MoE router's losses)
-        host = jax.device_get({k: v for k, v in metrics.items() if k != "bad_ids"})
-        reported = [k for k in host if k not in ("loss", "grad_norm", "nonfinite_skipped")]
+        host = jax.device_get(metrics)
+        reported = [k for k in host if k not in ("loss", "grad_norm", "nonfinite_skipped",
+                                                 "bad_ids")]
         step_losses = [float(x) for x in host["loss"]]
         norms = [float(x) for x in host["grad_norm"]]
         skipped = guard.check(step, step_losses, norms, [int(x) for x in host.get(
-            "nonfinite_skipped", [0] * k)])
+            "nonfinite_skipped", [0] * k)], [int(x) for x in host.get("bad_ids", [0] * k)])
         now = time.perf_counter()
         dt, t_prev = (now - t_prev) / k, now
         for i, loss in enumerate(step_losses):

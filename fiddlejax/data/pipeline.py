@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -228,7 +229,8 @@ class Stream:
 
 
 def check_same_data(old: dict, new: dict, allow_change: bool) -> None:
-    """Refuse to resume on other data or another tokenizer than the checkpoint's."""
+    """Refuse to resume on other data or another tokenizer than the checkpoint's, or read
+    otherwise (:data:`READING`)."""
     for key, what in (("sources", "data"), ("tokenizer", "tokenizer")):
         a, b = old.get(key), new.get(key)
         if a is None or a == b or allow_change:
@@ -237,6 +239,29 @@ def check_same_data(old: dict, new: dict, allow_change: bool) -> None:
             f"the checkpoint was trained with {what} {_describe(a)} but this run has "
             f"{_describe(b)}; resuming would silently switch {what}. Use the checkpoint's "
             f"{what}, or set data.allow_change=true to continue on the new one")
+    if not allow_change:
+        _check_reading(old.get("reading"), new.get("reading"))
+
+
+# What else decides the tokens and rows a resumed stream gives (checked as data and tokenizer are)
+READING = {"field": "data.field", "val_fraction": "data.val_fraction",
+           "eos_id": "the tokenizer's EOS id (tokenizer_config.json's eos_token)",
+           "bos_id": "the tokenizer's BOS id (tokenizer_config.json's bos_token)"}
+
+
+def reading(dcfg: dict, tok: tokenizers.Tokenizer) -> dict:
+    """The keys of :data:`READING` for this job (recorded with the stream's position)."""
+    return {"field": dcfg.get("field"), "val_fraction": dcfg.get("val_fraction"),
+            "eos_id": tok.eos_id, "bos_id": tok.bos_id}
+
+
+def _check_reading(old: dict | None, new: dict | None) -> None:
+    for key, what in READING.items():
+        if old and new and key in old and old[key] != new.get(key):
+            raise DataError(
+                f"the checkpoint was trained with {what}={old[key]!r} but this run has "
+                f"{new.get(key)!r}; resuming would silently continue on other tokens or rows. "
+                "Use the checkpoint's, or set data.allow_change=true to continue on the new one")
 
 
 def _describe(x) -> str:
@@ -252,8 +277,11 @@ def _describe(x) -> str:
 def components(dcfg: dict) -> list[tuple]:
     """``[(path, weight)]`` of ``data.mixture``, or ``[(data.path, 1.0)]``."""
     mix = dcfg.get("mixture")
-    if not mix:
+    if mix is None:
         return [(dcfg.get("path"), 1.0)]
+    if not mix:
+        raise DataError(f"data.mixture={mix!r} lists no data; give [{{path: P, weight: W}}, "
+                        "...], or data.mixture=null to train on data.path")
     if dcfg.get("path") is not None:
         raise DataError("give data.path or data.mixture, not both; a mixture lists each path "
                         "with its weight")
@@ -261,7 +289,7 @@ def components(dcfg: dict) -> list[tuple]:
     for i, c in enumerate(mix if isinstance(mix, list) else [mix]):
         w = c.get("weight", 1.0) if isinstance(c, dict) else None
         if not isinstance(c, dict) or "path" not in c or isinstance(w, bool) \
-                or not isinstance(w, int | float) or w <= 0:
+                or not isinstance(w, int | float) or not 0 < w < math.inf:  # NaN, inf
             raise DataError(f"data.mixture[{i}]={c!r} must be {{path: P, weight: W}} with W > "
                             "0, e.g. data.mixture=[{path: a.jsonl, weight: 0.7}, {path: "
                             "b.jsonl, weight: 0.3}]")
@@ -298,7 +326,7 @@ def job_batches(dcfg: dict, tok: tokenizers.Tokenizer, seq_len: int, vocab: int 
     val = batches(vals, [1.0] * len(vals), b, seed=seed, shuffle=False, **shard)
     identity = {"sources": [c.fingerprint for c in corpora],
                 "tokenizer": {"name": tok.describe(), "sha256": tok.fingerprint},
-                "weights": weights}
+                "weights": weights, "reading": reading(dcfg, tok)}
     stream = Stream(train, identity, bool(dcfg.get("allow_change")), process_index == 0)
     return stream, _Drop(iter(val))
 
@@ -321,6 +349,6 @@ class _Drop:
 def wanted(dcfg: dict, from_pretrained: str | None = None) -> bool:
     """Whether ``data:`` asks for this pipeline (a path, a mixture or a real tokenizer) rather
     than the bundled byte corpus in fixed windows."""
-    if dcfg.get("path") is not None or dcfg.get("mixture"):
+    if dcfg.get("path") is not None or dcfg.get("mixture") is not None:
         return True
     return tokenizers.load(dcfg.get("tokenizer", "auto"), from_pretrained).kind != "bytes"

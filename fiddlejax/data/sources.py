@@ -19,23 +19,22 @@ line, Parquet and Arrow by record batch, token files memory-mapped), so the corp
 from __future__ import annotations
 
 import dataclasses
-import glob
 import gzip
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from fiddlejax.data import listing
+from fiddlejax.data.listing import DataError
+
 TEXT_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet",
               ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord"}
 TOKEN_KINDS = {".bin": "bin", ".npy": "npy"}
 HF_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
-
-
-class DataError(ValueError):
-    """A data source that cannot be read: the message names the file, the line and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,27 +55,6 @@ def _kind(p: Path) -> str | None:
     return None
 
 
-def _hf_files(d: Path) -> list[Path]:
-    """The Arrow files of a ``save_to_disk`` directory (a DatasetDict: its ``train`` split)."""
-    if (d / "dataset_dict.json").is_file():
-        splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
-        if "train" not in splits:
-            raise DataError(f"{d} is a Hugging Face DatasetDict with splits {splits} but no "
-                            "'train'; point data.path at one split's directory")
-        return _hf_files(d / "train")
-    state = d / "state.json"
-    if state.is_file():
-        names = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
-        files = [d / n for n in names]
-    else:
-        files = sorted(d.glob("*.arrow"))
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing or not files:
-        raise DataError(f"{d} looks like a Hugging Face save_to_disk directory but its Arrow "
-                        f"files are missing ({missing or 'no *.arrow'}); save it again")
-    return files
-
-
 def resolve(spec, key: str = "data.path") -> list[SourceFile]:
     """The files of ``spec`` (a path, a directory, a glob, or a list of them), in a stable
     order; a :class:`DataError` names the entry that matches nothing."""
@@ -87,18 +65,20 @@ def resolve(spec, key: str = "data.path") -> list[SourceFile]:
     out: list[SourceFile] = []
     for entry in entries:
         out += _resolve_one(str(entry), key)
-    return out
+    seen: set[str] = set()  # one file through links (or two entries) is read once
+    return [f for f in out if not (os.path.realpath(f.path) in seen
+                                   or seen.add(os.path.realpath(f.path)))]
 
 
 def _resolve_one(entry: str, key: str) -> list[SourceFile]:
     p = Path(entry).expanduser()
     if any(c in entry for c in "*?["):
-        paths = [Path(m) for m in sorted(glob.glob(str(p), recursive=True))]
+        paths = listing.glob(p)
         if not paths:
             raise DataError(f"{key}={entry} matches no file; check the pattern")
     elif p.is_dir():
         if any((p / m).is_file() for m in HF_MARKERS):
-            return [SourceFile(str(f), "hf", f.stat().st_size) for f in _hf_files(p)]
+            return [SourceFile(str(f), "hf", f.stat().st_size) for f in listing.hf_files(p)]
         paths = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f))
         if not paths:
             raise DataError(f"{key}={entry} is a directory without data files (.txt, .jsonl, "
@@ -206,7 +186,8 @@ def _read_txt(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str
     try:
         yield p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{p}: not UTF-8 text at byte {e.start}; convert it to UTF-8") from None
+        raise DataError(f"{p}:{_line_number(p, e.start)}: not UTF-8 text (byte {e.start}); "
+                        "convert the file to UTF-8") from None
 
 
 def _lines(p: Path, lo: int, hi: int) -> Iterator[tuple[int, bytes]]:
@@ -372,7 +353,11 @@ def _read_tokens(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[
         raise DataError(f"{p} holds token ids: set data.eos_id to the id that separates its "
                         "documents (e.g. data.eos_id=50256 for GPT-2's <|endoftext|>)")
     if p.suffix.lower() == ".npy":
-        ids = np.load(p, mmap_mode="r")
+        try:
+            ids = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:  # garbage, objects (a pickle: refused)
+            raise DataError(f"{p} is not a .npy array of token ids ({' '.join(str(e).split())}"
+                            "); save a 1-D integer array with numpy.save") from None
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise DataError(f"{p}: a token file must hold a 1-D integer array, got "
                             f"{ids.dtype}{list(ids.shape)}")

@@ -152,10 +152,13 @@ def _config(directory: Path) -> dict:
     if not f.is_file():
         return {}
     try:
-        cfg = json.loads(f.read_text())
+        cfg = json.loads(f.read_bytes().decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{f} is not valid JSON ({e}); restore or remove it") from None
-    return cfg if isinstance(cfg, dict) else {}
+    if not isinstance(cfg, dict):
+        raise DataError(f"{f} is not a JSON object (a {type(cfg).__name__}); restore or "
+                        "remove it")
+    return cfg
 
 
 def _config_tokens(directory: Path) -> dict:
@@ -164,6 +167,9 @@ def _config_tokens(directory: Path) -> dict:
     for key in ("eos_token", "bos_token"):
         v = cfg.get(key)
         out[key] = v.get("content") if isinstance(v, dict) else v
+        if out[key] is not None and not isinstance(out[key], str):
+            raise DataError(f"{directory / 'tokenizer_config.json'} has {key}={v!r}, not a "
+                            "token's text; fix it (e.g. \"</s>\") or remove it")
     return out
 
 

@@ -46,9 +46,9 @@ def save(directory: str | Path, tok: tokenizers.Tokenizer | str | None,
     config = out / "tokenizer_config.json"
     if not config.is_file():
         _write_json(config, _tokenizer_config(tok, max_length))
-    elif tok.chat_template and "chat_template" not in json.loads(config.read_text()):
+    elif tok.chat_template and "chat_template" not in tokenizers._config(out):
         # transformers 5 keeps it in chat_template.jinja (copied too); 4.x reads it here
-        _write_json(config, {**json.loads(config.read_text()), "chat_template": tok.chat_template})
+        _write_json(config, {**tokenizers._config(out), "chat_template": tok.chat_template})
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     written = _fill_config(out, ids)
     if source is not None and (source / "generation_config.json").is_file():
