@@ -81,7 +81,12 @@ def test_bf16_loss_and_every_leaf_within_bf16_of_float32(gpt_reference, remat):
         plain = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 1), compute_dtype="bfloat16"))
         loss0, grads0 = plain.loss_and_grads(plain.init(), batches[0])
         assert float(loss) == float(loss0)
-        assert_close(grads, grads0, 1e-6)
+        # Every leaf bitwise equal but blocks/wq: 2 of its 2048 elements (layer 1) differ by
+        # ~8.4e3 float32 ulps, 2.3e-6 of the leaf. That is one bf16 rounding (2**16 ulps) of a
+        # summand ~8x the result (wq's gradient cancels under near-uniform attention: 4e-4 of
+        # the total norm) flipped by a one-ulp float32 ordering difference upstream; both paths
+        # are 1.0e-2 from float32 in that leaf alike.
+        assert_close(grads, grads0, 1e-6, leaf_tol={"blocks/wq": 1e-5})
 
 
 def test_unrolled_layers_match_and_leave_no_loop(gpt_reference):
