@@ -62,7 +62,9 @@ def compiled_bytes(d, p, t, schedule, m, remat, zero=0, precision="fp32",
 
 
 @pytest.mark.parametrize("row", LAYOUTS, ids=lambda r: "-".join(map(str, r)))
-def test_memory_within_10_percent_of_compiled(row):
+def test_memory_within_10_percent_of_compiled_15_with_zero3(row):
+    """The planner's bytes per device against the compiled step's: within 10%, and within 15%
+    with zero=3 (docs/planner.md's calibration table, "bar 15%")."""
     d, p, t, schedule, m, remat, zero, precision, gather = (*row, *(0, "fp32", "layer")[
         len(row) - 6:])
     model = planner.preset("tiny")
@@ -74,7 +76,7 @@ def test_memory_within_10_percent_of_compiled(row):
     err = predicted / measured - 1
     print(f"{lo.short()}: predicted {predicted / 2**20:.2f} MiB, compiled "
           f"{measured / 2**20:.2f} MiB, error {err:+.1%}")
-    assert abs(err) < (0.15 if zero == 3 else 0.10)
+    assert abs(err) < (0.15 if zero == 3 else 0.10), lo.short()
 
 
 def test_analytic_gpt_matches_the_flax_model():

@@ -8,10 +8,12 @@ import optax
 import pytest
 from flax import nnx
 from helpers import (
+    BF16,
+    assert_close,
+    assert_loss_and_grads,
     assert_trains_like_single_device,
     reference_loss_and_grads,
     reference_train,
-    rel_err,
     tokens,
 )
 
@@ -47,39 +49,44 @@ def test_gpt_matches_single_device(gpt_reference, data, tensor, zero):
     state = trainer.init()
     if not zero:  # ZeRO-1 changes only the optimizer state's layout, not loss_and_grads
         loss, grads = trainer.loss_and_grads(state, batches[0])
-        assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
-        assert rel_err(grads, ref_grads) < 1e-5
+        assert_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     losses = []
     for b in batches:
         state, metrics = trainer.step(state, b)
         losses.append(float(metrics["loss"]))
     assert set(metrics) == {"loss", "grad_norm", "nonfinite_skipped"}  # a dense model's
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_err(trainer.params(state), ref_params) < 1e-5
+    assert_close(trainer.params(state), ref_params)
 
 
 def test_microbatch_accumulation_matches(gpt_reference):
     model, batches, ref_loss, ref_grads, *_ = gpt_reference
     trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 2), microbatches=2))
     loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
-    assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
-def test_bf16_gradients_reach_every_layer(gpt_reference, remat):
-    """bf16 compute without a pipeline: every layer's gradients within 5% of float32's (a
-    16-bit carry stored as integer bits once cut the backward between layers: rel. err. 1).
-    remat="full" keeps each layer's bf16 input as bits (remat.inputs_as_bits): the same."""
-    model, batches, _, ref_grads, *_ = gpt_reference
+def test_bf16_loss_and_every_leaf_within_bf16_of_float32(gpt_reference, remat):
+    """bf16 compute without a pipeline: the loss and every leaf's gradient within bf16 error
+    (helpers.BF16) of the float32 reference (a 16-bit carry stored as integer bits once cut the
+    backward between layers: rel. err. 1). remat="full" keeps each layer's bf16 input as bits
+    (remat.inputs_as_bits): the same to 1e-6 in every leaf."""
+    model, batches, ref_loss, ref_grads, *_ = gpt_reference
     trainer = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 1), compute_dtype="bfloat16",
                                                  remat=remat))
     loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
-    assert rel_err(grads["blocks"], ref_grads["blocks"]) < 0.05
+    assert_loss_and_grads((loss, grads), (ref_loss, ref_grads), BF16)
     if remat == "full":
         plain = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(2, 1), compute_dtype="bfloat16"))
         loss0, grads0 = plain.loss_and_grads(plain.init(), batches[0])
-        assert float(loss) == float(loss0) and rel_err(grads, grads0) < 1e-6
+        assert float(loss) == float(loss0)
+        # Every leaf bitwise equal but blocks/wq: 2 of its 2048 elements (layer 1) differ by
+        # ~8.4e3 float32 ulps, 2.3e-6 of the leaf. That is one bf16 rounding (2**16 ulps) of a
+        # summand ~8x the result (wq's gradient cancels under near-uniform attention: 4e-4 of
+        # the total norm) flipped by a one-ulp float32 ordering difference upstream; both paths
+        # are 1.0e-2 from float32 in that leaf alike.
+        assert_close(grads, grads0, 1e-6, leaf_tol={"blocks/wq": 1e-5})
 
 
 def test_unrolled_layers_match_and_leave_no_loop(gpt_reference):
@@ -89,8 +96,7 @@ def test_unrolled_layers_match_and_leave_no_loop(gpt_reference):
     trainer = fj.parallelize(model, OPT, plan)
     state = trainer.init()
     loss, grads = trainer.loss_and_grads(state, batches[0])
-    assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     hlo = trainer.lower_step(state, batches[0]).as_text()
     assert " while(" not in hlo and "stablehlo.while" not in hlo
     with pytest.raises(TypeError, match="unroll_layers='yes'"):
@@ -109,8 +115,7 @@ def test_odd_vocab_and_tied_embeddings(vocab, tensor, tied):
     state = trainer.init()
     assert state.params["wte"][...].shape[0] % tensor == 0  # padded internally
     loss, grads = trainer.loss_and_grads(state, batch)
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     assert trainer.params(state)["wte"][...].shape == (vocab, 32)  # canonical shape
 
 
@@ -229,7 +234,7 @@ def test_remat_auto_picks_a_fitting_policy(gpt_reference):
     assert trainer.lower_loss_and_grads(jax.eval_shape(trainer.init), batches[0]).compile()
     loss, grads = trainer.loss_and_grads(trainer.init(), batches[0])
     assert trainer.remat_policy.name == "none"
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert_close(grads, ref_grads)
     tight = fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 1), remat="auto", memory_budget=1024))
     with pytest.raises(ValueError, match="no remat policy fits memory_budget=1024"):
         tight.step(tight.init(), batches[0])
