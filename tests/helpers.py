@@ -23,6 +23,19 @@ FLOOR = 1e-4
 # 2x2x2; Llama zero=3 on data=8 and on context=4 x tensor=2). 3e-2 is under twice the worst,
 # and a leaf cut off (error 1) or a layer's gradient mis-scaled (error >= 0.1) still fails.
 BF16 = 3e-2
+# A key projection's bias shifts every score of a query by the same amount, which softmax
+# ignores: its true gradient is exactly zero, so both sides hold float32 rounding noise
+# (measured up to 7.2e-5 of FLOOR * ||tree||: 7e-9 of the tree's norm, the noise of the
+# other leaves' sums). Such leaves are bounded at KEY_BIAS (1e-7 of the tree's norm).
+KEY_BIAS = 1e-3
+
+
+def key_bias_tol(tree) -> dict[str, float]:
+    """``leaf_tol`` for every attention key bias of ``tree`` (``.../k/bias``, ``key/bias``)."""
+    import re
+
+    paths = [_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return {p: KEY_BIAS for p in paths if re.search(r"(^|/)(k|key|k_proj)/bias$", p)}
 
 
 def rel_err(a, b) -> float:
