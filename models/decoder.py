@@ -59,11 +59,7 @@ from .common import (
     stacked,
     target_mask,
 )
-from .decoder_config import (  # noqa: F401 - the config's names, where they always were
-    ACTIVATIONS,
-    LAYER_TYPES,
-    DecoderConfig,
-)
+from .decoder_config import ACTIVATIONS, LAYER_TYPES, DecoderConfig  # noqa: F401 - re-exported
 from .moe import MoE, MoEOutput
 
 
