@@ -1,4 +1,4 @@
-"""The one mechanism by which fiddlejax reaches into a user's unmodified model while tracing it.
+"""How fiddlejax reaches into a user's unmodified model while tracing it: one mechanism.
 
 A user's own model keeps its ``__call__``, its ``nnx.Dropout`` and its ``jax.lax.scan``;
 fiddlejax still has to split its forward into pieces (:mod:`fiddlejax.standins`), unroll the

@@ -57,8 +57,8 @@ class StandIn:
 
 @contextlib.contextmanager
 def acting(*mode: Any) -> Iterator[None]:
-    """The stand-ins act in ``mode`` (see :class:`StandIn`) within this block: ``("prologue",)``,
-    ``("epilogue", x, out_treedef)`` or ``("record", blocks, log)``."""
+    """The stand-ins act in ``mode`` (see :class:`StandIn`) within this block:
+    ``("prologue",)``, ``("epilogue", x, out_treedef)`` or ``("record", blocks, log)``."""
     with intercept.setting(standins=mode):
         yield
 

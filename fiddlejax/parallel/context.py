@@ -14,8 +14,8 @@ everything token-wise (embeddings, norms, MLPs, the residual stream, the head an
 on ``1/C`` of the tokens per device with no communication, and the loss is the model's own
 mean over all rows, which is the mean over the whole sequence.
 
-Attention is the one operation that mixes tokens; :func:`attention` replaces it in a layer whose
-``ops.context`` (a :class:`Joining`) is set (``fiddlejax.models.common.attention`` dispatches
+Attention is the one operation that mixes tokens; :func:`attention` replaces it in a layer
+whose ``ops.context`` (a :class:`Joining`) is set (``fiddlejax.models.common.attention`` dispatches
 here). Both
 kernels (:mod:`.ring`) are written for the partitioner, each array's leading axis (the shards)
 pinned to ``context``:
@@ -141,7 +141,7 @@ def _constrain(x: jax.Array, split: Split, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-# -- the attention service ----------------------------------------------------------------------
+# -- the attention service --------------------------------------------------------------
 class Joining:
     """What ``context`` offers a layer (``ops.context``): attention over the whole sequences of
     its split rows. Counts its calls, so that a layer whose attention never came here (and so
@@ -154,7 +154,8 @@ class Joining:
                   segment_ids: jax.Array | None = None, **options) -> jax.Array:
         """:func:`attention` on this layer's split, counted."""
         self.calls += 1
-        return attention(self.split, q, k, v, causal=causal, segment_ids=segment_ids, **options)
+        return attention(self.split, q, k, v, causal=causal, segment_ids=segment_ids,
+                         **options)
 
 
 def attention(split: Split, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
