@@ -8,8 +8,8 @@ vocab 8,000 on a sample with ``tokenizers``; nothing downloads. Then runs ``fidd
 
 - **memory**: the job's peak RSS on the large corpus against the small one, both cold (the
   store is prepared in the job);
-- **second start**: the same job again on the large corpus (the store is a cache hit)
-  against the cold start: wall time to the end of the first step;
+- **second start**: the same job again on the large corpus (the store and the compiled
+  programs are cache hits) against the cold start: wall time to the end of the first step;
 - **two processes**: a cold job of 2 processes (``launch/local.py --nproc 2``, each preparing
   half the pieces) against one process: CPU seconds of the whole job;
 - **workers**: ``prepare.ensure`` on the small corpus with ``data.workers`` = 1 and 2: tokens/s
@@ -167,7 +167,11 @@ def run(args) -> dict:
         res = {}
         for name in args.jobs:
             which, cache, nproc = JOBS[name]
-            e = dict(env, FIDDLEJAX_DATA_CACHE=str(d / cache))
+            # cold: nothing cached, neither the store nor XLA's compiled programs; the second
+            # start reuses both from the cold start before it (run.compile_cache)
+            xla = "large_cold" if name == "large_warm" else name
+            e = dict(env, FIDDLEJAX_DATA_CACHE=str(d / cache),
+                     JAX_COMPILATION_CACHE_DIR=str(d / f"xla-{xla}"))
             corpus = small if which == "small" else large
             r = measure(train_cmd(corpus, tok, d / f"run-{name}", nproc), e)
             r.pop("tail", None)

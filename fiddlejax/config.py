@@ -109,6 +109,7 @@ POSITIVE = Spec(int, lo=1)
 COUNT = Spec(int, lo=0)
 MESH_AXIS = Spec(int, lo=-1)  # -1 infers the axis from the device count
 FRACTION = Spec(float, lo=0, hi=1, open_hi=True)
+DIR = Spec(str, null=True, words=("auto",), empty=False)  # a directory, auto, or null (none)
 MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minutes or crash
 
 # Keys typed beyond their default's type. Choices that other modules own are filled in by
@@ -151,10 +152,9 @@ SPECS: dict[str, Spec] = {
     "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
     "run.dir": Spec(str, empty=False), "run.cpu_devices": Spec(int, lo=0, hi=MAX_CPU_DEVICES),
     "run.peak_tflops": Spec(float, lo=0), "init_from": Spec(str, null=True),
-    "run.progress": Spec(str, choices=("auto", "bar", "lines")),
+    "run.progress": Spec(str, choices=("auto", "bar", "lines")), "run.compile_cache": DIR,
     "train.nonfinite": Spec(str, choices=("skip", "stop")), "train.nonfinite_limit": POSITIVE,
-    "checkpoint.dir": Spec(str, null=True, words=("auto",), empty=False),  # auto: run.dir/...
-    "checkpoint.every": Spec(int, lo=1, words=("auto",)),
+    "checkpoint.dir": DIR, "checkpoint.every": Spec(int, lo=1, words=("auto",)),  # auto: run.dir/..
     "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
     "checkpoint.max_to_keep": Spec(int, lo=1, null=True), "checkpoint.async": Spec(bool),
     "checkpoint.best_metric": Spec(str, null=True),

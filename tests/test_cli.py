@@ -50,9 +50,12 @@ def test_short_training_run_learns(tmp_path):
          "mesh.data=4", "mesh.pipe=1", "plan.schedule=null", "plan.virtual_stages=1",
          "plan.microbatches=1",
          "train.eval_batches=4", "model.seq_len=64", "model.n_layers=2", "data.batch_size=16",
-         f"run.dir={tmp_path}"],
+         f"run.dir={tmp_path}", f"run.compile_cache={tmp_path / 'xla'}"],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    # the compiled step is kept for the next start, and the job says where
+    assert f"compile cache: {tmp_path / 'xla'}" in r.stdout
+    assert any(p.name.startswith("jit__init_impl-") for p in (tmp_path / "xla").iterdir())
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_val_loss"] < math.log(256) - 1.5  # 5.55 nats -> below 4.05
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

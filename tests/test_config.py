@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -172,3 +173,18 @@ def test_default_yaml_lists_the_registrys_schedule_kinds():
     line = next(x for x in text.splitlines() if x.strip().startswith("schedule:"))
     listed = [w.strip().split(" ")[0] for w in line.split("#", 1)[1].split("|")]
     assert sorted(listed) == sorted([*schedules.kinds(), "null"]), listed
+
+
+def test_compile_cache_directory_follows_jax_then_the_default(monkeypatch, tmp_path):
+    from fiddlejax import compile_cache
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert compile_cache.directory("auto") == tmp_path / "jax"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert compile_cache.directory("auto") == Path("~/.cache/fiddlejax/xla").expanduser()
+    assert compile_cache.directory(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert compile_cache.directory(None) is None
+    cfg = config.load(None, ["run.compile_cache=null"])
+    assert cfg["run"]["compile_cache"] is None
+    with pytest.raises(config.ConfigError, match="run.compile_cache"):
+        config.load(None, ["run.compile_cache="])

@@ -14,10 +14,12 @@ from fiddlejax.model_names import DECODERS, FAMILIES
 def setup_devices(cfg: dict) -> dict[str, str]:
     """Simulate ``run.cpu_devices`` CPU devices and, when the backend will be a GPU, set the
     recommended XLA flags (:mod:`fiddlejax.xla_flags`); must run before JAX starts its
-    backends. Returns the XLA flags it added."""
-    from fiddlejax import xla_flags
+    backends, and turns on the compile cache (``run.compile_cache``). Returns the XLA flags
+    it added."""
+    from fiddlejax import compile_cache, xla_flags
 
     added = xla_flags.apply(fp8=cfg["plan"].get("matmul_dtype") == "fp8")
+    compile_cache.use(cfg["run"].get("compile_cache", "auto"))
     n = int(cfg["run"]["cpu_devices"] or 0)
     if n > 0:
         import jax

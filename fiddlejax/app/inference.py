@@ -79,8 +79,12 @@ def _number(own: dict, key: str, kind, default):
 
 def load(own: dict, overrides: list[str], command: str):
     """``(cfg, model, tokenizer, what)`` for a run directory or a Hugging Face directory."""
+    from fiddlejax import compile_cache
     from fiddlejax.app import build, runs
     from fiddlejax.data import tokenizer
+
+    compile_cache.use(next((config_lib.parse_override(o)["run"]["compile_cache"]
+                            for o in overrides if o.startswith("run.compile_cache=")), "auto"))
 
     if "run.dir" in own:
         run_dir = own["run.dir"]

@@ -111,7 +111,7 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     explicit = build.explicit_keys(config_path, overrides)  # the layout fits only the others
     guards.check_config(cfg)  # rules, best metric, a batch beyond this machine's memory
     flags = build.setup_devices(cfg)
-    from fiddlejax import distributed, xla_flags
+    from fiddlejax import compile_cache, distributed, xla_flags
 
     try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
         distributed.initialize()
@@ -122,6 +122,9 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
 
     if flags and jax.process_index() == 0:
         _main_print(xla_flags.describe(flags))
+    cache = compile_cache.directory(cfg["run"]["compile_cache"])
+    if cache is not None and jax.process_index() == 0:
+        _main_print(f"compile cache: {cache} (run.compile_cache; the next start reuses it)")
     # what this run creates is taken back if it is refused before its first step
     made = artifacts.Artifacts(cfg) if jax.process_index() == 0 else None
     # checkpoint.dir: checked, then locked for the job's lifetime (a second job is refused)
