@@ -38,6 +38,8 @@ EXEMPT = {
     r"^kubectl ": "needs a Kubernetes cluster",
     r"make_llama_fixture\.py": "fixture generation: needs torch/transformers in their own venv",
     r"path/to/": "a placeholder for the user's own files",
+    r"launch/local\.py --nproc": ("two processes on this machine: tests/test_distributed.py "
+                                  "launches these layouts and checks their losses and resume"),
     r"\b(corpus|other|finetune)\.jsonl\b|runs/mine\b|llama-dir/": (
         "the user's own corpus, run or checkpoint: tests/test_data_sources.py, "
         "test_data_resume.py and test_inference.py run these commands on generated files"),
