@@ -214,3 +214,14 @@ def test_data_prepare_command_builds_what_train_opens(corpus, tmp_path, capsys):
     assert "cache hit" in logs[-1]
     assert main(["data", "prepare", "data.path=/nonexistent.jsonl"]) == 2
     assert "does not exist" in capsys.readouterr().out
+
+
+def test_the_bundled_corpus_skips_the_standard_librarys_empty_files():
+    """``data.path`` unset with a tokenizer (``eval model.from_pretrained=DIR``) prepares the
+    stdlib corpus: its empty files (``email/mime/__init__.py``) are no documents, not errors."""
+    from fiddlejax.data.builtin import stdlib_files
+
+    assert any(p.stat().st_size == 0 for p in stdlib_files())  # there are some
+    sp = prepare.spec(None, {}, tokenizer.load("bytes"), "data.path")
+    assert sp.files and all(f.size > 0 for f in sp.files)
+    assert sp.work()  # an empty file would raise DataError here

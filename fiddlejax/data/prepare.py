@@ -112,7 +112,8 @@ def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
     if path is None:
         from fiddlejax.data.builtin import stdlib_files
 
-        files = [sources.SourceFile(str(p), "txt", p.stat().st_size) for p in stdlib_files()]
+        files = [sources.SourceFile(str(p), "txt", n) for p in stdlib_files()  # empty: none
+                 if (n := p.stat().st_size)]
         label = ["<stdlib>"]
     else:
         files = sources.resolve(path, key)
