@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from fiddlejax import staged as staged_lib  # noqa: E402
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
+    reporting.write(args.out, "\n".join(lines))
     print("\n".join(lines))
     bad = [r for r in gpt + cnn if not r.ok]
     return 1 if bad else 0

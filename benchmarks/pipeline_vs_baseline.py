@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -152,7 +153,7 @@ def main() -> int:
                    f"{ft / bt:.2f} | {r:.2f} |")
     path = Path(__file__).parent / "results" / "pipeline_vs_baseline.md"
     path.parent.mkdir(exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     print("\n".join(out))
     return 0
 
