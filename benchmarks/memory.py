@@ -33,6 +33,7 @@ from fiddlejax import staged as staged_lib  # noqa: E402
 from fiddlejax.memory import auto, gist, policies  # noqa: E402
 from fiddlejax.models.cnn import CNN, CNNConfig  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.split import split_model  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -100,7 +101,7 @@ def gpt_case(layers: int) -> Case:
                     n_layers=layers, d_ff=d["F"])
     model = GPT(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(1).integers(0, 256, (d["B"], d["T"] + 1), dtype=np.int32)
-    s, params = staged_lib.split(model)
+    s, params = split_model(model)
     return Case(s, params, {"tokens": tokens})
 
 
@@ -113,7 +114,7 @@ def cnn_case(layers: int) -> Case:
         "images": rng.standard_normal((d["N"], d["S"], d["S"], 3)).astype(np.float32),
         "labels": rng.integers(0, 10, (d["N"],), dtype=np.int32),
     }
-    s, params = staged_lib.split(model)
+    s, params = split_model(model)
     return Case(s, params, batch)
 
 

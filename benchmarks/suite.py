@@ -10,7 +10,7 @@ times). tokens/s ratio = 1 / step-time ratio (every configuration trains the sam
 Bubble measured: not measured. The 8 simulated devices share this machine's cores, so stages
 never run in parallel and a wall-clock bubble would measure the CPU, not the schedule.
 
-    python benchmarks/run.py [--quick]      # writes benchmarks/results/suite.{md,json,png}
+    python benchmarks/suite.py [--quick]    # writes benchmarks/results/suite.{md,json,png}
 """
 
 from __future__ import annotations
