@@ -59,7 +59,7 @@ class Report:
         return f"python benchmarks/{self.script} {self.args}".strip()
 
     def paths(self) -> list[str]:
-        return [f"benchmarks/{self.script}", "benchmarks/reporting.py", *self.inputs]
+        return [f"benchmarks/{self.script}", *self.inputs]
 
 
 REPORTS: dict[str, Report] = {
