@@ -23,9 +23,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import reporting  # noqa: E402
 from run import GPU_REPORTS, REPORTS  # noqa: E402
 
-# Reports not yet regenerated with a header (issue 51): each fails until
-# `python benchmarks/run.py --cpu --only NAME` writes it; strict, so a regenerated one must leave.
-PENDING: set[str] = set()
+# Reports not yet regenerated since the header and the runner came (issue 51): expected to fail
+# (no header: stale and unattributed) until `python benchmarks/run.py --cpu --only NAME` writes
+# them; strict, so a regenerated report must leave this set. Empty it with one `--cpu` run.
+PENDING: set[str] = {
+    "pipeline_vs_baseline.md",  # reran fine at load 9.6: its time ratios wait for a quiet run
+    "pipeline_efficiency.md", "pipeline_2bw.md", "pipeline_2bw_train.md", "overhead.md",
+    "lockstep.md", "vocab_parallel.md", "memory.md", "topk.md", "checkpoint.md", "context.md",
+    "expert_parallel.md", "moe_dispatch.md", "fsdp_gather_dtype.md", "fsdp_gather_once.md",
+    "fsdp_prefetch.md", "long_context.md", "scale.md", "scale_families.md", "scale_moe.md",
+    "fp8.md", "hf_checkpoint_memory.md", "input_pipeline.md", "data_store.md", "faults.md",
+    "suite.md",
+}
 
 CITE = re.compile(r"benchmarks/results/([\w.-]+\.md)")
 FIGURE = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+\.\d+(?!\d)")  # not Llama-3.2
@@ -140,8 +149,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOAL = re.compile(r"\b(?:goal|target|bar)s?\s*(?:of\s*)?(?:<=|>=|≤|≥|<|>)?\s*[\d.]+%?")
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_cited_figures_appear_in_their_report(doc):
+def _bad_citations(doc: Path) -> list[str]:
     """A figure must appear in one of the reports its sentence (or row) cites."""
     cited: dict[tuple[str, int], set[str]] = {}
     for name, text, line in _citations(doc):
@@ -157,5 +165,25 @@ def test_cited_figures_appear_in_their_report(doc):
         missing = [f for f in figures if not _holds(numbers, f)]
         if missing:
             bad.append(f"line {line}: {missing} in none of {sorted(names)}: {text[:160]}")
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_cited_figures_appear_in_their_report(doc):
+    bad = _bad_citations(doc)
     assert not bad, (f"{doc.relative_to(ROOT)} cites figures its reports do not hold (rerun the "
                      "report, or quote it as it is):\n" + "\n".join(bad))
+
+
+def test_the_checks_catch_what_they_claim(tmp_path):
+    """A wrong figure beside a link, and a report older than a change to its inputs."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("1F1B holds 14.24 MiB, GPipe 3.61x (benchmarks/results/pipeline_memory.md).\n"
+                   "Stale: 15.28 MiB ([r](../benchmarks/results/pipeline_memory.md)), target "
+                   "<= 1.03.\n\n| 1F1B | 9.99 MiB | [r](benchmarks/results/pipeline_memory.md) |\n")
+    bad = _bad_citations(doc)
+    assert len(bad) == 2 and "15.28" in bad[0] and "9.99" in bad[1], bad
+    if not _in_git():
+        pytest.skip("not a git checkout: staleness cannot be checked")
+    root = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
+    assert _changed({"commit": root}, REPORTS["pipeline_memory.md"])
