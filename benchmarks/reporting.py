@@ -31,7 +31,12 @@ _T0 = time.perf_counter()
 
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+                          check=True).stdout
+
+
+# The checkout as the run starts (a commit made while it runs must not be credited with it).
+_COMMIT = _git("rev-parse", "HEAD").strip()
+_CHANGED = {line[3:].split(" -> ")[-1] for line in _git("status", "--porcelain").splitlines()}
 
 
 def command() -> tuple[str, str]:
@@ -55,7 +60,9 @@ def _versions() -> str:
     import jaxlib
 
     try:
-        backend = jax.extend.backend.get_backend()
+        from jax.extend.backend import get_backend
+
+        backend = get_backend()
         xla = f"XLA {backend.platform} backend"
         if backend.platform_version and backend.platform_version != "<unknown>":
             xla += f" ({backend.platform_version.splitlines()[0]})"
@@ -71,8 +78,9 @@ def header(name: str) -> str:
 
     cmd, script = command()
     rep = REPORTS.get(name) or GPU_REPORTS.get(name, (None,))[0]
-    commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--", script, *(rep.paths() if rep else ()))
+    inputs = [script, *(rep.paths() if rep else ())]
+    dirty = any(c == p or c.startswith(p.rstrip("/") + "/") for c in _CHANGED for p in inputs)
+    commit = _COMMIT
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({_cpu()}), "
                f"load average {load:.1f}")
