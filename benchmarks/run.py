@@ -39,6 +39,7 @@ LLAMA = ("fiddlejax/models/llama.py", "fiddlejax/models/decoder.py",
 MOE = ("fiddlejax/models/moe.py", "fiddlejax/models/moe_lm.py", "fiddlejax/models/moe_loss.py")
 PLANNER = ("fiddlejax/planner",)
 APP = ("fiddlejax/app", "fiddlejax/cli.py", "fiddlejax/config.py", "fiddlejax/configs",
+       "fiddlejax/compile_cache.py",
        "fiddlejax/data")
 CKPT = ("fiddlejax/checkpoint.py", "fiddlejax/checkfreq.py", "fiddlejax/checkpoint_lock.py",
         "fiddlejax/checkpoint_manifest.py", "fiddlejax/checkpoint_params.py",
