@@ -35,8 +35,11 @@ def _git(*args: str) -> str:
 
 
 # The checkout as the run starts (a commit made while it runs must not be credited with it).
-_COMMIT = _git("rev-parse", "HEAD").strip()
-_CHANGED = {line[3:].split(" -> ")[-1] for line in _git("status", "--porcelain").splitlines()}
+try:
+    _COMMIT = _git("rev-parse", "HEAD").strip()
+    _CHANGED = {line[3:].split(" -> ")[-1] for line in _git("status", "--porcelain").splitlines()}
+except (OSError, subprocess.CalledProcessError):  # not a checkout: the header says so
+    _COMMIT, _CHANGED = "not-a-git-checkout", set()
 
 
 def command() -> tuple[str, str]:
