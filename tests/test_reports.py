@@ -58,12 +58,22 @@ def _header(name: str) -> dict:
 
 
 def _changed(head: dict, rep) -> list[str]:
-    """Commits after the header's that touched the report's inputs."""
-    log = _git("log", "--format=%h %s", f"{head['commit']}..HEAD", "--", *rep.paths())
-    assert log.returncode == 0, (
-        f"git log {head['commit']}..HEAD failed ({log.stderr.strip()}): is the report's commit "
-        "in this history? Regenerate the report on a commit of this branch")
-    return log.stdout.splitlines()
+    """What changed in the report's inputs since the header's commit.
+
+    On this branch's history: the commits after it that touched them (``git log``). A commit a
+    rebase rewrote is off the history but still in the repository: then the inputs' difference
+    between it and HEAD, so a rebase that leaves them alone leaves the report current."""
+    commit = head["commit"]
+    if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
+        if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+            pytest.skip(f"shallow clone: {commit[:9]} is not fetched (fetch the full history)")
+        pytest.fail(f"the header's commit {commit[:9]} is not in this repository: regenerate "
+                    "the report on a commit of this branch")
+    if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0:
+        log = _git("log", "--format=%h %s", f"{commit}..HEAD", "--", *rep.paths())
+        return log.stdout.splitlines()
+    diff = _git("diff", "--stat", commit, "HEAD", "--", *rep.paths())
+    return [f"(rebased away; differs from HEAD) {x.strip()}" for x in diff.stdout.splitlines()]
 
 
 def test_every_results_file_is_declared():
