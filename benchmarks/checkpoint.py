@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -165,7 +166,7 @@ def write(args, cfg, state_mb: float, ratios: dict, spent: dict, stats: dict) ->
             f"{v} " + " ".join(f"{x:.3f}" for x in ratios[v]) for v in VARIANTS[1:]),
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    reporting.write(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -31,6 +31,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> int:
         off, on = sp_slope(False, remat), sp_slope(True, remat)
         lines.append(f"| {remat} | {off:.3f} | {on:.3f} | {off - on:.3f} |")
     out = ROOT / "benchmarks" / "results" / "context.md"
-    out.write_text("\n".join(lines) + "\n")
+    reporting.write(out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import reporting
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 TINY = ["model.name=llama", "model.seq_len=64", "model.d_model=32", "model.n_heads=4",
@@ -242,7 +244,7 @@ def write_md(path: Path, out: dict) -> None:
     for k, x in w.items():
         lines.append(f"| {k} | {x['tokens']:,} | {x['seconds']:.1f} | "
                      f"{x['tokens_per_s']:,.0f} | {x['tokens_per_s_per_worker']:,.0f} |")
-    path.write_text("\n".join(lines) + "\n")
+    reporting.write(path, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

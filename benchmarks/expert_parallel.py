@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import reporting  # noqa: E402
+
 import fiddlejax as fj  # noqa: E402
 from fiddlejax.models.moe import MoEConfig  # noqa: E402
 from fiddlejax.models.moe_lm import MoELM  # noqa: E402
@@ -200,7 +202,7 @@ def main() -> int:
                   "| layout | loss rel. err. | gradients rel. err. | seconds |",
                   "|---|---|---|---|", *checks, ""]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
+    reporting.write(RESULTS, "\n".join(lines) + "\n")
     print(f"wrote {RESULTS}")
     return 0
 

@@ -23,7 +23,7 @@ compares with an uninterrupted reference run of the same config, step by step:
 
     python benchmarks/faults.py [--kills 20] [--trials 2] [--seed 0]
 
-writes ``benchmarks/results/faults.md`` (with ``--only``: replaces or adds only those rows).
+writes ``benchmarks/results/faults.md`` (with ``--only``: prints those rows, writes nothing).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pathlib import Path
 
 import faults_jobs
 import faults_readers
+import reporting
 from fault_tools import (
     CACHE,
     ONE,
@@ -246,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=2,
                     help="trials of the concurrent-jobs and frozen-peer faults (default 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", nargs="*", default=None, help="scenario names to run (their rows "
-                    "replace those of the results file; the others stay)")
+    ap.add_argument("--only", nargs="*", default=None, help="scenario names to run; their rows are "
+                    "printed, the results file is left alone (only a full run writes it)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="fiddlejax-faults-"))
@@ -275,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {rows[-1]}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.only is not None:
-        _merge(rows, f"--only {' '.join(args.only)}", time.time() - t0)
+    if args.only is not None:  # a partial run: the report is written whole, by a full run
+        print("\n".join(_row(r) for r in rows))
         return int(any(r["failures"] for r in rows))
     lines = ["# Fault injection", "",
              f"`python benchmarks/faults.py --kills {args.kills} --trials {args.trials} "
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
              "| scenario | trials | failures | steps lost | exact resumes | notes |",
              "|---|---|---|---|---|---|"]
     lines += [_row(r) for r in rows]
-    OUT.write_text("\n".join(lines) + "\n")
+    reporting.write(OUT, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return int(any(r["failures"] for r in rows))
 
@@ -298,23 +299,6 @@ def _row(r: dict) -> str:
     exact = "-" if r["exact"] is None else ("yes" if r["exact"] else "NO")
     return (f"| {r['scenario']} | {r['trials']} | {r['failures']} | {r['lost']} | {exact} | "
             f"{r['note']} ({r['seconds']:.0f} s) |")
-
-
-def _merge(rows: list[dict], how: str, seconds: float) -> None:
-    """``--only``: each row replaces the results file's row of its scenario (or joins the
-    table), noted under the table; the other rows stay as the last full run measured them."""
-    lines = OUT.read_text().splitlines()
-    for r in rows:
-        at = [i for i, x in enumerate(lines) if x.startswith(f"| {r['scenario']} |")]
-        if at:
-            lines[at[0]] = _row(r)
-        else:
-            lines.insert(max(i for i, x in enumerate(lines) if x.startswith("|")) + 1, _row(r))
-    note = (f"Rows {', '.join(repr(r['scenario']) for r in rows)}: "
-            f"`python benchmarks/faults.py {how}` ({seconds:.0f} s).")
-    lines = [x for x in lines if not x.startswith(note.split(":")[0] + ":")] + ["", note]
-    OUT.write_text("\n".join(lines).replace("\n\n\n", "\n\n") + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

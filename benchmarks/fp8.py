@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import reporting
+
 OUT = Path(__file__).parent / "results" / "fp8.md"
 BAR = 0.02  # issue 38: fp8's validation loss within 2% of bf16's
 
@@ -61,7 +63,7 @@ def main() -> None:
         f"({'within' if abs(gap) <= BAR else 'OUTSIDE'} the {100 * BAR:.0f}% bar of issue 38).",
         "",
     ]
-    OUT.write_text("\n".join(lines))
+    reporting.write(OUT, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -32,6 +32,7 @@ if __name__ == "__main__":  # before jax is imported: 8 simulated devices for th
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reporting  # noqa: E402
 from fsdp_prefetch import MIB, _computations  # noqa: E402
 
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce")
@@ -121,7 +122,7 @@ def main() -> int:
                 "| prefetch | remat | leaf | AG u16/bf16 | AG f32 | RS f32 | AR f32 | temp |",
                 "|---|---|---|---|---|---|---|---|"]
         table(out, a.hidden, a.layers, seq, batch, leaf)
-    Path(a.out).write_text("\n".join(out) + "\n")
+    reporting.write(Path(a.out), "\n".join(out) + "\n")
     return 0
 
 

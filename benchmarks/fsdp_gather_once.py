@@ -36,6 +36,8 @@ if __name__ == "__main__":  # before jax is imported: 8 simulated devices for th
         os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import reporting  # noqa: E402
+
 from fiddlejax import planner  # noqa: E402
 
 GIB = 2**30
@@ -176,7 +178,7 @@ def main() -> int:
                 "`trainer.memory` peak per device beside the planner's prediction:", "",
                 *compiled_rows(a.seq)]
     path = Path(__file__).parent / "results" / "fsdp_gather_once.md"
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     return 0
 
 

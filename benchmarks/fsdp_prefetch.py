@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+import reporting
+
 if __name__ == "__main__":  # before jax is imported: 8 simulated devices for the compile
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -192,7 +194,7 @@ def main() -> int:
                    f"{'same' if on['argument'] == off['argument'] else 'differ'} |")
         print(out[-1], flush=True)
     path = Path(__file__).parent / "results" / "fsdp_prefetch.md"
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     return 0
 
 

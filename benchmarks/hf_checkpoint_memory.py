@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import reporting
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "hf_checkpoint_memory.md"
 DIMS = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
@@ -230,7 +232,7 @@ def main() -> None:
         for n in args.from_pretrained_layers:
             rows.append(measure(n, Path(tmp), {"from_pretrained"}))
             print(rows[-1], flush=True)
-    OUT.write_text(report(rows))
+    reporting.write(OUT, report(rows))
     print(OUT.read_text())
 
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import reporting
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
         lines.append(f"| tokenize + pack, data.workers={w} | {r:,.0f} | {r / step:,.1f} |")
     lines.append(f"| serve batches (grain) | {serve:,.0f} | {serve / step:,.1f} |")
     lines.append(f"| training step | {step:,.0f} | 1.0 |")
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    reporting.write(Path(args.out + ".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -27,6 +27,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> int:
         "Avoid it by splitting q, k and v as separate kernels over heads, or by leaving a fused",
         "q|k|v kernel (and its output projection) replicated, as inferred names do."]
     out = ROOT / "benchmarks" / "results" / "lockstep.md"
-    out.write_text("\n".join(lines) + "\n")
+    reporting.write(out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import reporting
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -171,7 +173,7 @@ def main() -> int:
                  f"by XLA's GPU compiler (jax {rows[0]['compiled']['jax']}, one "
                  f"{rows[0]['compiled']['device']} and 7 mock GPUs: "
                  "`jax_mock_gpu_topology=1x8x1`, with the job's GPU XLA flags)")
-        Path(a.out).write_text(
+        reporting.write(Path(a.out),
             "# Long context: Llama-3-8B at 128k tokens on 8 x 80 GB, compile only\n\n"
             f"`python benchmarks/long_context.py --platform {a.platform}`: the planner picks "
             "the fastest layout of one 8 x H100 node (72 GiB usable per GPU) for one "

@@ -26,12 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from fiddlejax import staged as staged_lib  # noqa: E402
 from fiddlejax.memory import auto, gist, policies  # noqa: E402
 from fiddlejax.models.cnn import CNN, CNNConfig  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
+from fiddlejax.split import split_model  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -99,7 +101,7 @@ def gpt_case(layers: int) -> Case:
                     n_layers=layers, d_ff=d["F"])
     model = GPT(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(1).integers(0, 256, (d["B"], d["T"] + 1), dtype=np.int32)
-    s, params = staged_lib.split(model)
+    s, params = split_model(model)
     return Case(s, params, {"tokens": tokens})
 
 
@@ -112,7 +114,7 @@ def cnn_case(layers: int) -> Case:
         "images": rng.standard_normal((d["N"], d["S"], d["S"], 3)).astype(np.float32),
         "labels": rng.integers(0, 10, (d["N"],), dtype=np.int32),
     }
-    s, params = staged_lib.split(model)
+    s, params = split_model(model)
     return Case(s, params, batch)
 
 
@@ -341,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
+    reporting.write(args.out, "\n".join(lines))
     print("\n".join(lines))
     bad = [r for r in gpt + cnn if not r.ok]
     return 1 if bad else 0

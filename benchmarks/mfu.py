@@ -44,6 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
     params = sum(x.size for x in jax.tree.leaves(nnx.state(
         nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))), nnx.Param)))
     text = report(device, params, ratio, single, rows, args.smoke)
-    Path(args.out).write_text(text)
+    reporting.write(Path(args.out), text)
     print(text)
     return 0
 

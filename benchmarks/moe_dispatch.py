@@ -26,6 +26,8 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import reporting  # noqa: E402
+
 from fiddlejax.models.moe import BLOCK, MoE, MoEConfig  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "moe_dispatch.md"
@@ -129,7 +131,7 @@ def main() -> int:
         "the ratios are medians of alternating steps, good to perhaps 20%; FLOPs and memory "
         "are exact.",
     ]
-    RESULTS.write_text("\n".join(lines) + "\n")
+    reporting.write(RESULTS, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -20,6 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> int:
              "", "| fiddlejax / hand-written jit step (median) |", "|---|", f"| {ratio:.3f} |"]
     out = Path(__file__).parent / "results" / "overhead.md"
     out.parent.mkdir(exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    reporting.write(out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -6,8 +6,8 @@ second weight version (``memory_analysis``), and convergence on the stdlib corpu
         [--stale-correction A] [--steps-per-call K]
 
 ``--train`` runs ``fiddlejax train`` twice (plan.schedule=1f1b and 2bw, same overrides, the
-default run otherwise) and appends their final validation losses to
-results/pipeline_2bw_train.md.
+default run otherwise) and prints their final validation losses; ``--train-table`` does so for
+every row of ``TRAIN_ROWS`` and writes results/pipeline_2bw_train.md (hours on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import reporting
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +152,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--train", action="store_true",
-                    help="instead: train 1F1B and 2BW side by side, append a convergence row")
+                    help="instead: train 1F1B and 2BW side by side, print a convergence row")
+    ap.add_argument("--train-table", action="store_true",
+                    help="instead: every row of TRAIN_ROWS, written to pipeline_2bw_train.md")
     ap.add_argument("--train-steps", type=int, default=150)
     ap.add_argument("--overrides", default="",
                     help="--train: config overrides for both runs, e.g. 'optimizer.name=muon'")
@@ -160,8 +164,12 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true",
                     help="--train on one device: fresh vs 2BW rule (same numbers, much faster)")
     args = ap.parse_args()
-    if args.train:
-        convergence_row(args)
+    if args.train_table:
+        train_table()
+        return
+    if args.train:  # one row, printed (the report is written whole by --train-table)
+        print(convergence_row(args.train_steps, args.overrides, args.stale_correction,
+                              "reference" if args.reference else args.steps_per_call))
         return
     import jax
 
@@ -187,40 +195,54 @@ def main() -> None:
         lines.append(f"| {beta} | " + " | ".join(f"{x:.3f}" for x in v) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    (ROOT / "benchmarks" / "results" / "pipeline_2bw.md").write_text(text)
+    reporting.write((ROOT / "benchmarks" / "results" / "pipeline_2bw.md"), text)
 
 
-def convergence_row(args) -> None:
-    """One row of results/pipeline_2bw_train.md (appended: each row is two full trainings)."""
-    out = ROOT / "benchmarks" / "results" / "pipeline_2bw_train.md"
-    overrides = args.overrides.split()
-    if args.reference:
-        steps = [f"train.steps={args.train_steps}"]
-        v = {"1f1b": reference([*steps, *overrides], stale=False),
-             "2bw": reference([*steps, *overrides,
-                               f"optimizer.stale_correction={args.stale_correction}"],
-                              stale=True)}
+# The rows of results/pipeline_2bw_train.md: (steps, overrides, 2BW's stale correction, K or
+# "reference" for the single-device implementation of the same update rules).
+TRAIN_ROWS = [
+    (150, "optimizer.lr=3e-3", 0, 1), (150, "optimizer.lr=1e-3", 0, 1),
+    (150, "optimizer.lr=3e-3", 0, "reference"), (150, "optimizer.lr=3e-4", 0, "reference"),
+    (150, "optimizer.lr=1e-3 optimizer.b2=0.999", 0, "reference"),
+    (150, "optimizer.lr=1e-3 optimizer.nesterov=true", 0, "reference"),
+    (600, "optimizer.lr=1e-3 optimizer.nesterov=true", 0, "reference"),
+    (150, "optimizer.lr=3e-3", 1, "reference"), (150, "optimizer.name=muon", 0, "reference"),
+    (150, "optimizer.name=muon", 1, "reference"), (600, "optimizer.name=muon", 0, "reference"),
+    (600, "optimizer.name=muon", 1, "reference"), (150, "optimizer.name=muon", 1, 5),
+    (1200, "optimizer.name=muon", 1, "reference"),
+    (600, "optimizer.name=muon optimizer.lr=3e-4", 1, "reference"),
+    (600, "optimizer.name=muon optimizer.lr=1e-3", 1, "reference"),
+]
+
+
+def convergence_row(steps: int, overrides: str, correction: float, k) -> str:
+    """One row of results/pipeline_2bw_train.md: two full trainings (1F1B and 2BW)."""
+    overrides = overrides.split()
+    if k == "reference":
+        base = [f"train.steps={steps}", *overrides]
+        v = {"1f1b": reference(base, stale=False),
+             "2bw": reference([*base, f"optimizer.stale_correction={correction}"], stale=True)}
     else:
-        v = train(overrides, args.stale_correction, args.train_steps, args.steps_per_call)
-    if not out.exists():
-        out.write_text(
-            "# PipeDream-2BW vs 1F1B: convergence on the stdlib corpus\n\n"
-            "The default `fiddlejax train` run with `plan.schedule=1f1b` or `2bw`, "
-            "`plan.virtual_stages=1`, `optimizer.clip=0` and the overrides listed (both runs); "
-            "the 2BW run adds `optimizer.stale_correction` and `train.steps_per_call`. Final "
-            "validation loss. One row per `python benchmarks/pipeline_2bw.py --train "
-            "--train-steps N --overrides '...' --stale-correction A --steps-per-call K`.\n\n"
-            "`reference` rows (`--reference`) come from a single-device implementation of the "
-            "same update rules (fresh gradients for 1f1b), which the runtime reproduces "
-            "exactly.\n\n"
-            "| steps | overrides | 2bw correction, K | 1f1b | 2bw | gap |\n"
-            "|---|---|---|---|---|---|\n")
-    k = "reference" if args.reference else args.steps_per_call
-    with out.open("a") as f:
-        f.write(f"| {args.train_steps} | {' '.join(overrides) or '(none)'} "
-                f"| {args.stale_correction:g}, {k} | {v['1f1b']:.4f} "
-                f"| {v['2bw']:.4f} | {v['2bw'] / v['1f1b'] - 1:+.2%} |\n")
-    print(out.read_text())
+        v = train(overrides, correction, steps, k)
+    return (f"| {steps} | {' '.join(overrides) or '(none)'} | {correction:g}, {k} | "
+            f"{v['1f1b']:.4f} | {v['2bw']:.4f} | {v['2bw'] / v['1f1b'] - 1:+.2%} |")
+
+
+def train_table() -> None:
+    """Write results/pipeline_2bw_train.md whole: every row of ``TRAIN_ROWS``."""
+    lines = ["# PipeDream-2BW vs 1F1B: convergence on the stdlib corpus", "",
+             "The default `fiddlejax train` run with `plan.schedule=1f1b` or `2bw`, "
+             "`plan.virtual_stages=1`, `optimizer.clip=0` and the overrides listed (both runs); "
+             "the 2BW run adds `optimizer.stale_correction` and `train.steps_per_call` (K). Final "
+             "validation loss. `reference` rows come from a single-device implementation of the "
+             "same update rules (fresh gradients for 1f1b), which the runtime reproduces "
+             "exactly (`--train --reference`).", "",
+             "| steps | overrides | 2bw correction, K | 1f1b | 2bw | gap |",
+             "|---|---|---|---|---|---|"]
+    for row in TRAIN_ROWS:
+        lines.append(convergence_row(*row))
+        print(lines[-1], flush=True)
+    reporting.write(ROOT / "benchmarks" / "results" / "pipeline_2bw_train.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -257,7 +258,7 @@ def main() -> int:
     path = Path(__file__).parent / "results" / "pipeline_efficiency.md"
     path.parent.mkdir(exist_ok=True)
     text = merge_sections(path.read_text() if path.exists() else "", "\n".join(out) + "\n")
-    path.write_text(text)
+    reporting.write(path, text)
     print(text)
     return 0
 

@@ -33,6 +33,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -114,7 +115,7 @@ def main() -> int:
             f"{max(r[6] for r in rows):.4f}. Wall time {time.perf_counter() - t0:.0f} s."]
     path = Path(__file__).parent / "results" / "pipeline_flops.md"
     path.parent.mkdir(exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     print("\n".join(out))
     return 0 if worst < TOL else 1
 

@@ -19,6 +19,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -64,7 +65,7 @@ def main() -> int:
         out.append(f"| {kind} | {v} | {cells} | {ts[-1] / ts[0]:.2f}x |")
     path = Path(__file__).parent / "results" / "pipeline_memory.md"
     path.parent.mkdir(exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     print("\n".join(out))
     return 0
 

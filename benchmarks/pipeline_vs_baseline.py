@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -58,22 +59,24 @@ def baseline_step(model, mesh, m: int):
 
     def loss_fn(all_params, sp, batch):
         mbs = jax.tree.map(lambda a: a.reshape(m, MB, *a.shape[1:]), batch)
-        xs = jax.vmap(lambda b: sm.prologue(all_params, b))(mbs)  # [m, MB, T, D]
-        state = jnp.zeros((PIPE, *xs.shape[1:]), xs.dtype)
+        xs = jax.vmap(lambda b: sm.prologue(all_params, b))(mbs)  # a message, [m, MB, T, D]
+        tmap = jax.tree.map
+        state = tmap(lambda a: jnp.zeros((PIPE, *a.shape[1:]), a.dtype), xs)
         state = jax.lax.with_sharding_constraint(state, shard)
-        pad = jnp.zeros((PIPE - 1, *xs.shape[1:]), xs.dtype)
-        inputs = jnp.concatenate([xs, pad])
+        inputs = tmap(lambda a: jnp.concatenate(
+            [a, jnp.zeros((PIPE - 1, *a.shape[1:]), a.dtype)]), xs)
 
         def body(state, x_in):
-            state = state.at[0].set(x_in)
+            state = tmap(lambda s, x: s.at[0].set(x), state, x_in)
             state = jax.vmap(stage_fn)(sp, state)
             state = jax.lax.with_sharding_constraint(state, shard)
-            out = state[-1]
-            state = jnp.roll(state, 1, axis=0)  # stage s -> s + 1 (a collective-permute)
+            out = tmap(lambda s: s[-1], state)
+            state = tmap(lambda s: jnp.roll(s, 1, axis=0), state)  # s -> s + 1 (a permute)
             return state, out
 
         _, outs = jax.lax.scan(body, state, inputs)
-        ys = outs[PIPE - 1:]  # microbatch i leaves the last stage at iteration i + p - 1
+        # microbatch i leaves the last stage at iteration i + p - 1
+        ys = tmap(lambda o: o[PIPE - 1:], outs)
         losses = jax.vmap(lambda y, b: sm.epilogue(all_params, y, b))(ys, mbs)
         return losses.mean()
 
@@ -152,7 +155,7 @@ def main() -> int:
                    f"{ft / bt:.2f} | {r:.2f} |")
     path = Path(__file__).parent / "results" / "pipeline_vs_baseline.md"
     path.parent.mkdir(exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     print("\n".join(out))
     return 0
 

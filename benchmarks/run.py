@@ -1,204 +1,168 @@
-"""TBD-style benchmark suite: models x layouts x schedules x remat on 8 simulated CPU devices.
+"""Regenerate every CPU report in benchmarks/results/, each by the exact command it records.
 
-For each configuration: compile time, compiled memory (argument + temp) and FLOPs
-(``memory_analysis`` / ``cost_analysis``, exact and machine independent), the planner's predicted
-memory and its error, the schedule's simulated bubble (unit costs F=1, B=2), and the step-time
-ratio against the baseline layout (data=8, no pipeline, no remat) of the same model: the two
-steps alternate, median of several rounds (docs/benchmarks.md: ratios only, never absolute CPU
-times). tokens/s ratio = 1 / step-time ratio (every configuration trains the same global batch).
+``REPORTS`` names, for every report, the command that writes it whole and its inputs: the script
+(implied) and the runtime modules it measures. ``tests/test_reports.py`` reads this table (and
+each report's header, see ``benchmarks/reporting.py``): a report is stale when one of its inputs
+changed in a commit after the one its header names. ``GPU_REPORTS`` were made on a lent GPU; the
+CPU runner cannot remake them and says so.
 
-Bubble measured: not measured. The 8 simulated devices share this machine's cores, so stages
-never run in parallel and a wall-clock bubble would measure the CPU, not the schedule.
+    python benchmarks/run.py --cpu                 # every CPU report, one after another
+    python benchmarks/run.py --cpu --only pipeline_memory.md,overhead.md
+    python benchmarks/run.py --list                # the commands, and what is left out and why
 
-    python benchmarks/run.py [--quick]      # writes benchmarks/results/suite.{md,json,png}
+Time on the 2-core development machine: see docs/benchmarks.md ("Regenerating the reports").
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
+import shlex
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import fiddlejax as fj  # noqa: E402
-from fiddlejax import planner  # noqa: E402
-from fiddlejax.models.bert import BERT, BERTConfig, mlm_batch  # noqa: E402
-from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
-from fiddlejax.pipeline import schedules  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
-GLOBAL_BATCH, MB = 16, 2  # sequences per step; per microbatch
-GPT_CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=8, d_ff=256)
-BERT_CFG = BERTConfig(seq_len=64, d_model=64, n_heads=4, n_layers=8, d_ff=256)
-
-# (data, pipe, tensor, schedule, virtual_stages, remat)
-BASELINE = (8, 1, 1, None, 1, "none")
-QUICK = [BASELINE, (2, 2, 2, "1f1b", 1, "none"), (2, 2, 2, "gpipe", 1, "none"),
-         (1, 4, 2, "1f1b", 1, "full")]
-FULL = [BASELINE, (8, 1, 1, None, 1, "full"), (4, 1, 2, None, 1, "none")] + [
-    (d, p, t, s, v, r)
-    for d, p, t in ((2, 2, 2), (1, 4, 2))
-    for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
-    for r in ("none", "full")
-]
+# What a compiled training step runs: the Trainer, the plan, the parallel layouts, remat.
+STEP = ("fiddlejax/train.py", "fiddlejax/plan.py", "fiddlejax/mesh.py", "fiddlejax/sharding.py",
+        "fiddlejax/split.py", "fiddlejax/staged.py", "fiddlejax/state.py", "fiddlejax/remat.py",
+        "fiddlejax/compute.py", "fiddlejax/scanned.py", "fiddlejax/blocks.py",
+        "fiddlejax/batches.py", "fiddlejax/parallel")
+PIPE = ("fiddlejax/pipeline",)
+GPT = ("fiddlejax/models/gpt.py", "fiddlejax/models/common.py")
+LLAMA = ("fiddlejax/models/llama.py", "fiddlejax/models/decoder.py",
+         "fiddlejax/models/decoder_config.py", "fiddlejax/models/rope.py",
+         "fiddlejax/models/common.py")
+MOE = ("fiddlejax/models/moe.py", "fiddlejax/models/moe_lm.py", "fiddlejax/models/moe_loss.py")
+PLANNER = ("fiddlejax/planner",)
+APP = ("fiddlejax/app", "fiddlejax/cli.py", "fiddlejax/config.py", "fiddlejax/configs",
+       "fiddlejax/compile_cache.py",
+       "fiddlejax/data")
+CKPT = ("fiddlejax/checkpoint.py", "fiddlejax/checkfreq.py", "fiddlejax/checkpoint_lock.py",
+        "fiddlejax/checkpoint_manifest.py", "fiddlejax/checkpoint_params.py",
+        "fiddlejax/checkpoint_timing.py", "fiddlejax/storage.py")
 
 
-def build(model_name: str, cfg: tuple):
-    d, p, t, sched, v, remat = cfg
-    m = GLOBAL_BATCH // (d * MB)
-    if model_name == "gpt":
-        model = GPT(GPT_CFG, rngs=nnx.Rngs(0))
-        tokens = np.random.default_rng(0).integers(0, 256, (GLOBAL_BATCH, GPT_CFG.seq_len + 1))
-        batch = {"tokens": tokens.astype(np.int32)}
-        spec = planner.gpt(8, 64, 4, 64, 256)
-    else:
-        model = BERT(BERT_CFG, rngs=nnx.Rngs(0))
-        tokens = np.random.default_rng(0).integers(0, 256, (GLOBAL_BATCH, BERT_CFG.seq_len))
-        batch = mlm_batch(tokens, BERT_CFG, 0)
-        spec = None
-    mesh = fj.make_mesh(data=d, pipe=p, tensor=t)
-    plan = fj.Plan(mesh=mesh, schedule=sched, microbatches=m, virtual_stages=v, remat=remat)
-    trainer = fj.parallelize(model, optax.adamw(1e-3), plan)
-    return trainer, batch, spec, m
+@dataclass(frozen=True)
+class Report:
+    """One report: the script and arguments that write it whole, and what it measures."""
+
+    script: str
+    args: str = ""
+    inputs: tuple[str, ...] = ()
+    companions: tuple[str, ...] = ()  # other files of results/ the same run writes
+
+    @property
+    def command(self) -> str:
+        return f"python benchmarks/{self.script} {self.args}".strip()
+
+    def paths(self) -> list[str]:
+        return [f"benchmarks/{self.script}", *self.inputs]
 
 
-def measure(model_name: str, cfg: tuple) -> dict:
-    d, p, t, sched, v, remat = cfg
-    trainer, batch, spec, m = build(model_name, cfg)
-    state = trainer.init()
-    t0 = time.perf_counter()
-    compiled = trainer.compiled_step(jax.eval_shape(trainer.init), batch)
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    device = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
-    row = {"model": model_name, "data": d, "pipe": p, "tensor": t, "schedule": sched or "-",
-           "virtual": v, "remat": remat, "microbatches": m, "compile_s": compile_s,
-           "temp_mib": mem.temp_size_in_bytes / 2**20, "device_mib": device / 2**20,
-           "flops": float(cost.get("flops", 0.0)),
-           "bubble_simulated": (schedules.build(sched, stages=p, microbatches=m,
-                                                virtual_stages=v).bubble_fraction
-                                if p > 1 else 0.0),
-           "bubble_measured": None}
-    if spec is not None:
-        lo = planner.Layout(tensor=t, pipe=p, data=d, virtual_stages=v, microbatch_size=MB,
-                            global_batch=GLOBAL_BATCH, schedule=sched, remat=remat,
-                            attention="xla")
-        pred = planner.memory(spec, lo).total
-        row["predicted_mib"] = pred / 2**20
-        row["memory_error"] = pred / device - 1
-    return row, trainer, state, batch
+REPORTS: dict[str, Report] = {
+    "pipeline_memory.md": Report("pipeline_memory.py", "--quick", STEP + PIPE + GPT),
+    "pipeline_vs_baseline.md": Report("pipeline_vs_baseline.py", "--quick", STEP + PIPE + GPT),
+    "pipeline_flops.md": Report("pipeline_flops.py", "--quick",
+                                STEP + PIPE + GPT + ("fiddlejax/memory",)),
+    "pipeline_efficiency.md": Report("pipeline_efficiency.py", "--quick",
+                                     STEP + PIPE + GPT + ("fiddlejax/memory",)),
+    "pipeline_2bw.md": Report("pipeline_2bw.py", "--quick", STEP + PIPE + GPT),
+    "pipeline_2bw_train.md": Report("pipeline_2bw.py", "--train-table", STEP + PIPE + GPT + APP),
+    "overhead.md": Report("overhead.py", "", STEP + GPT),
+    "lockstep.md": Report("lockstep.py", "", STEP + PIPE + GPT),
+    "vocab_parallel.md": Report("vocab_parallel.py", "--baseline-commit b7c3edd",
+                                STEP + PIPE + GPT),
+    "planner_megatron.md": Report("planner_megatron.py", "", PLANNER),
+    "memory.md": Report("memory.py", "", STEP + GPT + ("fiddlejax/memory",
+                                                       "fiddlejax/models/cnn.py")),
+    "collectives.md": Report("collectives.py", "", ("fiddlejax/collectives",),
+                             ("collectives_time_vs_size.png",)),
+    "topk.md": Report("topk.py", "--dense-warmup 60",
+                      STEP + APP + GPT + ("fiddlejax/collectives",)),
+    "checkpoint.md": Report("checkpoint.py", "", STEP + GPT + CKPT),
+    "context.md": Report("context.py", "", STEP + LLAMA),
+    "expert_parallel.md": Report("expert_parallel.py", "--check", STEP + MOE),
+    "moe_dispatch.md": Report("moe_dispatch.py", "", MOE),
+    "fsdp_gather_dtype.md": Report(
+        "fsdp_gather_dtype.py", "--hidden 512 --layers 8 --shapes 256x16,32x8", STEP + LLAMA),
+    "fsdp_gather_once.md": Report("fsdp_gather_once.py", "--compile",
+                                  STEP + PIPE + LLAMA + PLANNER),
+    "fsdp_prefetch.md": Report("fsdp_prefetch.py",
+                               "--hidden 512 --layers 8 --seq 256 --batch 16", STEP + LLAMA),
+    "long_context.md": Report("long_context.py", "--platform cpu",
+                              STEP + PIPE + LLAMA + PLANNER),
+    "scale.md": Report("scale.py", "", STEP + PIPE + LLAMA + PLANNER),
+    "scale_families.md": Report("scale_families.py", "--pipelined",
+                                STEP + PIPE + LLAMA + PLANNER + ("fiddlejax/models/families.py",)),
+    "scale_moe.md": Report("scale_moe.py", "--layout 1,2,1,8,1 --layout 2,2,1,4,1",
+                           STEP + PIPE + MOE + PLANNER),
+    "fp8.md": Report("fp8.py", "", STEP + PIPE + APP + GPT + ("fiddlejax/fp8.py",)),
+    "hf_checkpoint_memory.md": Report("hf_checkpoint_memory.py", "",
+                                      STEP + APP + LLAMA + CKPT + ("fiddlejax/hub.py",
+                                                                   "fiddlejax/models/hf.py",
+                                                                   "fiddlejax/models/hf_io.py")),
+    "input_pipeline.md": Report("input_pipeline.py", "", STEP + APP + GPT,
+                                ("input_pipeline.json",)),
+    "data_store.md": Report("data_store.py", "", APP, ("data_store.json",)),
+    "faults.md": Report("faults.py", "--kills 4 --trials 2 --seed 0",
+                        STEP + APP + CKPT + ("fiddlejax/preemption.py", "fiddlejax/distributed")),
+    "suite.md": Report("suite.py", "--quick", STEP + PIPE + GPT + PLANNER +
+                       ("fiddlejax/models/bert.py",), ("suite.json", "suite.png")),
+}
+
+# Made on a lent GPU: the CPU runner cannot remake them. Their figures stay as measured; the
+# staleness test names the changed inputs instead of failing (no GPU in CI).
+GPU_REPORTS: dict[str, tuple[Report, str]] = {
+    "mfu.md": (Report("mfu.py", "", STEP + PIPE + LLAMA + ("fiddlejax/xla_flags.py",)),
+               "step times and MFU of one NVIDIA H200 (jax 0.11.2); a CPU has no MFU"),
+    "long_context_gpu.md": (Report("long_context.py", "--platform gpu",
+                                   STEP + PIPE + LLAMA + PLANNER),
+                            "XLA's GPU compiler (one H200 and 7 mock GPUs); needs a GPU"),
+}
 
 
-def timed(trainer, state, batch) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    state, metrics = trainer.step(state, batch)
-    jax.block_until_ready(metrics["loss"])
-    return time.perf_counter() - t0, state
-
-
-def run_model(model_name: str, configs: list, rounds: int) -> list[dict]:
-    rows = []
-    base_row, base_tr, base_state, base_batch = measure(model_name, configs[0])
-    _, base_state = timed(base_tr, base_state, base_tr.shard_batch(base_batch))  # warm up
-    base_row["step_ratio"] = base_row["tokens_ratio"] = 1.0
-    rows.append(base_row)
-    print(f"{model_name} baseline compiled in {base_row['compile_s']:.1f}s", flush=True)
-    for cfg in configs[1:]:
-        row, tr, state, batch = measure(model_name, cfg)
-        sb = tr.shard_batch(batch)
-        bb = base_tr.shard_batch(base_batch)
-        _, state = timed(tr, state, sb)
-        ratios = []
-        for _ in range(rounds):  # alternate: the two steps see the same machine load
-            a, state = timed(tr, state, sb)
-            b, base_state = timed(base_tr, base_state, bb)
-            ratios.append(a / b)
-        row["step_ratio"] = statistics.median(ratios)
-        row["tokens_ratio"] = 1.0 / row["step_ratio"]
-        rows.append(row)
-        print(f"{model_name} {cfg}: compile {row['compile_s']:.1f}s temp {row['temp_mib']:.2f} "
-              f"MiB step x{row['step_ratio']:.2f}", flush=True)
-    return rows
-
-
-def markdown(rows: list[dict], quick: bool, wall: float) -> str:
-    out = [f"# Benchmark suite ({'--quick' if quick else 'full'}; {wall:.0f} s on this machine)",
-           "", f"Global batch {GLOBAL_BATCH} sequences, {MB} per microbatch, AdamW, 8 simulated "
-           "CPU devices. Step and tokens/s are ratios to the model's baseline (data=8, no "
-           "pipeline, no remat), alternating, median. Memory = argument + temp bytes of the "
-           "compiled step; predicted = `fiddlejax.planner.memory` (GPT only). Bubble measured: "
-           "not measured (simulated devices share the CPU cores; stages never overlap). GFLOPs: "
-           "`cost_analysis` counts a scan body once, so pipelined and unpipelined programs are "
-           "not comparable on it.", "",
-           "| model | d,p,t | schedule | v | remat | m | compile s | temp MiB | device MiB | "
-           "predicted MiB | error | GFLOPs | bubble (sim) | step ratio | tokens/s ratio |",
-           "|" + "---|" * 15]
-    for r in rows:
-        pred = f"{r['predicted_mib']:.2f}" if "predicted_mib" in r else "-"
-        err = f"{r['memory_error']:+.1%}" if "memory_error" in r else "-"
-        out.append(
-            f"| {r['model']} | {r['data']},{r['pipe']},{r['tensor']} | {r['schedule']} | "
-            f"{r['virtual']} | {r['remat']} | {r['microbatches']} | {r['compile_s']:.1f} | "
-            f"{r['temp_mib']:.2f} | {r['device_mib']:.2f} | {pred} | {err} | "
-            f"{r['flops'] / 1e9:.2f} | {r['bubble_simulated']:.1%} | {r['step_ratio']:.2f} | "
-            f"{r['tokens_ratio']:.2f} |")
-    return "\n".join(out) + "\n"
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['model']} {r['data']},{r['pipe']},{r['tensor']} {r['schedule']}"
-              f"{' v2' if r['virtual'] > 1 else ''} {r['remat']}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.5))
-    y = np.arange(len(rows))
-    axes[0].barh(y, [r["device_mib"] for r in rows], label="compiled")
-    axes[0].scatter([r.get("predicted_mib", np.nan) for r in rows], y, color="k", zorder=3,
-                    label="planner")
-    axes[0].set_xlabel("MiB per device")
-    axes[0].legend()
-    axes[1].barh(y, [r["step_ratio"] for r in rows], color="tab:orange")
-    axes[1].axvline(1.0, color="k", lw=0.8)
-    axes[1].set_xlabel("step time / baseline (CPU, ratio)")
-    for ax in axes:
-        ax.set_yticks(y, labels if ax is axes[0] else [""] * len(rows), fontsize=8)
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def run(names: list[str]) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    t_all, failed = time.perf_counter(), []
+    for name in names:
+        rep = REPORTS[name]
+        print(f"[run] {name}: {rep.command}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call([sys.executable, f"benchmarks/{rep.script}",
+                              *shlex.split(rep.args)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL if len(names) > 1 else None)
+        print(f"[run] {name}: exit {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+    print(f"[run] {len(names) - len(failed)} of {len(names)} reports written in "
+          f"{time.perf_counter() - t_all:.0f} s; failed: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="GPT, 4 configurations (minutes)")
-    ap.add_argument("--rounds", type=int, default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="regenerate every CPU report")
+    ap.add_argument("--only", default="", help="comma-separated report names (with --cpu)")
+    ap.add_argument("--list", action="store_true", help="print the commands; run nothing")
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    configs = QUICK if args.quick else FULL
-    models = ["gpt"] if args.quick else ["gpt", "bert"]
-    rounds = args.rounds or (3 if args.quick else 5)
-    rows = [r for name in models for r in run_model(name, configs, rounds)]
-    wall = time.perf_counter() - t0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "suite.json").write_text(json.dumps(rows, indent=1))
-    (RESULTS / "suite.md").write_text(markdown(rows, args.quick, wall))
-    plot(rows, RESULTS / "suite.png")
-    print(markdown(rows, args.quick, wall))
-    return 0
+    if args.list or not args.cpu:
+        for name, rep in REPORTS.items():
+            print(f"{name:26s} {rep.command}")
+        for name, (rep, why) in GPU_REPORTS.items():
+            print(f"{name:26s} not run by --cpu: {why} ({rep.command})")
+        return 0 if args.list else 2
+    names = [n for n in args.only.split(",") if n] or list(REPORTS)
+    unknown = [n for n in names if n not in REPORTS]
+    if unknown:
+        raise SystemExit(f"--only: unknown report(s) {unknown}; choose from {sorted(REPORTS)}"
+                         + (f" (GPU reports {sorted(GPU_REPORTS)} are not run here)"
+                            if set(unknown) & set(GPU_REPORTS) else ""))
+    return run(names)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ if __name__ == "__main__":  # before jax is imported: 64 simulated devices for t
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
@@ -198,7 +199,7 @@ def main() -> int:
     table = markdown(rows)
     print(table)
     cmd = "python benchmarks/scale.py" + (f" --layers {a.layers}" if a.layers else "")
-    Path(a.out).write_text(
+    reporting.write(Path(a.out),
         "# Scale: Llama-3 shapes in bf16 with zero=3 on a pipelined layout, compile only\n\n"
         f"`{cmd}`: the planner picks the fastest pipelined zero=3 bf16 layout that fits H100 "
         "80 GB GPUs (90% usable); the Trainer compiles one training step of "

@@ -35,6 +35,7 @@ if __name__ == "__main__":  # before jax is imported
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 from scale import markdown  # noqa: E402
 
@@ -134,7 +135,7 @@ def main() -> int:
     cmd = "python benchmarks/scale_families.py" + "".join(
         f" --{k} {v}" for k, v in (("layers", a.layers), ("only", a.only)) if v) + (
         " --pipelined" if a.pipelined else "")
-    Path(a.out).write_text(
+    reporting.write(Path(a.out),
         "# Scale: Qwen3-32B and Gemma-2-27B in bf16 with zero=3 on 16 x 80 GB, compile only\n\n"
         f"`{cmd}`: the planner's fastest zero=3 bf16 layout (data > 1) of two 8 x H100 nodes "
         "(90% of 80 GiB usable), compiled as one training step of the family's model "

@@ -34,6 +34,7 @@ if __name__ == "__main__":  # before jax is imported
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 from scale import markdown  # noqa: E402
 
@@ -138,7 +139,7 @@ def main() -> int:
     axis = ("expert sizes 1, 2, 4 and 8 considered" if has_expert_axis() else
             "no expert axis (this fiddlejax has none: experts replicated over data and pipe)")
     given = "; the rows after the first: layouts given with --layout" if a.layout else ""
-    Path(a.out).write_text(
+    reporting.write(Path(a.out),
         "# Scale: Mixtral-8x7B in bf16 on 16 x 80 GB, compile only\n\n"
         f"`{cmd}`: the planner's fastest bf16 full-remat layout of two 8 x H100 nodes (90% of "
         f"80 GiB usable; 1F1B when pipelined; {axis}{given}), compiled as one training step of the "

@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import reporting  # noqa: E402
+
 from fiddlejax import config as config_lib  # noqa: E402
 from fiddlejax.app import build  # noqa: E402
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         vars(args).update(res["args"])
         cfg = config_lib.load(None, res["overrides"])
         report = render(cfg, res, args)
-        args.out.write_text(report)
+        reporting.write(args.out, report)
         print(report)
         return 0
     overrides = layout_overrides(args.data, args.tensor)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(res, indent=1))
     report = render(cfg, res, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    reporting.write(args.out, report)
     print(report)
     return 0
 

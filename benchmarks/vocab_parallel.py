@@ -4,11 +4,12 @@ GPT with vocabulary 32,768 (d=256, 8 layers, sequences of 64) on (data, pipe, te
 (1, 4, 2) with 1F1B, m=8, AdamW, 4 sequences per microbatch. Memory is the compiled step's
 ``memory_analysis`` per device (abstract model, nothing allocated); the embedding and head's
 share is the difference against the same model at vocabulary 256. Step time is the median of
-``--repeats`` steps, and with ``--baseline DIR`` (a checkout of an older fiddlejax, e.g.
-``git worktree add /tmp/old b7c3edd``) this checkout and the baseline run alternately in
+``--repeats`` steps, and with ``--baseline-commit SHA`` (an older fiddlejax, checked out into a
+temporary ``git worktree``; b7c3edd replicated the embedding and head per stage) or
+``--baseline DIR`` (such a checkout) this checkout and the baseline run alternately in
 subprocesses, three times each, on the same batch. Writes benchmarks/results/vocab_parallel.md.
 
-    python benchmarks/vocab_parallel.py [--baseline DIR] [--repeats 5]
+    python benchmarks/vocab_parallel.py [--baseline-commit b7c3edd] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import reporting
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -89,7 +93,8 @@ def _worker(checkout: Path, *args: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", type=Path)
+    ap.add_argument("--baseline", type=Path, help="a checkout of an older fiddlejax")
+    ap.add_argument("--baseline-commit", help="an older commit, checked out for the run")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -97,18 +102,45 @@ def main() -> int:
         what, *rest = args.worker
         print(json.dumps(memory_rows() if what == "memory" else time_step(int(rest[0]))))
         return 0
-    checkouts = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline
-                                  else {})}
+    if args.baseline_commit:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(["git", "worktree", "add", "--detach", tmp, args.baseline_commit],
+                           cwd=ROOT, check=True, capture_output=True)
+            try:
+                return report(args, Path(tmp), args.baseline_commit)
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT,
+                               check=False, capture_output=True)
+    return report(args, args.baseline, args.baseline and str(args.baseline))
+
+
+def _share(rows: dict, name: str) -> float:
+    """The embedding and head's argument MiB: untied vocabulary 32,768 minus 256."""
+    return rows[name, 32768, False]["argument_bytes"] - rows[name, 256, False]["argument_bytes"]
+
+
+def report(args, baseline: Path | None, label: str | None) -> int:
+    checkouts = {"this": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
     out = ["# Embedding and head at vocabulary 32,768 (GPT d=256, 8 layers, (1,4,2) 1f1b, m=8)",
-           "", "Reproduce: `python benchmarks/vocab_parallel.py [--baseline DIR]`. Per device, "
-           "compiled `memory_analysis`, AdamW (float32 parameters, gradients, two moments).", "",
+           "", "Per device, compiled `memory_analysis`, AdamW (float32 parameters, gradients, "
+           "two moments).", "",
            "| checkout | vocab | tied | arguments | temp | peak |", "|---|---|---|---|---|---|"]
+    rows = {}
     for name, checkout in checkouts.items():
         for r in _worker(checkout, "memory"):
+            rows[name, r["vocab"], r["tied"]] = r
             out.append(f"| {name} | {r['vocab']} | {r['tied']} | {r['argument_bytes']:.2f} MiB "
                        f"| {r['temp_bytes']:.2f} MiB | {r['peak_bytes']:.2f} MiB |")
             print(out[-1], flush=True)
-    if args.baseline:
+    if baseline:
+        share, base = _share(rows, "this"), _share(rows, "baseline")
+        out += ["", f"Embedding and head's share of the arguments (vocabulary 32,768 minus 256, "
+                f"untied): this checkout {share:.2f} MiB, baseline {base:.2f} MiB, ratio "
+                f"{share / base:.2f}. Temp at vocabulary 256 (no embedding effect): baseline "
+                f"{rows['baseline', 256, False]['temp_bytes']:.2f} -> this "
+                f"{rows['this', 256, False]['temp_bytes']:.2f} MiB; at 32,768: "
+                f"{rows['baseline', 32768, False]['temp_bytes']:.2f} -> "
+                f"{rows['this', 32768, False]['temp_bytes']:.2f} MiB."]
         runs = {"this": [], "baseline": []}
         for _ in range(3):  # alternately, so machine load hits both alike
             for name, checkout in checkouts.items():
@@ -116,11 +148,11 @@ def main() -> int:
             print(runs, flush=True)
         med = {k: sorted(x["seconds"] for x in v)[1] for k, v in runs.items()}
         out += ["", f"Step time (median of {args.repeats} steps, 3 alternating runs each): "
-                f"this checkout {med['this']:.3f} s, baseline ({args.baseline}) "
+                f"this checkout {med['this']:.3f} s, baseline ({label}) "
                 f"{med['baseline']:.3f} s, ratio {med['this'] / med['baseline']:.2f}; loss "
                 f"{runs['this'][0]['loss']:.6f} vs {runs['baseline'][0]['loss']:.6f}."]
     path = ROOT / "benchmarks" / "results" / "vocab_parallel.md"
-    path.write_text("\n".join(out) + "\n")
+    reporting.write(path, "\n".join(out) + "\n")
     print("\n".join(out))
     return 0
 
