@@ -105,6 +105,12 @@ def save_summaries(leaves: list) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(fps), np.asarray(bad)
 
 
+def compile_summaries(leaves: list) -> None:
+    """Compile :func:`save_summaries` for ``leaves`` (arrays or ShapeDtypeStructs with their
+    shardings) without running it."""
+    _save_summaries.lower(leaves).compile()
+
+
 def first_nonfinite(paths, leaves, bad: np.ndarray) -> str | None:
     """``"<name> holds k NaN/inf values (of n)"`` for the first array that has any, else None."""
     for p, x, k in zip(paths, leaves, bad):
