@@ -164,13 +164,9 @@ class CheckpointManager:
         return bool(self.every) and step % self.every == 0
 
     def warm_up(self, state) -> None:
-        """Compile the save path now, so the first save (maybe a preemption's) is quick. Only
-        compiled, not run: running it held a canonical copy of the whole state and its
-        fingerprints' buffers, 1.4 GB of a 0.2 GB checkpoint's fine-tune job (issue 45)."""
+        """Compile (not run: a copy of the state) the save path, so the first save is quick."""
         lowered = self.trainer.state_converters()[0].lower(state)
-        lowered.compile()
-        _, leaves, _ = named_leaves(lowered.out_info)
-        manifest.compile_summaries(leaves)
+        manifest.compile_summaries(named_leaves(lowered.out_info)[1], lowered)
 
     def save(self, step: int, state, force: bool = False, *, metrics: dict | None = None,
              data_state: Any = None, rng: jax.Array | None = None, extra: Any = None) -> bool:

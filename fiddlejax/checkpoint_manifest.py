@@ -105,9 +105,11 @@ def save_summaries(leaves: list) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(fps), np.asarray(bad)
 
 
-def compile_summaries(leaves: list) -> None:
+def compile_summaries(leaves: list, lowered: Any = None) -> None:
     """Compile :func:`save_summaries` for ``leaves`` (arrays or ShapeDtypeStructs with their
-    shardings) without running it."""
+    shardings), and ``lowered`` (the conversion that makes them), without running them."""
+    if lowered is not None:
+        lowered.compile()
     _save_summaries.lower(leaves).compile()
 
 
