@@ -125,7 +125,7 @@ LOAD = ("import sys, jax; from fiddlejax import models; "
         "m = models.from_pretrained(sys.argv[1]); jax.block_until_ready(m.embed[...])")
 JOB = ["plan.zero=3", "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "plan.schedule=null",
        "plan.microbatches=1", "train.steps=1", "data.batch_size=8", "model.seq_len=64",
-       "train.eval_batches=0", "run.progress=lines"]
+       "train.eval_batches=0", "run.progress=lines", "data.tokenizer=bytes"]
 
 
 def check_export(run_dir: Path, out: Path) -> int:

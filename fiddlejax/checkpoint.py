@@ -164,9 +164,9 @@ class CheckpointManager:
         return bool(self.every) and step % self.every == 0
 
     def warm_up(self, state) -> None:
-        """Compile the save path now, so the first save (maybe a preemption's) is quick."""
-        _, leaves, _ = named_leaves(self.trainer.to_canonical_state(state))
-        manifest.save_summaries(leaves)
+        """Compile (not run: a copy of the state) the save path, so the first save is quick."""
+        lowered = self.trainer.state_converters()[0].lower(state)
+        manifest.compile_summaries(named_leaves(lowered.out_info)[1], lowered)
 
     def save(self, step: int, state, force: bool = False, *, metrics: dict | None = None,
              data_state: Any = None, rng: jax.Array | None = None, extra: Any = None) -> bool:

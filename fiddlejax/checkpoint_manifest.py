@@ -105,6 +105,14 @@ def save_summaries(leaves: list) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(fps), np.asarray(bad)
 
 
+def compile_summaries(leaves: list, lowered: Any = None) -> None:
+    """Compile :func:`save_summaries` for ``leaves`` (arrays or ShapeDtypeStructs with their
+    shardings), and ``lowered`` (the conversion that makes them), without running them."""
+    if lowered is not None:
+        lowered.compile()
+    _save_summaries.lower(leaves).compile()
+
+
 def first_nonfinite(paths, leaves, bad: np.ndarray) -> str | None:
     """``"<name> holds k NaN/inf values (of n)"`` for the first array that has any, else None."""
     for p, x, k in zip(paths, leaves, bad):

@@ -539,3 +539,18 @@ def test_corrupt_message_suggests_resume_and_skips_the_bad_step(saved, tmp_path)
                                      "(Python: restore(step=1)); earlier steps: [1]")
         with pytest.raises(ValueError, match="no earlier checkpoint is left in"):
             m.restore(1)
+
+
+def test_warm_up_compiles_the_save_path_without_running_it(tmp_path, monkeypatch):
+    """Running the conversion and fingerprints at start held a copy of the whole state beside
+    the step (issue 45): warm_up only compiles them, and the first save still works."""
+    tr = trainer(1, 1, 1)
+    state = tr.from_canonical_state(random_canonical())
+    with ckpt.CheckpointManager(tmp_path, tr) as m:
+        ran = []
+        real = tr.to_canonical_state
+        monkeypatch.setattr(tr, "to_canonical_state", lambda s: ran.append(1) or real(s))
+        m.warm_up(state)
+        assert not ran
+        assert m.save(1, state, force=True)
+        assert ran

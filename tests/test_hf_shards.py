@@ -131,3 +131,22 @@ def test_hub_ids_resolve_from_the_local_cache_only(saved, tmp_path, monkeypatch)
     with pytest.raises(config.ConfigError, match="never downloads"):
         config.load(None, ["model.from_pretrained=meta-llama/Absent"])
     assert hub.local_dir(str(saved)) == saved  # a directory is itself
+
+
+def test_init_from_a_hugging_face_directory_returns_a_slice_loader(saved, monkeypatch):
+    """``init_from=<HF dir>`` reads nothing whole: it checks the shapes abstractly and returns
+    the loader ``trainer.init`` calls, which reads the same parameters as from_pretrained."""
+    from fiddlejax.app import runs
+
+    whole = from_pretrained(saved)
+    reads = []
+    real = hf_io.Stored.read
+    monkeypatch.setattr(hf_io.Stored, "read", lambda self, i: reads.append(1) or real(self, i))
+    model = Llama(whole.config, rngs=nnx.Rngs(0))
+    what, loader = runs.init_weights({"init_from": str(saved), "model": {"seq_len": 16}},
+                                     model, None)
+    assert "Hugging Face" in what and not reads  # nothing read before init
+    got, want = loader(None), nnx.state(whole, nnx.Param)
+    assert reads
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

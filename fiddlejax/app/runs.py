@@ -9,6 +9,7 @@ restores through the :class:`~fiddlejax.checkpoint.CheckpointManager`, onto any 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -89,12 +90,14 @@ def is_hf(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def init_weights(cfg: dict, model, plan) -> str | None:
-    """``init_from=DIR``: copy a run's (latest checkpoint) or a Hugging Face directory's
-    weights into ``model``; the optimizer and the step start fresh. Returns what was loaded."""
+def init_weights(cfg: dict, model, plan) -> tuple[str | None, Any]:
+    """``init_from=DIR``: copy a run's (latest checkpoint) weights into ``model``, or check a
+    Hugging Face directory's against it and return their loader (``trainer.init`` takes it:
+    each process reads the slices its devices hold, as ``model.from_pretrained`` does); the
+    optimizer and the step start fresh. Returns ``(what was loaded, loader or None)``."""
     src = cfg.get("init_from")
     if not src:
-        return None
+        return None, None
     from flax import nnx
 
     if is_run(src):
@@ -103,7 +106,8 @@ def init_weights(cfg: dict, model, plan) -> str | None:
     elif is_hf(src):
         from fiddlejax import models
 
-        donor = models.from_pretrained(src, seq_len=cfg["model"]["seq_len"])  # any family
+        donor = models.from_pretrained(src, seq_len=cfg["model"]["seq_len"],  # any family
+                                       abstract=True)  # shapes now, slices at init
         what = f"{src} (Hugging Face)"
     else:
         raise ValueError(f"init_from={src} is neither a fiddlejax run directory (config.yaml) "
@@ -117,5 +121,7 @@ def init_weights(cfg: dict, model, plan) -> str | None:
             f"init_from={src} has other weights than this model: "
             + "; ".join(f"{k}: {b.get(k)} there, {a.get(k)} here" for k in diff)
             + ". Use the same model.* settings as the run that saved it")
+    if is_hf(src):
+        return what, donor.pretrained_params
     nnx.update(model, theirs)
-    return what
+    return what, None

@@ -223,7 +223,7 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
         say(lora_line(model))
     plan = build.make_plan(cfg)
     build.check_layout(cfg, model, plan)  # names the job's keys, before the trainer is built
-    loaded = runs.init_weights(cfg, model, plan)  # init_from=DIR: weights only, step 0
+    loaded, hf_loader = runs.init_weights(cfg, model, plan)  # init_from=DIR: weights only, step 0
     if loaded and is_main:
         print(f"# init_from: weights of {loaded}; fresh optimizer, step 0", flush=True)
     trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
@@ -238,7 +238,7 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     job = Job(cfg, trainer, data, val_batches,
               entry.flops_per_step(model, cfg["data"]["batch_size"]), entry.uniform_loss(model),
               logs.Logger(run_dir, is_main, bar, tcfg["steps"]), correct=_correct_fn(entry, model),
-              lr=build.learning_rates(cfg), loader=build.initial_params(model))
+              lr=build.learning_rates(cfg), loader=hf_loader or build.initial_params(model))
     try:
         if is_main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
