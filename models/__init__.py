@@ -293,11 +293,11 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
                     shardings=None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s
     ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, mixtral,
-    qwen3_moe, deepseek_v3): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`. Weights load
-    as float32 masters (or ``dtype``); ``seq_len``: the default batch length (any length up to
-    ``max_position_embeddings`` is accepted). ``path`` may be a hub id in the local cache
-    (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the slices each
-    device holds (``shardings``), or not at all with ``abstract=True`` (then
+    qwen3_moe, deepseek_v3): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`.
+    Weights load as float32 masters (or ``dtype``); ``seq_len``: the default batch length
+    (any length up to ``max_position_embeddings`` is accepted). ``path`` may be a hub id in
+    the local cache (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the
+    slices each device holds (``shardings``), or not at all with ``abstract=True`` (then
     ``trainer.init(model.pretrained_params)``). ``model.save_pretrained(dir)`` writes it back."""
     from fiddlejax import hub
 
