@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from . import families, rope
 from .decoder_config import DecoderConfig
@@ -73,6 +73,7 @@ class DeepseekV3Config(DecoderConfig):
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 1
     rope_interleave: bool = True
+    rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3", "linear", "yarn")
 
     def __post_init__(self):
         me = type(self).__name__
