@@ -293,11 +293,11 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
                     shardings=None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s
     ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, mixtral,
-    qwen3_moe): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`. Weights load
-    as float32 masters (or ``dtype``); ``seq_len``: the default batch length (any length up to
-    ``max_position_embeddings`` is accepted). ``path`` may be a hub id in the local cache
-    (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the slices each
-    device holds (``shardings``), or not at all with ``abstract=True`` (then
+    qwen3_moe, deepseek_v3): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`.
+    Weights load as float32 masters (or ``dtype``); ``seq_len``: the default batch length
+    (any length up to ``max_position_embeddings`` is accepted). ``path`` may be a hub id in
+    the local cache (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the
+    slices each device holds (``shardings``), or not at all with ``abstract=True`` (then
     ``trainer.init(model.pretrained_params)``). ``model.save_pretrained(dir)`` writes it back."""
     from fiddlejax import hub
 
@@ -308,10 +308,12 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
 
     path = hub.local_dir(path)
     family = read_config(path).get("model_type", "llama")
-    classes = {"llama": Llama, **FAMILIES}
+    from .deepseek import DeepseekV3
+
+    classes = {"llama": Llama, **FAMILIES, DeepseekV3.model_type: DeepseekV3}
     if family not in classes:
         raise ValueError(f"{path}/config.json has model_type={family!r}, which fiddlejax does "
-                         f"not implement; supported: {', '.join(SUPPORTED)}")
+                         f"not implement; supported: {', '.join((*SUPPORTED, 'deepseek_v3'))}")
     return classes[family].from_pretrained(path, seq_len=seq_len, dtype=dtype, abstract=abstract,
                                            shardings=shardings)
 

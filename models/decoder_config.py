@@ -8,7 +8,7 @@ from the model code so the options (and their checks) read in one place.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -76,6 +76,8 @@ class DecoderConfig:
     moe_dispatch: str = "dropless"
     capacity_factor: float | None = None
 
+    rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3", "linear")
+
     def __post_init__(self):
         me = type(self).__name__
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -100,6 +102,10 @@ class DecoderConfig:
                              f"supported: {tuple(ACTIVATIONS)}")
         object.__setattr__(self, "rope_scaling", rope.normalize_scaling(
             self.rope_scaling, self.max_position_embeddings, me))
+        kind = dict(self.rope_scaling or ()).get("rope_type", "default")
+        if kind not in self.rope_types:  # YaRN scales cos/sin too: only MLA applies it yet
+            raise ValueError(f"{me}.rope_scaling type {kind!r} is not supported; supported: "
+                             f"{self.rope_types}")
         w = self.sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
             raise ValueError(f"{me}.sliding_window={w!r} must be a positive int or None")

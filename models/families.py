@@ -247,7 +247,8 @@ NOT_CARRIED = ("torch_dtype", "dtype", "transformers_version", "_name_or_path")
 def write(c: Any) -> dict:
     """A ``config.json`` for ``config`` that transformers' class of its family loads; a config
     read from a ``config.json`` keeps that file's metadata keys (see :func:`_carry`)."""
-    return _carry(_write(c), c)
+    own = getattr(c, "hf_dict", None)  # a family with its own config module (DeepSeek-V3)
+    return _carry(own() if own else _write(c), c)
 
 
 def _carry(out: dict, c: Any) -> dict:

@@ -96,10 +96,18 @@ def _layer_map(c: Any) -> list[tuple]:
     return rows
 
 
+def _stacks(c: Any) -> list[tuple]:
+    """(our stack, the checkpoint's layers it holds, a layer's rows) per stack of layers: the
+    config's own ``hf_stacks()`` (DeepSeek-V3's dense and MoE layers), or ``blocks``."""
+    own = getattr(c, "hf_stacks", None)
+    return own() if own else [("blocks", range(c.num_hidden_layers), _layer_map(c))]
+
+
 # The experts' names per family: (the MoE block, gate, up, down). A name with ``{e}`` is one
 # tensor per expert: they stack on our leading expert axis (torch's [out, in] swapped per expert).
 EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-                "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+                **dict.fromkeys(("qwen3_moe", "deepseek_v3"),
+                                ("mlp", "gate_proj", "up_proj", "down_proj"))}
 
 
 def _expert_map(c: Any) -> list[tuple]:
@@ -179,17 +187,17 @@ def hf_plan(config: Any, shapes: dict[tuple[str, ...], tuple[int, ...]]
 
     plan = [("model.embed_tokens.weight", shapes[("embed",)], [(("embed",), None)],
              lambda xs: xs[0])]
-    for ours, hf, _, to_hf in _layer_map(config):
-        key = ("blocks", *ours)
-        for i in range(config.num_hidden_layers):
-            if "{e}" in hf:  # one tensor per expert
-                for e in range(shapes[key][1]):
-                    shape = to_hf(abstract(key, i)[e]).shape
-                    plan.append((f"model.layers.{i}.{hf.format(e=e)}", shape, [(key, i)],
-                                 lambda xs, e=e, f=to_hf: f(xs[0][e])))
-            else:
-                plan.append((f"model.layers.{i}.{hf}", to_hf(abstract(key, i)).shape,
-                             [(key, i)], lambda xs, f=to_hf: f(xs[0])))
+    for stack, layers, layer_map in _stacks(config):
+        for ours, hf, _, to_hf in layer_map:
+            key, one = (stack, *ours), abstract((stack, *ours), 0)
+            for j, i in enumerate(layers):  # j: the layer in our stack, i: in the checkpoint
+                if "{e}" in hf:  # one tensor per expert
+                    plan += [(f"model.layers.{i}.{hf.format(e=e)}", to_hf(one[e]).shape,
+                              [(key, j)], lambda xs, e=e, f=to_hf: f(xs[0][e]))
+                             for e in range(shapes[key][1])]
+                else:
+                    plan.append((f"model.layers.{i}.{hf}", to_hf(one).shape, [(key, j)],
+                                 lambda xs, f=to_hf: f(xs[0])))
     plan.append(("model.norm.weight", shapes[("norm", "weight")], [(("norm", "weight"), None)],
                  lambda xs: xs[0]))
     if not config.tie_word_embeddings:
@@ -276,9 +284,9 @@ def _rows(tensors: dict, config: Any, what: str) -> dict:
 
     rows = {("embed",): (take("model.embed_tokens.weight"), False, False),
             ("norm", "weight"): (take("model.norm.weight"), False, False)}
-    for ours, hf, tr, _ in _layer_map(config):
-        rows[("blocks", *ours)] = ([layer(i, hf) for i in range(config.num_hidden_layers)], tr,
-                                   True)
+    for stack, layers, layer_map in _stacks(config):
+        for ours, hf, tr, _ in layer_map:
+            rows[(stack, *ours)] = ([layer(i, hf) for i in layers], tr, True)
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some writers store the tied copy; the embedding wins
     else:
@@ -387,13 +395,3 @@ def parse_size(size: int | str) -> int:
         raise ValueError(f"max_shard_size={size!r} must be positive")
     return value
 
-
-def readable(paths) -> None:
-    """Give files the mode a plain ``open`` would (0644 under umask 022): safetensors writes
-    through a private temporary file (0600), config.json does not."""
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    for p in paths:
-        os.chmod(p, 0o666 & ~mask)

@@ -277,6 +277,12 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, normal(std), (e, d, f), ("expert", "embed", "mlp"))
         self.w_down = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"))
 
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(router logits, gates, experts)`` of tokens ``x [N, d]``."""
+        c = self.config
+        logits = x @ self.router[...].astype(x.dtype)
+        return (logits, *route(logits, c.num_experts_per_tok, c.scoring, c.norm_topk_prob))
+
     def __call__(self, x: jax.Array, ops: Ops | None = None) -> MoEOutput:
         """Route and run ``x [..., d]``; ``ops.expert`` (what the layout offers; a user's block
         that takes no ``ops`` is reached through :mod:`fiddlejax.intercept`): the experts are
@@ -289,8 +295,7 @@ class MoE(nnx.Module):
                              f"(MoEConfig.hidden_size); got {list(x.shape)}")
         lead = x.shape[:-1]
         flat = x.reshape(-1, c.hidden_size)
-        logits = flat @ self.router[...].astype(x.dtype)
-        gates, experts = route(logits, c.num_experts_per_tok, c.scoring, c.norm_topk_prob)
+        logits, gates, experts = self.route(flat)
         ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         act = ACTIVATIONS[c.hidden_act]
         dropped = jnp.zeros(flat.shape[:1], jnp.int32)

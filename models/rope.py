@@ -1,5 +1,5 @@
 """Rotary position embeddings as Hugging Face computes them: inverse frequencies (plain, Llama 3's
-banded scaling, linear interpolation) and the "rotate_half" pairing (dimension ``d`` with
+banded scaling, linear interpolation, YaRN) and the "rotate_half" pairing (dimension ``d`` with
 ``d + Dh/2``), so a checkpoint's weights convert without any permutation."""
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_KEYS = ("factor", "original_max_position_embeddings")
+YARN_OPTIONS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                "truncate")
 
 
 def normalize_scaling(scaling, max_positions: int, owner: str):
@@ -31,10 +34,14 @@ def normalize_scaling(scaling, max_positions: int, owner: str):
         keys = LLAMA3_KEYS
     elif kind == "linear":
         keys = ("factor",)
+    elif kind == "yarn":
+        scaling = {k: v for k, v in scaling.items() if v is not None}
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+        keys = (*YARN_KEYS, *(k for k in YARN_OPTIONS if scaling.get(k) is not None))
     else:
         raise ValueError(f"{owner}.rope_scaling type {kind!r} is not supported; "
                          f"supported: {ROPE_TYPES}")
-    missing = [k for k in keys if k not in scaling]
+    missing = [k for k in keys if scaling.get(k) is None]
     if missing:
         raise ValueError(f"{owner}.rope_scaling ({kind}) lacks {missing}")
     extra = sorted(set(scaling) - set(keys) - {"partial_rotary_factor"})
@@ -59,6 +66,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray
     s = dict(scaling)
     if s["rope_type"] == "linear":
         return (inv / np.float32(s["factor"])).astype(np.float32)
+    if s["rope_type"] == "yarn":
+        return _yarn(inv, head_dim, theta, s)
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -69,6 +78,44 @@ def inverse_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn(inv: np.ndarray, dim: int, theta: float, s: dict) -> np.ndarray:
+    """YaRN: the slow dimensions interpolated by ``factor``, the fast ones kept, a linear ramp
+    between the correction range of ``beta_fast`` and ``beta_slow`` rotations (transformers'
+    ``_compute_yarn_parameters``)."""
+    factor, old = s["factor"], s["original_max_position_embeddings"]
+    corr = lambda rot: dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = corr(s.get("beta_fast", 32)), corr(s.get("beta_slow", 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)
+    pos = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    interp = (1.0 / (np.float32(factor) * pos.astype(np.float32))).astype(np.float32)
+    return (interp * (1 - keep) + inv * keep).astype(np.float32)
+
+
+def mscale(factor: float, scale: float = 1.0) -> float:
+    """YaRN's magnitude scale ``0.1 * scale * ln(factor) + 1`` (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
+def yarn_factors(scaling) -> tuple[float, float]:
+    """``(cos/sin factor, softmax factor)`` of a normalized ``rope_scaling``: YaRN's
+    ``attention_factor`` (default ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``,
+    or ``mscale(factor)``) and DeepSeek's ``mscale(factor, mscale_all_dim) ** 2`` on the
+    softmax scale; ``(1, 1)`` for other types."""
+    s = dict(scaling or ())
+    if s.get("rope_type") != "yarn":
+        return 1.0, 1.0
+    f, m, m_all = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
+    att = s.get("attention_factor")
+    if att is None:
+        att = mscale(f, m) / mscale(f, m_all) if m and m_all else mscale(f)
+    return float(att), (mscale(f, m_all) ** 2 if m_all else 1.0)
 
 
 def apply_rope(x: jax.Array, inv_freq: np.ndarray, positions: jax.Array | None = None

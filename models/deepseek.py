@@ -1,0 +1,113 @@
+"""DeepSeek-V3 (``model_type: deepseek_v3``: DeepSeek-V3/R1, Kimi K2) on the shared decoder.
+
+A :class:`DeepseekBlock` is a :class:`~.decoder.DecoderBlock` whose attention is multi-head
+latent attention (:mod:`.mla`) and whose MLP is DeepSeek's mixture of experts
+(:mod:`.deepseek_moe`), or a dense SwiGLU in the first ``first_k_dense_replace`` layers.
+The two kinds have different weights, so they stack apart: ``dense`` (its own scan, run by
+the prologue with the embedding: the first pipeline stage) and ``blocks``, the MoE layers every
+layout splits (stages, experts, heads). Loss, head, checkpoints and the router tally are the
+shared decoder's; :mod:`.deepseek_config` reads and writes ``config.json``.
+
+Not yet: the auxiliary-loss-free bias update, the multi-token-prediction modules (a
+checkpoint holding them is refused by name) and KV-cached generation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from fiddlejax.memory import names
+from fiddlejax.parallel.ops import Ops
+
+from . import deepseek_config
+from .common import Message, param, project, scan_layers, stacked
+from .decoder import ACTIVATIONS, Decoder, DecoderBlock, RMSNorm
+from .deepseek_config import DeepseekV3Config
+from .deepseek_moe import DeepseekMoE
+from .mla import LatentAttention
+
+
+class DeepseekBlock(DecoderBlock):
+    """x + MLA(norm(x)), then x + MLP(norm(x)): a dense SwiGLU (``dense=True``) or the MoE."""
+
+    lora_targets = {"wo": (2, 1)}  # the projections every block has, by MLA's name
+
+    def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dense: bool = False):
+        c = self.config = config
+        d, f = c.hidden_size, c.intermediate_size
+        normal = jax.nn.initializers.normal
+        out_std = 0.02 / (2 * c.num_hidden_layers) ** 0.5
+        norm = lambda n, axis="embed": RMSNorm(n, c.rms_norm_eps, False, axis)  # noqa: E731
+        self.attn_norm, self.mlp_norm = norm(d), norm(d)
+        self.attn = LatentAttention(c, norm, rngs=rngs, out_std=out_std)
+        self.dense = dense
+        if dense:
+            self.w1 = param(rngs, normal(0.02), (d, f), ("embed", "mlp"))
+            self.w3 = param(rngs, normal(0.02), (d, f), ("embed", "mlp"))
+            self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
+        else:
+            self.moe = DeepseekMoE(c.moe, rngs=rngs, out_std=out_std)
+
+    def qkv(self, x, positions, kind):
+        raise NotImplementedError("DeepSeek-V3's latent attention has no K/V cache yet: "
+                                  "generate with transformers, or train and export")
+
+    def attend(self, x: jax.Array, segment_ids, positions, kind: str,
+               ops: Ops | None = None) -> jax.Array:
+        return self.attn(x, segment_ids, positions, ops)
+
+    def routed_mlp(self, x: jax.Array, ops: Ops | None = None):
+        if not self.dense:
+            out = self.moe(x, ops=ops)
+            return out.output, out
+        act = ACTIVATIONS[self.config.hidden_act]
+        gate = checkpoint_name(project(self, "w1", x, "...d,df->...f"), names.MLP_HIDDEN)
+        up = checkpoint_name(project(self, "w3", x, "...d,df->...f"), names.MLP_HIDDEN)
+        return checkpoint_name(project(self, "w2", act(gate) * up, "...f,fd->...d"),
+                               names.MLP_OUT), None
+
+
+class DeepseekV3(Decoder):
+    """DeepSeek-V3 as Hugging Face's ``DeepseekV3ForCausalLM`` (module docstring)."""
+
+    config_class = DeepseekV3Config
+    model_type = deepseek_config.MODEL_TYPE
+
+    def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs):
+        c = self.config = config
+        normal = jax.nn.initializers.normal
+        k = c.first_k_dense_replace
+        self.embed = param(rngs, normal(0.02), (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        if k:
+            self.dense = stacked(k, lambda r: DeepseekBlock(c, rngs=r, dense=True), rngs)
+        self.blocks = stacked(c.num_hidden_layers - k, lambda r: DeepseekBlock(c, rngs=r),
+                              rngs)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = param(rngs, normal(0.02), (c.hidden_size, c.vocab_size),
+                                 ("embed", "vocab"))
+
+    def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None) -> Message:
+        """The message entering the first MoE layer: the dense layers run here."""
+        msg = super().message(tokens, segment_ids, positions)
+        return scan_layers(self.dense, msg) if self.config.first_k_dense_replace else msg
+
+    @classmethod
+    def config_from_hf(cls, hf_config: dict, seq_len: int | None = None) -> DeepseekV3Config:
+        return DeepseekV3Config(**deepseek_config.read(hf_config, seq_len))
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, output_router_logits: bool = False):
+        """As :meth:`.decoder.Decoder.__call__`; router logits of the MoE layers only (the
+        dense layers have none), as transformers returns them."""
+        if not output_router_logits:
+            return super().__call__(tokens, segment_ids, positions)
+        x = self.message(tokens, segment_ids, positions)
+        graphdef, state = nnx.split(self.blocks)
+        x, router = jax.lax.scan(lambda h, s: nnx.merge(graphdef, s).routed(h), x, state)
+        e = self.config.num_experts
+        return self.head(x)[0], tuple(jnp.reshape(r, (-1, e)) for r in router)

@@ -1,0 +1,169 @@
+"""DeepSeek-V3 (``deepseek_v3``) through ``fiddlejax.models.from_pretrained``: logits and router
+logits against transformers' (a recorded tiny fixture, no torch; see
+fixtures/make_hf_families.py), each DeepSeek feature shown to matter, the bit-exact export round
+trip, the refusals, and training on expert=2 x data=2 x tensor=2 and on data=2 x pipe=2 x tensor=2
+(1F1B) equal to one device."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_loss_and_grads, reference_loss_and_grads, rel_err, tokens
+
+import fiddlejax as fj
+from fiddlejax import models
+from fiddlejax.models.deepseek import DeepseekV3
+from fiddlejax.models.deepseek_config import DeepseekV3Config
+from fiddlejax.models.hf import read_safetensors
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf_deepseek_v3"
+
+
+def load(**kw) -> DeepseekV3:
+    return models.from_pretrained(FIXTURE, **kw)
+
+
+def with_config(model, **change):
+    """``model``'s weights under a changed config."""
+    other = nnx.eval_shape(lambda: type(model)(dataclasses.replace(model.config, **change),
+                                               rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model, nnx.Param))
+    return other
+
+
+def test_logits_and_router_logits_match_transformers():
+    """Latent attention (low-rank queries, value width 5 != query/key width 14), YaRN with
+    both mscale factors, grouped top-k steered by the selection bias, shared experts, scaled
+    gates, one dense layer: logits and the MoE layers' router logits equal transformers'."""
+    ref = np.load(FIXTURE.with_suffix(".npz"))
+    model = load()
+    assert type(model) is DeepseekV3 and model.config.first_k_dense_replace == 1
+    logits, router = nnx.jit(lambda m, t: m(t, output_router_logits=True))(model, ref["tokens"])
+    assert rel_err(np.asarray(logits), ref["logits"]) < 1e-5  # measured 6.0e-7
+    assert rel_err(np.stack(router), ref["router_logits"]) < 1e-5  # measured 4.8e-7
+    assert ref["logits"].std() > 0.5
+    # Each feature matters: YaRN, the groups, the bias steering the choice, the scaling.
+    run = nnx.jit(lambda m, t: m(t))  # one compile per variant, not op-by-op dispatch
+    for change in ({"rope_scaling": None}, {"n_group": 1, "topk_group": 1},
+                   {"routed_scaling_factor": 1.0}, {"rope_interleave": False}):
+        assert rel_err(np.asarray(run(with_config(model, **change), ref["tokens"])),
+                       ref["logits"]) > 1e-3, change
+    unbiased = with_config(model)
+    unbiased.blocks.moe.bias[...] = 0 * unbiased.blocks.moe.bias[...]
+    assert rel_err(np.asarray(run(unbiased, ref["tokens"])), ref["logits"]) > 1e-3
+
+
+# DeepSeek-V3's config.json as the Hub has it (less quantization_config: its FP8 weights are
+# refused; dequantized copies drop the key), and Kimi K2's differences.
+V3 = {"architectures": ["DeepseekV3ForCausalLM"], "aux_loss_alpha": 0.001, "bos_token_id": 0,
+      "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+      "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+      "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+      "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+      "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+      "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+      "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+      "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+      "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                       "type": "yarn"},
+      "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+      "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+      "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280}
+K2 = {**V3, "n_group": 1, "topk_group": 1, "n_routed_experts": 384, "num_attention_heads": 64,
+      "num_key_value_heads": 64, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
+      "vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 131072,
+      "rope_scaling": {**V3["rope_scaling"], "factor": 32.0}}
+
+
+@pytest.mark.parametrize("hf, billions", [(V3, 671.0), (K2, 1026.4)])
+def test_hub_configs_read_with_their_parameter_counts(hf, billions):
+    """The released configs read (abstract weights): DeepSeek-V3's 671B without its MTP
+    module, Kimi K2's 1.03T."""
+    cfg = DeepseekV3.config_from_hf(hf)
+    model = nnx.eval_shape(lambda: DeepseekV3(cfg, rngs=nnx.Rngs(0)))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert round(n / 1e9, 1) == billions
+
+
+def test_export_round_trip_is_bit_exact(tmp_path):
+    """save_pretrained writes transformers' names (dense and MoE layers, per-expert tensors,
+    the selection bias, shared experts) and bits; the config reads back the same."""
+    model = load()
+    model.save_pretrained(tmp_path)
+    theirs, ours = read_safetensors(FIXTURE), read_safetensors(tmp_path)
+    assert sorted(ours) == sorted(theirs)
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["rope_parameters"]["rope_type"] == "yarn"
+    again = models.from_pretrained(tmp_path)
+    assert again.config == model.config
+
+
+def test_queries_without_low_rank_round_trip(tmp_path):
+    """``q_lora_rank`` None: one query projection (``q_proj``), written and read back."""
+    cfg = DeepseekV3Config(vocab_size=32, hidden_size=16, intermediate_size=24,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                           q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                           qk_nope_head_dim=6, v_head_dim=8, num_experts=4, n_group=2,
+                           topk_group=1, num_experts_per_tok=2, moe_intermediate_size=8,
+                           seq_len=8)
+    model = DeepseekV3(cfg, rngs=nnx.Rngs(0))
+    model.save_pretrained(tmp_path)
+    names = read_safetensors(tmp_path)
+    assert "model.layers.1.self_attn.q_proj.weight" in names
+    assert not any("q_a_proj" in k for k in names)
+    again = models.from_pretrained(tmp_path)
+    t = tokens(0, 2, 8, 32)["tokens"]
+    run = nnx.jit(lambda m, t: m(t))
+    assert np.array_equal(np.asarray(run(again, t)), np.asarray(run(model, t)))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"quantization_config": {"quant_method": "fp8"}}, "dequantize the FP8"),
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2 must equal"),
+    ({"head_dim": 8}, "head_dim=8"),
+    ({"first_k_dense_replace": 3}, "first_k_dense_replace=3"),
+    ({"n_group": 3}, "n_group=3"),
+    ({"sliding_window": 4}, r"\['sliding_window'\]"),
+])
+def test_refusals_name_the_key(change, match, tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ValueError, match=match):
+        models.from_pretrained(tmp_path / "m", abstract=True)
+
+
+@pytest.mark.slow  # two layouts of an 8-device mesh: the longest test here
+def test_training_matches_one_device_on_expert_and_pipeline_layouts():
+    """expert=2 x data=2 x tensor=2: the routed experts over ``expert``, heads (wq_b, wkv_b,
+    wo), the dense and shared MLPs and every expert's matrices over ``tensor``; then
+    data=2 x pipe=2 x tensor=2 with 1F1B (the dense layer in the first stage's prologue, the
+    MoE layers over the stages). Loss and gradients (the router's; none for the selection
+    bias) equal one device's, float32 rel < 1e-5 (measured: loss 2.1e-7, worst gradient
+    leaf 1.7e-6 and 1.8e-6)."""
+    model = load(seq_len=8)
+    batch = {"tokens": 1 + tokens(5, 8, 8, model.config.vocab_size - 1)["tokens"]}
+    ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+    assert not np.any(np.asarray(ref_grads["blocks"]["moe"]["bias"][...]))
+    trainer = fj.parallelize(model, optax.sgd(0.1),
+                             fj.Plan(mesh=fj.make_mesh(data=2, expert=2, tensor=2)))
+    state = trainer.init()
+    spec = {jax.tree_util.keystr(p): v.sharding.spec
+            for p, v in jax.tree_util.tree_leaves_with_path(state.params)}
+    assert spec["['blocks']['moe']['w_gate'].value"][1:] == ("expert", None, "tensor")
+    assert spec["['blocks']['attn']['wkv_b'].value"][2] == "tensor"
+    assert spec["['dense']['w1'].value"][2] == "tensor"
+    assert_loss_and_grads(trainer.loss_and_grads(state, batch), (ref_loss, ref_grads))
+    trainer = fj.parallelize(model, optax.sgd(0.1), fj.Plan(
+        mesh=fj.make_mesh(data=2, pipe=2, tensor=2), schedule="1f1b", microbatches=2))
+    assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch), (ref_loss, ref_grads))
