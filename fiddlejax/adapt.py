@@ -47,10 +47,12 @@ from fiddlejax.blocks import (
     block_keys,
     check_params_only,
     find_blocks,
+    refuse_reads,
     repeating_unit,
     stack_params,
     stacked_at,
     unstack_params,
+    watch,
 )
 from fiddlejax.side_inputs import activation, constant_leaves, counted, keys_of, pack, unpack
 from fiddlejax.staged import Loss, StagedModel, Sums, as_sums, unpad_outputs
@@ -74,6 +76,7 @@ class AdaptedModel(StagedModel):
     dropout: bool = False              # a dropout rate above 0: keys per (step, example, layer)
     dropout_base: Any = None           # key data every dropout key is folded from
     scanned: bool = False              # the blocks are one nnx.vmap stack applied by a scan
+    ignored: tuple = ()                # attributes that differ between blocks, presumed unread
     # batch shapes -> (a block output's treedef, the constant side inputs {index: value})
     checked: dict = dataclasses.field(default_factory=dict)
 
@@ -177,19 +180,24 @@ class AdaptedModel(StagedModel):
         if self.scanned:  # one stacked module: its layers, one by one
             blocks = [scanned.per_layer(blocks[0], i) for i in range(n)]
         b = _abstract(dropout.without_indices(batch))
-        info = {}
+        info, hits = {}, []
 
         def record(o, bps, bt):
             model = nnx.merge(self.graphdef, o, self.rest, copy=True)
             real = [nnx.merge(self.unit_graphdefs[i % self.unit], bp,
                               self.unit_rest[i % self.unit], copy=True)
                     for i, bp in enumerate(bps)]
+            for block in real:
+                watch(block, self.ignored, hits)
             log = []
             with acting("record", real, log), dropout.keys(None, 0), self._tracing():
                 self._call_checked(model, bt)  # eval mode: shapes only
             info["out"] = check_log(log, n, self.callsite)
 
         jax.eval_shape(record, outer, blocks, b)
+        refuse_reads(self.callsite, hits)
+        if info["out"].extras:
+            self._check_extras_unused(info["out"], outer, b)
 
         def side_inputs(o, bt):
             args, kwargs = self._first_call(nnx.merge(self.graphdef, o, self.rest, copy=True), bt)
@@ -205,6 +213,26 @@ class AdaptedModel(StagedModel):
                 "inputs without gradients, so it must depend on the batch only. Name the "
                 "blocks whose extra inputs come from the batch")
         self.checked[_shape_key(batch)] = (info["out"], consts)
+
+    def _check_extras_unused(self, out: Any, outer: nnx.State, batch: dict) -> None:
+        """Refuse a loss that uses what blocks return besides the activation (training drops
+        it: the epilogue sees zeros)."""
+        h = out.leaves[out.index]
+
+        def tail(extras, o, bt):
+            model = nnx.merge(self.graphdef, o, self.rest, copy=True)
+            with acting("epilogue", h, out, extras), dropout.keys(None, -2), self._tracing():
+                outputs = self._call(model, bt)
+            return jax.tree.leaves(self.loss_fn(unpad_outputs(outputs, self.vocab_pads), bt))
+
+        h = jax.numpy.zeros(h.shape, h.dtype)
+        closed = jax.make_jaxpr(tail)(out.extras, outer, batch)
+        if any(depends(closed.jaxpr, len(out.extras))):
+            raise ValueError(
+                f"{self.callsite}: the loss uses what the blocks return besides the activation "
+                f"({len(out.extras)} more arrays: states?); fiddlejax carries the first array a "
+                "block returns and drops the rest in training. Leave the rest out of the "
+                "model's outputs, or out of the loss")
 
     def _call_checked(self, model: nnx.Module, batch: dict) -> Any:
         """:meth:`_call`, a shape error from inside the model turned into one that names the
@@ -272,7 +300,7 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         scanned.name_layers(stack[0])
     canonical = nnx.state(model, nnx.Param)
     sharding.check_ranks(canonical, name)
-    unit = repeating_unit(model, layers, blocks) if stack is None else 1
+    unit, ignored = repeating_unit(model, layers, blocks) if stack is None else (1, ())
     unit_graphdefs, unit_rest = [], []
     for b in blocks[:unit]:
         gd, _, rest = nnx.split(b, nnx.Param, ...)
@@ -287,6 +315,7 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=n_layers, loss_fn=loss_fn, unit=unit, scanned=stack is not None,
+        ignored=ignored,
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
         block_keys=bkeys, template=_abstract(canonical),
         callsite=f"{name}.{layers}",

@@ -146,9 +146,10 @@ def counted(msg: jax.Array, side: Side, blocks: int) -> jax.Array:
 
 
 def activation(out: Any) -> jax.Array:
-    """The one array a block returns (alone, or in a tuple with Nones)."""
+    """The activation a block returns: its first array (alone, or first in a tuple whose other
+    outputs, e.g. Mamba2's states, training drops: :func:`fiddlejax.standins.check_log`)."""
     arrays = [a for a in jax.tree.leaves(out) if isinstance(a, jax.Array)]
-    if len(arrays) != 1:
+    if not arrays:
         raise TypeError(f"a block returned {describe(out)}; fiddlejax carries one activation")
     return arrays[0]
 
