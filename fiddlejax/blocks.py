@@ -260,16 +260,45 @@ def refuse_reads(where: str, hits: list) -> None:
             "index), or group the blocks into identical ones")
 
 
-def check_params_only(model: nnx.Module, blocks: list, layers: str) -> None:
-    """Refuse blocks holding state besides parameters and RNG streams: it would not be carried."""
-    for i, b in enumerate(blocks):
-        other = nnx.state(b, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
-        leaves = jax.tree_util.tree_flatten_with_path(other)[0]
-        if leaves:
-            path = jax.tree_util.keystr(leaves[0][0])
+FROZEN = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # statistics, buffers: read, not trained
+
+
+def check_frozen(model: nnx.Module, layers: str) -> None:
+    """Refuse batch statistics in training mode anywhere in the model: a layout computes them
+    per microbatch and data shard, so no split reproduces the whole batch's."""
+    for path, m in nnx.iter_graph(model):
+        if isinstance(m, nnx.BatchNorm) and not m.use_running_average:
+            where = "".join(f"[{p!r}]" for p in path)
             raise ValueError(
-                f"{type(model).__name__}.{layers}[{i}]{path} is non-parameter state (batch "
-                "statistics, a cache?); fiddlejax trains blocks whose only state is nnx.Param")
+                f"{type(model).__name__}{where} ({layers=}) is non-parameter state the forward "
+                "updates: BatchNorm(use_running_average=False), batch statistics in training "
+                "mode, which fiddlejax would compute per microbatch and data shard. Train with "
+                "frozen statistics (model.set_attributes(use_running_average=True)), or use "
+                "LayerNorm or GroupNorm")
+
+
+def block_constants(blocks: list, unit: int, scanned: bool = False) -> tuple[nnx.State, ...]:
+    """Per block of a unit: the blocks' non-parameter state (frozen statistics, buffers)
+    stacked over the units, so that each block runs with its own (index by the unit)."""
+    if scanned:
+        return (nnx.state(blocks[0], FROZEN),)
+    return tuple(jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]),
+                              *[nnx.state(b, FROZEN) for b in blocks[j::unit]])
+                 for j in range(unit))
+
+
+def check_unwritten(where: str, before: list, after: list) -> None:
+    """Refuse a forward that wrote the blocks' non-parameter state (carried as constants)."""
+    def same(x, y) -> bool:  # ``before`` holds concrete values; a write would be traced
+        return x is y or (not isinstance(y, jax.core.Tracer) and np.array_equal(x, y))
+
+    if not all(same(x, y) for b, a in zip(before, after, strict=True)
+               for x, y in zip(b, a, strict=True)):
+        raise ValueError(
+            f"{where}: the forward updates the blocks' non-parameter state (statistics in "
+            "training mode, a cache?); fiddlejax carries that state as per-block constants. "
+            "Freeze it for training (e.g. model.set_attributes(use_running_average=True)), or "
+            "keep it out of the blocks")
 
 
 # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) ----------------

@@ -136,3 +136,80 @@ def test_loss_using_the_states_is_refused():
                                        layers="layers")
     with pytest.raises(ValueError, match=r"the loss uses what the blocks return besides"):
         staged.prologue(staged.to_staged(canonical), TOKENS)
+
+
+# -- frozen batch statistics: per-block constants ----------------------------------------------
+class Residual(nnx.Module):
+    """A ResNet basic block in eval mode: conv, frozen BatchNorm, relu, residual."""
+
+    def __init__(self, c: int, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(c, c, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(c, use_running_average=True, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(x + self.bn(self.conv(x)))
+
+
+class Stage(nnx.Module):
+    def __init__(self, n_blocks=4, c=8, classes=10, rngs=None):
+        self.stem = nnx.Conv(3, c, (3, 3), rngs=rngs)
+        self.stem_bn = nnx.BatchNorm(c, use_running_average=True, rngs=rngs)
+        self.blocks = nnx.List([Residual(c, rngs) for _ in range(n_blocks)])
+        self.head = nnx.Linear(c, classes, rngs=rngs)
+
+    def __call__(self, images):
+        x = self.stem_bn(self.stem(images))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(axis=(1, 2)))
+
+
+def resnet_stage():
+    """Statistics far from (0, 1) and different in every block: a block run with another's
+    statistics gives another loss."""
+    model = Stage(rngs=nnx.Rngs(0))
+    rng = jax.random.key(7)
+    for path, bn in nnx.iter_graph(model):
+        if isinstance(bn, nnx.BatchNorm):
+            k1, k2, rng = jax.random.split(rng, 3)
+            bn.mean.value = jax.random.normal(k1, bn.mean.shape)
+            bn.var.value = jax.random.uniform(k2, bn.var.shape, minval=0.2, maxval=3.0)
+    return model
+
+
+def labels_ce(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+IMAGES = {"images": jax.random.normal(jax.random.key(1), (8, 6, 6, 3)),
+          "labels": jax.random.randint(jax.random.key(2), (8,), 0, 10)}
+
+
+@pytest.mark.parametrize("layout_", LAYOUTS, ids=["data-tensor", "pipe-tensor-1f1b"])
+def test_frozen_batch_statistics_are_each_blocks_own(layout_):
+    check_exact(resnet_stage(), lambda m: m(IMAGES["images"]), labels_ce, IMAGES, "blocks",
+                layout_)
+
+
+def test_training_mode_batch_statistics_are_refused_with_the_fix():
+    model = resnet_stage()
+    model.blocks[2].bn.use_running_average = False
+    with pytest.raises(ValueError, match=r"\['blocks'\]\[2\]\['bn'\].*use_running_average=True"):
+        fj.split_model(model, labels_ce, layers="blocks")
+
+
+def test_a_block_writing_its_buffer_is_refused():
+    class Counting(Residual):  # a buffer the forward updates: not a constant
+        def __init__(self, c, rngs):
+            super().__init__(c, rngs)
+            self.calls = nnx.BatchStat(jnp.zeros(()))
+
+        def __call__(self, x):
+            self.calls.value = self.calls.value + 1
+            return super().__call__(x)
+
+    model = resnet_stage()
+    model.blocks = nnx.List([Counting(8, nnx.Rngs(i)) for i in range(2)])
+    staged, canonical = fj.split_model(model, labels_ce, layers="blocks")
+    with pytest.raises(ValueError, match=r"forward updates the blocks' non-parameter state"):
+        staged.prologue(staged.to_staged(canonical), IMAGES)
