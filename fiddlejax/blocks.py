@@ -125,7 +125,7 @@ def static_diffs(a: Any, b: Any, path: str = "", owner: Any = None) -> list[tupl
     if same:
         return []
     name = path[:-1].rsplit(".", 1)[-1]
-    plain = isinstance(a, int | float | str | bool | None) and isinstance(b, int | float | str | bool | None)
+    plain = all(isinstance(v, int | float | str | bool | None) for v in (a, b))
     inert = owner is not None and plain and name not in _mentioned(type(owner))
     return [(f"{path[:-1]} = {a!r} vs {b!r}", tuple(path[:-1].split(".")) if inert else ())]
 
@@ -176,7 +176,8 @@ def watch(block: nnx.Module, ignored: tuple, hits: list) -> None:
         cls = type(module)
         names = getattr(cls, "_fiddlejax_watched", None)
         base = cls.__bases__[0] if names is not None else cls
-        object.__setattr__(module, "__class__", _watcher(base, frozenset((names or set()) | {path[-1]})))
+        watched = _watcher(base, frozenset((names or set()) | {path[-1]}))
+        object.__setattr__(module, "__class__", watched)
         object.__setattr__(module, "_fiddlejax_hits", (hits, path[:-1]))
 
 

@@ -169,7 +169,7 @@ def resnet_stage():
     statistics gives another loss."""
     model = Stage(rngs=nnx.Rngs(0))
     rng = jax.random.key(7)
-    for path, bn in nnx.iter_graph(model):
+    for _, bn in nnx.iter_graph(model):
         if isinstance(bn, nnx.BatchNorm):
             k1, k2, rng = jax.random.split(rng, 3)
             bn.mean.value = jax.random.normal(k1, bn.mean.shape)
@@ -213,3 +213,20 @@ def test_a_block_writing_its_buffer_is_refused():
     staged, canonical = fj.split_model(model, labels_ce, layers="blocks")
     with pytest.raises(ValueError, match=r"forward updates the blocks' non-parameter state"):
         staged.prologue(staged.to_staged(canonical), IMAGES)
+
+
+# -- a user's annotations combine with inference ----------------------------------------------
+def test_annotations_combine_with_inference_exact():
+    """Naming the mixer's projections keeps those names and still infers the rest (the
+    vocabulary-parallel embedding and head), instead of switching inference off."""
+    model = Mamba(n_layers=2, rngs=nnx.Rngs(0))
+    fj.sharding.annotate(model, {r"mixer/in_proj/kernel": ("embed", "mlp"),
+                                 r"mixer/in_proj/bias": ("mlp",),
+                                 r"mixer/out_proj/kernel": ("mlp", "embed")})
+    with pytest.warns(UserWarning, match=r"6 parameters keep the names given; fiddlejax "
+                                         r"inferred the other"):
+        check_exact(model, lambda m: m(TOKENS["tokens"][:, :-1]), fj.next_token(ce), TOKENS,
+                    "layers", LAYOUTS[0])
+    assert model.layers[1].mixer.in_proj.kernel.get_metadata()["out_sharding"] == (
+        "embed", "mlp")
+    assert model.embed.embedding.get_metadata()["out_sharding"] == ("vocab", "embed")
