@@ -71,6 +71,7 @@ def test_stacked_batch_statistics_are_refused_by_name():
     naming the module and the fix (frozen statistics are carried: test_any_model_round3)."""
     toy = load(GUIDE / "scan_over_layers.py", "flax_scan_over_layers")  # runs its own demo
     model = toy.ScanMLP(8, n_layers=2, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"ScanMLP\['layers'\]\['bn'\].*non-parameter state.*use_running_average=True"):
+    fix = r"ScanMLP\['layers'\]\['bn'\].*non-parameter state.*use_running_average=True"
+    with pytest.raises(ValueError, match=fix):
         fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=8)),
                        loss=lambda y, b: (y ** 2).mean(), layers="layers")
