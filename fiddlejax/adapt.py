@@ -44,13 +44,18 @@ from flax import nnx
 
 from fiddlejax import dropout, intercept, scanned, sharding
 from fiddlejax.blocks import (
+    FROZEN,
+    block_constants,
     block_keys,
-    check_params_only,
+    check_frozen,
+    check_unwritten,
     find_blocks,
+    refuse_reads,
     repeating_unit,
     stack_params,
     stacked_at,
     unstack_params,
+    watch,
 )
 from fiddlejax.side_inputs import activation, constant_leaves, counted, keys_of, pack, unpack
 from fiddlejax.staged import Loss, StagedModel, Sums, as_sums, unpad_outputs
@@ -63,7 +68,8 @@ class AdaptedModel(StagedModel):
 
     unit: int = 1                      # blocks per stacked layer
     unit_graphdefs: tuple = ()         # graph definitions of a unit's blocks
-    unit_rest: tuple = ()              # their non-parameter state (rate-0 RNG streams)
+    unit_rest: tuple = ()              # their RNG streams (rate-0 dropout)
+    unit_consts: tuple = ()            # their frozen state (statistics), stacked over units
     block_keys: tuple = ()             # state paths of the blocks in the model's tree
     template: Any = None               # the model's canonical parameters (shapes, metadata)
     sides: dict = dataclasses.field(default_factory=dict)  # message width -> Side
@@ -74,6 +80,7 @@ class AdaptedModel(StagedModel):
     dropout: bool = False              # a dropout rate above 0: keys per (step, example, layer)
     dropout_base: Any = None           # key data every dropout key is folded from
     scanned: bool = False              # the blocks are one nnx.vmap stack applied by a scan
+    ignored: tuple = ()                # attributes that differ between blocks, presumed unread
     # batch shapes -> (a block output's treedef, the constant side inputs {index: value})
     checked: dict = dataclasses.field(default_factory=dict)
 
@@ -121,7 +128,19 @@ class AdaptedModel(StagedModel):
         with dropout.keys(keys, -1):  # the prologue's dropouts are "layer" -1
             args, kwargs = self._first_call(self._outer(params), batch)
         return pack(args[0], args[1:], kwargs, self.sides, self.callsite,
-                    self.checked[_shape_key(batch)][1], keys)
+                    self.checked[_shape_key(batch)][1], keys, counter=self._frozen)
+
+    @property
+    def _frozen(self) -> bool:
+        return any(jax.tree.leaves(c) for c in self.unit_consts)
+
+    def _block(self, j: int, params: nnx.State, u: Any) -> nnx.Module:
+        """Block ``j`` of unit ``u`` (an index, traced or not): its frozen state is its own."""
+        states = [params, self.unit_rest[j]]
+        if self._frozen:
+            xp = np if isinstance(u, int) else jax.numpy  # a traced index: a traced gather
+            states.append(jax.tree.map(lambda c: xp.asarray(c)[u], self.unit_consts[j]))
+        return nnx.merge(self.unit_graphdefs[j], *states, copy=True)
 
     def _tracing(self):
         """The model's own scan over a stacked module runs unrolled while fiddlejax traces its
@@ -143,9 +162,8 @@ class AdaptedModel(StagedModel):
         side = self.sides[x.shape[1:]]
         h, args, kwargs = unpack(x, side)
         keys, count = keys_of(x, side)
-        for j, gd in enumerate(self.unit_graphdefs):
-            p = layer_params[j] if self.unit > 1 else layer_params
-            block = nnx.merge(gd, p, self.unit_rest[j], copy=True)
+        for j in range(self.unit):
+            block = self._block(j, layer_params[j] if self.unit > 1 else layer_params, count)
             with (dropout.keys(keys, None if count is None else count * self.unit + j),
                   intercept.setting(ops=ops)):
                 h = activation(block(h, *args, **kwargs))
@@ -177,19 +195,26 @@ class AdaptedModel(StagedModel):
         if self.scanned:  # one stacked module: its layers, one by one
             blocks = [scanned.per_layer(blocks[0], i) for i in range(n)]
         b = _abstract(dropout.without_indices(batch))
-        info = {}
+        info, hits = {}, []
 
         def record(o, bps, bt):
             model = nnx.merge(self.graphdef, o, self.rest, copy=True)
-            real = [nnx.merge(self.unit_graphdefs[i % self.unit], bp,
-                              self.unit_rest[i % self.unit], copy=True)
+            real = [self._block(i % self.unit, bp, i // self.unit)
                     for i, bp in enumerate(bps)]
+            frozen = [jax.tree.leaves(nnx.state(r, FROZEN)) for r in real]
+            for block in real:
+                watch(block, self.ignored, hits)
             log = []
             with acting("record", real, log), dropout.keys(None, 0), self._tracing():
                 self._call_checked(model, bt)  # eval mode: shapes only
             info["out"] = check_log(log, n, self.callsite)
+            check_unwritten(self.callsite, frozen, [jax.tree.leaves(nnx.state(r, FROZEN))
+                                                    for r in real])
 
         jax.eval_shape(record, outer, blocks, b)
+        refuse_reads(self.callsite, hits)
+        if info["out"].extras:
+            self._check_extras_unused(info["out"], outer, b)
 
         def side_inputs(o, bt):
             args, kwargs = self._first_call(nnx.merge(self.graphdef, o, self.rest, copy=True), bt)
@@ -205,6 +230,26 @@ class AdaptedModel(StagedModel):
                 "inputs without gradients, so it must depend on the batch only. Name the "
                 "blocks whose extra inputs come from the batch")
         self.checked[_shape_key(batch)] = (info["out"], consts)
+
+    def _check_extras_unused(self, out: Any, outer: nnx.State, batch: dict) -> None:
+        """Refuse a loss that uses what blocks return besides the activation (training drops
+        it: the epilogue sees zeros)."""
+        h = out.leaves[out.index]
+
+        def tail(extras, o, bt):
+            model = nnx.merge(self.graphdef, o, self.rest, copy=True)
+            with acting("epilogue", h, out, extras), dropout.keys(None, -2), self._tracing():
+                outputs = self._call(model, bt)
+            return jax.tree.leaves(self.loss_fn(unpad_outputs(outputs, self.vocab_pads), bt))
+
+        h = jax.numpy.zeros(h.shape, h.dtype)
+        closed = jax.make_jaxpr(tail)(out.extras, outer, batch)
+        if any(depends(closed.jaxpr, len(out.extras))):
+            raise ValueError(
+                f"{self.callsite}: the loss uses what the blocks return besides the activation "
+                f"({len(out.extras)} more arrays: states?); fiddlejax carries the first array a "
+                "block returns and drops the rest in training. Leave the rest out of the "
+                "model's outputs, or out of the loss")
 
     def _call_checked(self, model: nnx.Module, batch: dict) -> Any:
         """:meth:`_call`, a shape error from inside the model turned into one that names the
@@ -263,7 +308,7 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         _, attr, keys, blocks = find_blocks(model, layers)
     else:  # one module stacked with nnx.vmap: the layer axis is already there
         attr, keys, blocks = layers.split(".")[-1], [], [stack[0]]
-    check_params_only(model, blocks, layers)
+    check_frozen(model, layers)
     if stack is None:
         sharding.infer_names(model)
     else:
@@ -272,12 +317,13 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
         scanned.name_layers(stack[0])
     canonical = nnx.state(model, nnx.Param)
     sharding.check_ranks(canonical, name)
-    unit = repeating_unit(model, layers, blocks) if stack is None else 1
+    unit, ignored = repeating_unit(model, layers, blocks) if stack is None else (1, ())
     unit_graphdefs, unit_rest = [], []
     for b in blocks[:unit]:
-        gd, _, rest = nnx.split(b, nnx.Param, ...)
+        gd, _, rest = nnx.split(b, nnx.Param, nnx.RngState, ...)[:3]
         unit_graphdefs.append(gd)
         unit_rest.append(rest if stack is None else scanned.per_layer(rest, 0))
+    consts = block_constants(blocks, unit, stack is not None)
     # The model without its blocks: stand-ins take their places (on a copy).
     copy = without_blocks(model, layers, attr, keys,
                           None if stack is None else scanned.ScanStandIn(stack[1]))
@@ -287,7 +333,8 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=n_layers, loss_fn=loss_fn, unit=unit, scanned=stack is not None,
-        unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest),
+        ignored=ignored,
+        unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest), unit_consts=consts,
         block_keys=bkeys, template=_abstract(canonical),
         callsite=f"{name}.{layers}",
         call_names=tuple(p.name for p in params), call_nones=_required_optional(params),

@@ -8,7 +8,11 @@ model's own tree and the staged tree that stacks them on a leading layer axis.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import re
+import textwrap
 import warnings
 from typing import Any
 
@@ -89,33 +93,105 @@ def block_keys(layers: str, attr: str, keys: list[str | int]) -> tuple[tuple, ..
 
 def static_diff(a: Any, b: Any, path: str = "") -> str | None:
     """The first static attribute (path and both values) in which two blocks differ."""
+    return next((d for d, _ in static_diffs(a, b, path)), None)
+
+
+def static_diffs(a: Any, b: Any, path: str = "", owner: Any = None) -> list[tuple[str, tuple]]:
+    """Every static difference between two blocks: (what differs, the attribute's path when it
+    is a plain value that no method of its module but ``__init__`` mentions, else ``()``)."""
     if isinstance(a, nnx.Module) and isinstance(b, nnx.Module):
         if type(a) is not type(b):
-            return f"{path or 'the block'} is {type(a).__name__} vs {type(b).__name__}"
+            return [(f"{path or 'the block'} is {type(a).__name__} vs {type(b).__name__}", ())]
+        out = []
         for k in sorted(set(vars(a)) | set(vars(b))):
             if k.startswith("_"):
                 continue
             va, vb = vars(a).get(k), vars(b).get(k)
             if isinstance(va, nnx.Variable) or isinstance(vb, nnx.Variable):
                 found = _variable_diff(va, vb, f"{path}{k}")
+                out += [(found, ())] if found else []
             else:
-                found = static_diff(va, vb, f"{path}{k}.")
-            if found:
-                return found
-        return None
+                out += static_diffs(va, vb, f"{path}{k}.", a)
+        return out
     if isinstance(a, list | tuple | nnx.List) and isinstance(b, list | tuple | nnx.List):
         if len(a) != len(b):
-            return f"{path[:-1]} has {len(a)} vs {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = static_diff(x, y, f"{path}{i}.")
-            if found:
-                return found
-        return None
+            return [(f"{path[:-1]} has {len(a)} vs {len(b)} entries", ())]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                for d in static_diffs(x, y, f"{path}{i}.")]
     try:
         same = bool(a == b)
     except Exception:  # arrays and the like: not static
         same = True
-    return None if same else f"{path[:-1]} = {a!r} vs {b!r}"
+    if same:
+        return []
+    name = path[:-1].rsplit(".", 1)[-1]
+    plain = all(isinstance(v, int | float | str | bool | None) for v in (a, b))
+    inert = owner is not None and plain and name not in _mentioned(type(owner))
+    return [(f"{path[:-1]} = {a!r} vs {b!r}", tuple(path[:-1].split(".")) if inert else ())]
+
+
+_BASES = ("flax.nnx.module", "flax.nnx.pytree", "flax.nnx.object", "builtins")
+
+
+@functools.cache
+def _mentioned(cls: type) -> frozenset[str]:
+    """Every attribute name (and string) in the methods of ``cls`` but ``__init__``, over its
+    bases: an attribute named nowhere is presumed unread (checked when the forward is traced).
+    A class without source mentions everything."""
+    names: set[str] = set()
+    for c in cls.__mro__:
+        if c.__module__ in _BASES:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        except (OSError, TypeError, SyntaxError):
+            return _EVERYTHING
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name != "__init__":
+                for n in ast.walk(node):
+                    if isinstance(n, ast.Attribute):
+                        names.add(n.attr)
+                    elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                        names.add(n.value)
+    return frozenset(names)
+
+
+class _Everything(frozenset):
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_EVERYTHING = _Everything()
+
+
+def watch(block: nnx.Module, ignored: tuple, hits: list) -> None:
+    """Note in ``hits`` each ignored attribute (a path below ``block``) the forward reads: its
+    module's class becomes a subclass that records the reads."""
+    for path in ignored:
+        module = block
+        for part in path[:-1]:
+            module = module[int(part)] if part.isdigit() else getattr(module, part, None)
+        if not isinstance(module, nnx.Module) or path[-1] not in vars(module):
+            continue  # another block of a unit
+        cls = type(module)
+        names = getattr(cls, "_fiddlejax_watched", None)
+        base = cls.__bases__[0] if names is not None else cls
+        watched = _watcher(base, frozenset((names or set()) | {path[-1]}))
+        object.__setattr__(module, "__class__", watched)
+        object.__setattr__(module, "_fiddlejax_hits", (hits, path[:-1]))
+
+
+@functools.cache
+def _watcher(cls: type, names: frozenset) -> type:
+    def __getattribute__(self, name):  # noqa: N807
+        if name in names:
+            hits, at = object.__getattribute__(self, "_fiddlejax_hits")
+            hits.append(".".join((*at, name)))
+        return cls.__getattribute__(self, name)
+
+    return type(cls)(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                            "_fiddlejax_watched": names,
+                                            "__module__": cls.__module__})
 
 
 def _variable_diff(va: Any, vb: Any, where: str) -> str | None:
@@ -129,39 +205,101 @@ def _variable_diff(va: Any, vb: Any, where: str) -> str | None:
     return None
 
 
-def repeating_unit(model: nnx.Module, layers: str, blocks: list) -> int:
-    """The shortest period ``k`` (dividing the block count) after which blocks repeat."""
+def repeating_unit(model: nnx.Module, layers: str, blocks: list) -> tuple[int, tuple]:
+    """The shortest period ``k`` (dividing the block count) after which blocks repeat, and the
+    attributes (paths below a block) ignored in that comparison: plain values that differ
+    between blocks but that no method besides ``__init__`` names (Mamba2's ``layer_idx``).
+    Each block then runs with its unit's first value; the first trace checks none is read."""
     defs = [nnx.split(b)[0] for b in blocks]
     n = len(blocks)
+    ignored: dict[tuple, str] = {}
+
+    def same(i: int, j: int) -> bool:
+        if defs[i] == defs[j]:
+            return True
+        diffs = static_diffs(blocks[j], blocks[i])
+        if not all(path for _, path in diffs):
+            return False
+        ignored.update({path: d for d, path in diffs})
+        return True
+
     for k in range(1, n + 1):
-        if n % k == 0 and all(defs[i] == defs[i % k] for i in range(n)):
+        ignored.clear()
+        if n % k == 0 and all(same(i, i % k) for i in range(n)):
             break
+    name = f"{type(model).__name__}.{layers}"
     if k > 1:
         j = next(i for i in range(1, n) if defs[i] != defs[0])
         diff = static_diff(blocks[0], blocks[j]) or "their structure"
         if k == n:
             raise ValueError(
-                f"{type(model).__name__}.{layers}: block {j} differs from block 0 in {diff}, "
-                f"and the {n} blocks repeat in no pattern that divides {n}; fiddlejax stacks "
-                "identical blocks (or a repeating unit of them). Make the blocks identical, or "
-                "a whole number of repeats of a unit")
+                f"{name}: block {j} differs from block 0 in {diff}, and the {n} blocks repeat "
+                f"in no pattern that divides {n}; fiddlejax stacks identical blocks (or a "
+                "repeating unit of them). Make the blocks identical (an attribute that differs "
+                "only as a label can be set equal before parallelize; attributes that no "
+                "method besides __init__ names are ignored), or a whole number of repeats of a "
+                "unit")
+        warnings.warn(f"{name}: blocks differ in {diff}; stacking units of {k} blocks "
+                      f"({n // k} units: a pipeline cuts between units)",
+                      stacklevel=sharding.user_stacklevel())
+    if ignored:
         warnings.warn(
-            f"{type(model).__name__}.{layers}: blocks differ in {diff}; stacking units of {k} "
-            f"blocks ({n // k} units: a pipeline cuts between units)",
+            f"{name}: blocks differ in {sorted(ignored.values())}, which no method besides "
+            "__init__ reads; ignored (every block runs with its unit's first value, and the "
+            "first step checks that the forward never reads them)",
             stacklevel=sharding.user_stacklevel())
-    return k
+    return k, tuple(sorted(ignored))
 
 
-def check_params_only(model: nnx.Module, blocks: list, layers: str) -> None:
-    """Refuse blocks holding state besides parameters and RNG streams: it would not be carried."""
-    for i, b in enumerate(blocks):
-        other = nnx.state(b, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
-        leaves = jax.tree_util.tree_flatten_with_path(other)[0]
-        if leaves:
-            path = jax.tree_util.keystr(leaves[0][0])
+def refuse_reads(where: str, hits: list) -> None:
+    """Refuse a forward that read an attribute :func:`repeating_unit` ignored."""
+    if hits:
+        raise ValueError(
+            f"{where}: the forward reads {sorted(set(hits))}, which differs between blocks; "
+            "fiddlejax stacks identical blocks. Make it equal across the blocks before "
+            "parallelize if the training forward does not depend on it (a label, a cache "
+            "index), or group the blocks into identical ones")
+
+
+FROZEN = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # statistics, buffers: read, not trained
+
+
+def check_frozen(model: nnx.Module, layers: str) -> None:
+    """Refuse batch statistics in training mode anywhere in the model: a layout computes them
+    per microbatch and data shard, so no split reproduces the whole batch's."""
+    for path, m in nnx.iter_graph(model):
+        if isinstance(m, nnx.BatchNorm) and not m.use_running_average:
+            where = "".join(f"[{p!r}]" for p in path)
             raise ValueError(
-                f"{type(model).__name__}.{layers}[{i}]{path} is non-parameter state (batch "
-                "statistics, a cache?); fiddlejax trains blocks whose only state is nnx.Param")
+                f"{type(model).__name__}{where} ({layers=}) is non-parameter state the forward "
+                "updates: BatchNorm(use_running_average=False), batch statistics in training "
+                "mode, which fiddlejax would compute per microbatch and data shard. Train with "
+                "frozen statistics (model.set_attributes(use_running_average=True)), or use "
+                "LayerNorm or GroupNorm")
+
+
+def block_constants(blocks: list, unit: int, scanned: bool = False) -> tuple[nnx.State, ...]:
+    """Per block of a unit: the blocks' non-parameter state (frozen statistics, buffers)
+    stacked over the units, so that each block runs with its own (index by the unit)."""
+    if scanned:
+        return (nnx.state(blocks[0], FROZEN),)
+    return tuple(jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]),
+                              *[nnx.state(b, FROZEN) for b in blocks[j::unit]])
+                 for j in range(unit))
+
+
+def check_unwritten(where: str, before: list, after: list) -> None:
+    """Refuse a forward that wrote the blocks' non-parameter state (carried as constants)."""
+    def same(x, y) -> bool:  # ``before`` holds concrete values; a write would be traced
+        return x is y or (not isinstance(y, jax.core.Tracer) and np.array_equal(x, y))
+
+    if not all(same(x, y) for b, a in zip(before, after, strict=True)
+               for x, y in zip(b, a, strict=True)):
+        raise ValueError(
+            f"{where}: the forward updates the blocks' non-parameter state (statistics in "
+            "training mode, a cache?); fiddlejax carries that state as per-block constants. "
+            "Freeze it for training (e.g. model.set_attributes(use_running_average=True)), or "
+            "keep it out of the blocks")
 
 
 # -- the canonical tree (the model's own) <-> the staged tree (blocks stacked) ----------------

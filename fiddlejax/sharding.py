@@ -235,13 +235,15 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
     whose ``[window, in, out]`` kernel is not attention's ``[embed, heads, head_dim]``), norms
     and everything else replicated; an MoE layer's stacked experts ``[E, d, f]`` /
     ``[E, f, d]`` (a path naming ``expert``) ``(expert, embed, mlp)`` /
-    ``(expert, mlp, embed)``. Writes the names into the
-    model's variables (as :func:`annotate` does), warns with what it split and how, and returns
-    ``{path: names}``."""
+    ``(expert, mlp, embed)``. A parameter the user (or the model) named keeps its names; the
+    others are inferred around it. Writes the names into the model's variables (as
+    :func:`annotate` does), warns with what it split and how, and returns ``{path: names}``
+    of the inferred ones."""
     flat = [(tuple(str(k) for k in p), v)
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-    if any(any(n is not None for n in _names(v)) for _, v in flat):
-        return {}  # annotated: the model's names stand
+    user = {p: _names(v) for p, v in flat if any(n is not None for n in _names(v))}
+    if len(user) == len(flat):
+        return {}  # all annotated: the model's names stand
     vocab, d = _width(flat)
     if d is None:
         return {}
@@ -250,7 +252,7 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
              if isinstance(m, nnx.Conv | nnx.ConvTranspose)}
     named: dict[tuple, tuple] = {}
     for p, v in flat:
-        if p[:-1] in convs:  # (*window, in, out): not attention, whatever its rank; kept whole
+        if p[:-1] in convs or p in user:  # a conv's (*window, in, out): kept whole
             continue
         if p[-1] == "embedding" and vocab is not None and tuple(v.shape) == (vocab, d):
             named[p] = ("vocab", "embed")
@@ -259,16 +261,24 @@ def infer_names(model: nnx.Module) -> dict[str, tuple]:
         elif (names := _kernel_names(p, tuple(v.shape), vocab, d, fused)) is not None:
             named[p] = names
     for p, v in flat:  # biases follow their kernel's output dimensions
-        kernel = named.get((*p[:-1], "kernel"))
-        if p[-1] == "bias" and kernel and v.ndim <= len(kernel):
+        kernel = named.get((*p[:-1], "kernel")) or user.get((*p[:-1], "kernel"))
+        if p[-1] == "bias" and p not in user and kernel and v.ndim <= len(kernel):
             named[p] = kernel[len(kernel) - v.ndim:]
     for p, v in flat:
         if p in named:
             v.set_metadata(out_sharding=named[p])
     out = {"/".join(p): n for p, n in named.items()}
-    warnings.warn(f"{type(model).__name__} has no sharding names; fiddlejax inferred them "
-                  f"(model width {d}): {describe_split(out, len(flat))}. Override with "
-                  "fj.sharding.annotate(model, {regex: names})", stacklevel=user_stacklevel())
+    if user and out:
+        warnings.warn(f"{type(model).__name__}: {len(user)} parameters keep the names given; "
+                      f"fiddlejax inferred the other {len(flat) - len(user)} (model width {d}): "
+                      f"{describe_split(out, len(flat) - len(user))}. Override with "
+                      "fj.sharding.annotate(model, {regex: names})",
+                      stacklevel=user_stacklevel())
+    elif not user:
+        warnings.warn(f"{type(model).__name__} has no sharding names; fiddlejax inferred them "
+                      f"(model width {d}): {describe_split(out, len(flat))}. Override with "
+                      "fj.sharding.annotate(model, {regex: names})",
+                      stacklevel=user_stacklevel())
     return out
 
 

@@ -38,6 +38,7 @@ class Side:
     x_dtype: Any
     whole: tuple = ()            # per carried array: True when it has no batch axis
     keys: int = 0                # message columns holding dropout key data (then a counter)
+    counter: bool = False        # a counter of the blocks run, without keys
 
 
 class _Const:
@@ -56,13 +57,15 @@ class _Const:
 
 
 def pack(x: jax.Array, args: tuple, kwargs: dict, sides: dict, where: str,
-         consts: dict | None = None, keys: jax.Array | None = None) -> jax.Array:
+         consts: dict | None = None, keys: jax.Array | None = None,
+         counter: bool = False) -> jax.Array:
     """The message for activation ``x`` and side inputs ``(args, kwargs)``; records its
     :class:`Side` in ``sides`` under the message's per-example shape. ``consts``: the array
     leaves (by their index among the arrays) that are constants, with their values: they are
     not carried. ``keys``: per-example dropout key data ``[B, 2]`` uint32, carried bit for
     bit at the end of the message, followed by a counter of the blocks run (see
-    :func:`keys_of`). ``where`` names the blocks in errors."""
+    :func:`keys_of`); ``counter``: the counter without keys (blocks that pick their own
+    constants by it). ``where`` names the blocks in errors."""
     b = x.shape[0]
     consts = consts or {}
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -84,9 +87,11 @@ def pack(x: jax.Array, args: tuple, kwargs: dict, sides: dict, where: str,
     if keys is not None:  # the key bits in the message's dtype, then the block counter
         words = jax.lax.bitcast_convert_type(keys.astype(jnp.uint32), x.dtype)
         parts += [words.reshape(b, -1), jnp.zeros((b, 1), x.dtype)]
+    elif counter:
+        parts.append(jnp.zeros((b, 1), x.dtype))
     side = Side(treedef, tuple(statics), tuple(a.shape[1:] for a in per),
                 tuple(a.dtype for a in per), x.shape[1:], x.dtype, whole,
-                0 if keys is None else parts[-2].shape[1])
+                0 if keys is None else parts[-2].shape[1], counter and keys is None)
     msg = jnp.concatenate(parts, axis=1)
     known = sides.setdefault(msg.shape[1:], side)
     if known.treedef != side.treedef or known.shapes != side.shapes:
@@ -131,6 +136,8 @@ def unpack(msg: jax.Array, side: Side) -> tuple[jax.Array, tuple, dict]:
 
 def keys_of(msg: jax.Array, side: Side) -> tuple[jax.Array | None, jax.Array | None]:
     """The dropout key data ``[B, 2]`` and the blocks run so far (a scalar) in ``msg``."""
+    if side.counter:
+        return None, jax.lax.stop_gradient(msg[0, -1]).astype(jnp.int32)
     if not side.keys:
         return None, None
     words = jax.lax.stop_gradient(msg[:, -1 - side.keys:-1])
@@ -142,13 +149,14 @@ def keys_of(msg: jax.Array, side: Side) -> tuple[jax.Array | None, jax.Array | N
 
 def counted(msg: jax.Array, side: Side, blocks: int) -> jax.Array:
     """``msg`` after ``blocks`` more blocks ran (its counter advanced)."""
-    return msg if not side.keys else msg.at[:, -1].add(blocks)
+    return msg if not (side.keys or side.counter) else msg.at[:, -1].add(blocks)
 
 
 def activation(out: Any) -> jax.Array:
-    """The one array a block returns (alone, or in a tuple with Nones)."""
+    """The activation a block returns: its first array (alone, or first in a tuple whose other
+    outputs, e.g. Mamba2's states, training drops: :func:`fiddlejax.standins.check_log`)."""
     arrays = [a for a in jax.tree.leaves(out) if isinstance(a, jax.Array)]
-    if len(arrays) != 1:
+    if not arrays:
         raise TypeError(f"a block returned {describe(out)}; fiddlejax carries one activation")
     return arrays[0]
 

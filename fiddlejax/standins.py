@@ -9,10 +9,12 @@ run the real blocks and record each call (the once-per-batch-shape check of :fun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from fiddlejax import intercept
@@ -48,7 +50,7 @@ class StandIn:
         if mode[0] == "prologue":
             raise Stop(args, kwargs)
         if mode[0] == "epilogue":  # the stack's output, in the structure a block returns
-            return jax.tree.unflatten(mode[2], [mode[1] if self.i == 0 else args[0]])
+            return mode[2].rebuild(mode[1] if self.i == 0 else args[0], *mode[3:])
         _, blocks, log = mode  # record: run the real block and note what it got
         out = blocks[self.i](*args, **kwargs)
         log.append((self.i, args, kwargs, out))
@@ -58,7 +60,8 @@ class StandIn:
 @contextlib.contextmanager
 def acting(*mode: Any) -> Iterator[None]:
     """The stand-ins act in ``mode`` (see :class:`StandIn`) within this block:
-    ``("prologue",)``, ``("epilogue", x, out_treedef)`` or ``("record", blocks, log)``."""
+    ``("prologue",)``, ``("epilogue", x, output[, extras])`` (``output``: a block's
+    :class:`Output`) or ``("record", blocks, log)``."""
     with intercept.setting(standins=mode):
         yield
 
@@ -83,9 +86,42 @@ def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list,
     return copy
 
 
-def check_log(log: list, n: int, where: str) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What a block returns: its tree, where the activation sits (the first array), and the
+    other leaves (arrays as shapes: states that training drops, e.g. Mamba2's)."""
+
+    treedef: Any
+    index: int
+    leaves: tuple
+
+    @property
+    def extras(self) -> list[jax.ShapeDtypeStruct]:
+        return [v for k, v in enumerate(self.leaves)
+                if k != self.index and isinstance(v, jax.ShapeDtypeStruct)]
+
+    def rebuild(self, x: jax.Array, extras: list | None = None) -> Any:
+        """A block's output holding ``x``; its other arrays are ``extras`` (zeros if None)."""
+        given = iter(extras if extras is not None else
+                     [jnp.zeros(e.shape, e.dtype) for e in self.extras])
+        return jax.tree.unflatten(self.treedef, [
+            x if k == self.index else next(given) if isinstance(v, jax.ShapeDtypeStruct) else v
+            for k, v in enumerate(self.leaves)])
+
+
+def _output(out: Any) -> Output | None:
+    leaves, tdef = jax.tree.flatten(out)
+    first = next((k for k, a in enumerate(leaves) if isinstance(a, jax.Array)), None)
+    if first is None:
+        return None
+    return Output(tdef, first, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                     if isinstance(a, jax.Array) else a for a in leaves))
+
+
+def check_log(log: list, n: int, where: str) -> Output:
     """Check a recorded forward: each of the ``n`` blocks called once, in order, back to back,
-    with the same side inputs, returning one activation; returns a block output's treedef."""
+    with the same side inputs, returning an activation (the first array, shaped like the
+    block's input) and maybe more that no later block receives; returns a block's output."""
     order = [i for i, *_ in log]
     if order != list(range(n)):
         raise ValueError(f"{where}: __call__ runs the blocks in the order {order[:8]}; "
@@ -95,21 +131,30 @@ def check_log(log: list, n: int, where: str) -> Any:
         if not args or not isinstance(args[0], jax.Array):
             raise TypeError(f"{where}: block {i} gets no array as its first argument; "
                             "fiddlejax passes the activation first")
-        leaves, tdef = jax.tree.flatten(out)
-        arrays = [a for a in leaves if isinstance(a, jax.Array)]
-        if len(arrays) != 1 or arrays[0].shape != args[0].shape:
+        output = _output(out)
+        if output is None or output.leaves[output.index].shape != args[0].shape:
             raise TypeError(
                 f"{where}: block {i} returns {describe(out)}; fiddlejax carries one "
-                f"activation between blocks: an array shaped like the input "
-                f"{tuple(args[0].shape)}, alone or with Nones (e.g. (x, None))")
-        out_def = out_def or tdef
+                f"activation between blocks: the first array a block returns, shaped like its "
+                f"input {tuple(args[0].shape)} (alone, or first in a tuple whose other "
+                "outputs training drops)")
+        out_def = out_def or output
         if i == 0:
             continue
-        if args[0] is not activation(log[i - 1][3]):
+        prev = log[i - 1][3]
+        if args[0] is not activation(prev):
             raise ValueError(
                 f"{where}: __call__ changes the activation between block {i - 1} and block "
                 f"{i}; fiddlejax runs the blocks back to back. Move that code into the "
                 "blocks, or declare the staged protocol (fiddlejax.staged)")
+        extras = [a for a in jax.tree.leaves(prev) if isinstance(a, jax.Array)][1:]
+        if any(x is e for x in jax.tree.leaves((args[1:], kwargs)) for e in extras):
+            raise ValueError(
+                f"{where}: block {i} receives an output of block {i - 1} besides the "
+                f"activation (block outputs: {describe(prev)}; a state or key threaded "
+                "through the blocks); fiddlejax carries only the first array a block returns "
+                "and drops the rest, so this forward cannot be split as it is. Fold that value "
+                "into the activation, or compute it from the batch before the blocks")
         if not _same_sides(log[0][1][1:], log[0][2], args[1:], kwargs):
             raise ValueError(
                 f"{where}: block {i} receives other side inputs than block 0 (a per-layer "

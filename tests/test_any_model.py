@@ -381,8 +381,11 @@ def test_rule_table_names_parameters_by_path():
         fj.sharding.annotate(model, {"blocks/.*/wq": ("embed", "heads")})
     with pytest.raises(ValueError, match=r"names 1 axes .* shape \(16, 16\)"):
         fj.sharding.annotate(model, {"q/kernel": ("embed",)})
-    # Annotated: nothing is inferred, the model's own names stand.
-    assert fj.sharding.infer_names(model) == {}
+    # The names given stand; the rest are inferred around them (issue 50).
+    inferred = fj.sharding.infer_names(model)
+    assert "blocks/2/k/kernel" not in inferred and "blocks/2/out/kernel" in inferred
+    assert model.blocks[2].k.kernel.get_metadata()["out_sharding"] == ("embed", "heads")
+    assert fj.sharding.infer_names(model) == {}  # all named now
 
 
 def test_names_that_do_not_fit_the_rank_are_named():
