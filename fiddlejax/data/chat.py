@@ -249,7 +249,12 @@ def encode(record, tok, template: Template, where: str = "a record") -> tuple[np
                                                                               np.ndarray]:
     """(ids, mask): ``apply_chat_template``'s ids of the record's conversation and, per id,
     1 where it is the assistant's (a target), both int32."""
-    text, spans = template.assistant_spans(messages(record, where))
+    return tokens_and_mask(*template.assistant_spans(messages(record, where)), tok)
+
+
+def tokens_and_mask(text: str, spans: list[tuple[int, int]], tok) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+    """(ids, mask) of rendered ``text``: 1 on the ids whose characters overlap ``spans``."""
     enc = tok._tok.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, np.int32)
     mask = np.zeros(len(ids), np.int32)
