@@ -59,7 +59,8 @@ def messages(record, where: str = "a record") -> list[dict]:
 
 def detect(files: list[sources.SourceFile], field: str) -> str:
     """``data.format=auto``: ``chat`` when the first record of the first file has no
-    ``field`` but ``messages`` (or ``prompt`` and ``completion``), else ``text``."""
+    ``field`` but ``messages`` (or ``prompt`` and ``completion``), ``preference`` when it has
+    ``prompt``, ``chosen`` and ``rejected``, else ``text``."""
     f = files[0] if files else None
     names: list[str] = []
     if f is not None and f.kind == "jsonl":
@@ -77,6 +78,8 @@ def detect(files: list[sources.SourceFile], field: str) -> str:
         names = sources._parquet(Path(f.path)).schema_arrow.names
     if field in names:
         return "text"
+    if {"prompt", "chosen", "rejected"} <= set(names):
+        return "preference"
     return "chat" if "messages" in names or {"prompt", "completion"} <= set(names) else "text"
 
 
