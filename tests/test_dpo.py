@@ -15,7 +15,7 @@ from flax import nnx
 
 import fiddlejax as fj
 from fiddlejax import dpo, lora
-from fiddlejax.data import chat, preference, tokenizer
+from fiddlejax.data import chat, pipeline, preference, prepare, tokenizer
 from fiddlejax.data.sources import DataError
 from fiddlejax.models.llama import Llama, LlamaConfig
 from fiddlejax.staged import mean_loss
@@ -155,6 +155,20 @@ def test_context_split_is_refused():
         dpo.check_layout(2)
 
 
-def test_records_file(tmp_path):
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records()))
-    assert preference.is_preference(json.loads((tmp_path / "p.jsonl").read_text().split("\n")[0]))
+def test_prepared_store_serves_an_example_a_row(tmp_path):
+    data = tmp_path / "prefs.jsonl"
+    recs = records()
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tok = tokenizer.load(str(QWEN))
+    cfg = {"batch_size": 4, "seed": 0, "pack": True, "workers": 0, "path": str(data),
+           "cache_dir": str(tmp_path / "cache"), "val_fraction": None, "val_path": str(data)}
+    assert prepare.data_format(str(data), cfg) == "preference"  # detected from the fields
+    c = pipeline.corpus(str(data), cfg, tok, T, "data.path", log=lambda _: None)
+    assert c.meta["format"] == "preference" and len(c.train) == len(recs)
+    want = preference.rows([preference.encode(r, tok, chat.template_of(tok)) for r in recs],
+                           T + 1)
+    got = [c.train[i] for i in range(len(c.train))]
+    for k in want:
+        assert np.array_equal(np.stack([g[k] for g in got]), want[k]), k
+    with pytest.raises(DataError, match="model.seq_len to at least"):
+        pipeline.corpus(str(data), cfg, tok, 16, "data.path", log=lambda _: None)
