@@ -70,6 +70,10 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"),
                          cfg["model"].get("from_pretrained"))
     c = model.config
+    if adapter and (getattr(c, "model_type", "") == "phi3" or cfg["model"]["name"] == "gpt"):
+        raise ValueError(f"--adapter: {getattr(c, 'model_type', cfg['model']['name'])} stores "
+                         "its projections fused or under other names than PEFT's targets here; "
+                         "export the merged model (without --adapter)")
     def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
         step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
         if adapter:
