@@ -237,6 +237,48 @@ def merged_leaves(shapes: dict, leaf, scale: float):
     return kept, merged
 
 
+# our kernel -> the Hugging Face module it is (PEFT's target_modules names)
+PEFT_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+                "wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w3": "mlp.up_proj",
+                "w2": "mlp.down_proj"}
+
+
+def peft_adapter(shapes: dict, leaf, settings: LoRA, base: str | None) -> tuple[dict, dict]:
+    """(tensors, adapter_config) of a PEFT LoRA adapter from flat parameters read one at a
+    time (keys ``("blocks", "wq_lora_a")``, stacked on the layer axis): PEFT's
+    ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and
+    ``lora_B.weight`` ``[out, r]``, so ``W x + (alpha / r) B A x`` is ours (a Hugging Face
+    weight is our kernel flattened to ``[in, out]`` and transposed; nothing is permuted)."""
+    tensors, modules = {}, set()
+    for k in sorted(shapes, key=str):
+        name = k[-1] if isinstance(k, tuple) else k
+        if not name.endswith("_lora_a"):
+            continue
+        kernel = name[: -len("_lora_a")]
+        if tuple(k[:-1]) != ("blocks",) or kernel not in PEFT_MODULES:
+            raise ValueError(f"an adapter on {k} has no PEFT module here (the attention and "
+                             f"MLP projections {sorted(PEFT_MODULES)} of a decoder's layers); "
+                             "export the merged model instead (without --adapter)")
+        a = np.asarray(leaf(k), np.float32)
+        b = np.asarray(leaf((*k[:-1], kernel + "_lora_b")), np.float32)
+        module = PEFT_MODULES[kernel]
+        modules.add(module.split(".")[-1])
+        for i in range(a.shape[0]):
+            pre = f"base_model.model.model.layers.{i}.{module}"
+            r = a.shape[-1]
+            tensors[f"{pre}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
+            tensors[f"{pre}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+    if not tensors:
+        raise ValueError("the run has no LoRA adapters (plan.lora was null); --adapter writes "
+                         "a PEFT adapter of a plan.lora run")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+              "r": settings.rank, "lora_alpha": settings.alpha,
+              "lora_dropout": settings.dropout, "target_modules": sorted(modules),
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+    return tensors, config
+
+
 def trainable_count(tree) -> tuple[int, int]:
     """``(adapter parameters, all parameters)`` of a parameter tree (arrays or shapes)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)

@@ -25,11 +25,13 @@ from fiddlejax.model_names import DECODERS
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
            checkpoint_dir: str | Path | None = None, max_shard_size: int | str = "5GB",
-           dtype: str | None = None, overwrite: bool = False) -> int:
+           dtype: str | None = None, overwrite: bool = False, adapter: bool = False) -> int:
     """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out_dir``
     in Hugging Face's layout of the run's family; returns the step written. ``dtype``: None
     writes the dtype of the checkpoint the run started from (float32 from scratch).
-    ``overwrite``: replace files in ``out_dir`` that no earlier export wrote (else refused)."""
+    ``overwrite``: replace files in ``out_dir`` that no earlier export wrote (else refused).
+    ``adapter``: a ``plan.lora`` run's adapters alone, as a PEFT adapter directory
+    (``adapter_model.safetensors`` + ``adapter_config.json``) for the run's base."""
     from fiddlejax.config import parse_bytes
 
     # the arguments first: a restore takes a minute at size
@@ -43,6 +45,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                          "Hugging Face twin here; export writes the decoder families (llama, "
                          "mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text) as "
                          "themselves and GPT runs as gpt2 directories")
+    if adapter and cfg["plan"].get("lora") is None:
+        raise ValueError(f"{run_dir} trained no LoRA adapters (plan.lora was null); --adapter "
+                         "writes a PEFT adapter of a plan.lora run: export without it")
     ckpt = runs.checkpoint_dir(cfg, run_dir, checkpoint_dir)
     export_dir.check_target(out_dir, overwrite)  # before anything is read
 
@@ -65,8 +70,17 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     tok = tokenizer.load(cfg["data"].get("tokenizer", "auto"),
                          cfg["model"].get("from_pretrained"))
     c = model.config
+    if adapter and (getattr(c, "model_type", "") == "phi3" or cfg["model"]["name"] == "gpt"):
+        raise ValueError(f"--adapter: {getattr(c, 'model_type', cfg['model']['name'])} stores "
+                         "its projections fused or under other names than PEFT's targets here; "
+                         "export the merged model (without --adapter)")
     def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
         step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
+        if adapter:
+            with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()),
+                                   step=step) as tmp:
+                write_adapter(tmp, shapes, leaf, cfg)
+            return step
         if cfg["plan"].get("lora") is not None:  # the base with the adapters folded in
             from fiddlejax import lora
 
@@ -83,6 +97,21 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         return beside_writer.read(mgr, step, write)
     finally:
         mgr.close()
+
+
+def write_adapter(directory: Path, shapes: dict, leaf, cfg: dict) -> None:
+    """A PEFT adapter of the run's adapters (:func:`fiddlejax.lora.peft_adapter`)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from fiddlejax import lora
+    from fiddlejax.app import build
+
+    tensors, config = lora.peft_adapter(shapes, leaf, build.lora_settings(cfg["plan"]["lora"]),
+                                        cfg["model"].get("from_pretrained"))
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def export_command(argv: list[str]) -> int:
@@ -105,11 +134,15 @@ def export_command(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace files in OUT_DIR that no earlier export wrote (config.json, "
                         "model*.safetensors, tokenizer files); its other files are always kept")
+    p.add_argument("--adapter", action="store_true",
+                   help="a plan.lora run: write its adapters as a PEFT adapter "
+                        "(adapter_model.safetensors + adapter_config.json) for its base, "
+                        "instead of the merged model")
     args = p.parse_args(argv)
     try:
         step = export(args.run_dir, args.out_dir, step=args.step,
                       checkpoint_dir=args.checkpoint_dir, max_shard_size=args.max_shard_size,
-                      dtype=args.dtype, overwrite=args.overwrite)
+                      dtype=args.dtype, overwrite=args.overwrite, adapter=args.adapter)
     except export_dir.ExportFailed as e:  # like a failed checkpoint save: a failure, exit 1
         print(f"fiddlejax export: {e}", file=sys.stderr)
         return 1

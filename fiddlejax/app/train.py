@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from fiddlejax import config as config_lib
-from fiddlejax.app import artifacts, build, checkpoints, guards, logs, nonfinite, runs
+from fiddlejax.app import artifacts, build, checkpoints, guards, logs, nonfinite, preference, runs
 
 # Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
 # training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
@@ -226,18 +226,24 @@ def _start(cfg: dict, explicit: set[str] = frozenset()) -> Job:
     loaded, hf_loader = runs.init_weights(cfg, model, plan)  # init_from=DIR: weights only, step 0
     if loaded and is_main:
         print(f"# init_from: weights of {loaded}; fresh optimizer, step 0", flush=True)
-    trainer = fj.parallelize(model, build.make_optimizer(cfg), plan)
+    dpo = preference.wanted(cfg)  # preference data: the DPO loss, batches scored first
+    trainer = fj.parallelize(model, build.make_optimizer(cfg), plan,
+                             loss=preference.loss(cfg, model, plan) if dpo else None)
     if is_main and jax.process_count() > 1:
         print(f"# distributed: {distributed.describe(plan.mesh)}", flush=True)
     # Each process loads only the rows of the data-axis slice its devices own.
     say("# reading and tokenizing the data")
     data = build.build_data(cfg, model, *distributed.data_shard(plan.mesh))
+    if dpo:
+        data = preference.with_reference(cfg, data, plan)
     val_batches = [next(data.validation) for _ in range(tcfg["eval_batches"])]
     run_dir = Path(rcfg["dir"])
     bar = rcfg["progress"] == "bar" or (rcfg["progress"] == "auto" and sys.stdout.isatty())
     job = Job(cfg, trainer, data, val_batches,
-              entry.flops_per_step(model, cfg["data"]["batch_size"]), entry.uniform_loss(model),
-              logs.Logger(run_dir, is_main, bar, tcfg["steps"]), correct=_correct_fn(entry, model),
+              entry.flops_per_step(model, cfg["data"]["batch_size"]),
+              preference.UNIFORM if dpo else entry.uniform_loss(model),
+              logs.Logger(run_dir, is_main, bar, tcfg["steps"]),
+              correct=None if dpo else _correct_fn(entry, model),
               lr=build.learning_rates(cfg), loader=hf_loader or build.initial_params(model))
     try:
         if is_main:

@@ -59,7 +59,8 @@ def messages(record, where: str = "a record") -> list[dict]:
 
 def detect(files: list[sources.SourceFile], field: str) -> str:
     """``data.format=auto``: ``chat`` when the first record of the first file has no
-    ``field`` but ``messages`` (or ``prompt`` and ``completion``), else ``text``."""
+    ``field`` but ``messages`` (or ``prompt`` and ``completion``), ``preference`` when it has
+    ``prompt``, ``chosen`` and ``rejected``, else ``text``."""
     f = files[0] if files else None
     names: list[str] = []
     if f is not None and f.kind == "jsonl":
@@ -77,6 +78,8 @@ def detect(files: list[sources.SourceFile], field: str) -> str:
         names = sources._parquet(Path(f.path)).schema_arrow.names
     if field in names:
         return "text"
+    if {"prompt", "chosen", "rejected"} <= set(names):
+        return "preference"
     return "chat" if "messages" in names or {"prompt", "completion"} <= set(names) else "text"
 
 
@@ -249,7 +252,12 @@ def encode(record, tok, template: Template, where: str = "a record") -> tuple[np
                                                                               np.ndarray]:
     """(ids, mask): ``apply_chat_template``'s ids of the record's conversation and, per id,
     1 where it is the assistant's (a target), both int32."""
-    text, spans = template.assistant_spans(messages(record, where))
+    return tokens_and_mask(*template.assistant_spans(messages(record, where)), tok)
+
+
+def tokens_and_mask(text: str, spans: list[tuple[int, int]], tok) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+    """(ids, mask) of rendered ``text``: 1 on the ids whose characters overlap ``spans``."""
     enc = tok._tok.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, np.int32)
     mask = np.zeros(len(ids), np.int32)

@@ -141,6 +141,9 @@ def summary(what: str, meta: dict, tok: tokenizers.Tokenizer) -> str:
     t, v = meta["splits"]["train"], meta["splits"]["validation"]
     chat = (f"; chat: {t.get('targets', 0):,} of the {t['tokens']:,} train tokens are the "
             "assistant's (the loss's targets)") if meta.get("loss_mask") else ""
+    if meta.get("preference"):
+        chat = (f"; preference (DPO): {t.get('targets', 0):,} of the {t['tokens']:,} train "
+                "tokens are the chosen and rejected completions' (scored)")
     return (f"# data: {what}: {t['docs'] + v['docs']:,} documents ({t['docs']:,} train, "
             f"{v['docs']:,} validation), {t['tokens']:,} + {v['tokens']:,} tokens; tokenizer "
             f"{tok.describe()} ({tok.vocab_size:,} ids){chat}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fiddlejax.data import chat, packing, sources, store
+from fiddlejax.data import chat, packing, preference, sources, store
 from fiddlejax.data import tokenizer as tokenizers
 from fiddlejax.data.sources import DataError
 
@@ -35,6 +35,7 @@ CACHE_ENV = "FIDDLEJAX_DATA_CACHE"  # the default data.cache_dir, when set
 WAIT_S = 6 * 3600.0  # how long a process waits for the job's other processes' pieces
 BATCH_BYTES = 1 << 20  # text tokenized per encode_batch call
 DEFAULT_VAL_FRACTION = 0.05  # held out when neither data.val_path nor data.val_fraction is set
+FORMATS = ("auto", "text", "chat", "preference")
 
 
 def cache_dir(dcfg: dict) -> Path:
@@ -76,6 +77,22 @@ class Spec:
     def chat(self) -> bool:
         return self.opts.format == "chat"
 
+    @property
+    def preference(self) -> bool:
+        return self.opts.format == "preference"
+
+    def template_or_none(self) -> chat.Template | None:
+        """The chat template (chat data: required; preference data: if the tokenizer has
+        one, for conversational records)."""
+        if self.chat:
+            return chat.template_of(self.tok, self.template)
+        if self.preference:
+            try:
+                return chat.template_of(self.tok, self.template)
+            except DataError:
+                return None
+        return None
+
     def work(self) -> list[tuple[sources.Piece, str]]:
         """Every piece with what its documents become: ``hash`` (split by ``fraction``),
         ``train`` or ``validation``."""
@@ -95,14 +112,21 @@ class Spec:
         blob = json.dumps([store.VERSION, sources.PIECE_BYTES, stat, val, self.fraction,
                            dataclasses.asdict(self.opts), self.tok.describe(),
                            self.tok.fingerprint, self.tok.bos_id, self.tok.eos_id]
-                          + ([chat.template_of(self.tok, self.template).source]
-                             if self.chat else []))
+                          + ([t.source] if (t := self.template_or_none()) else []))
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def name(self) -> str:
         stem = Path(self.label[0]).name.split(".")[0] or "corpus"
         return "".join(c if c.isalnum() or c in "-_" else "_" for c in stem)[:40] + "-" + \
             self.key()
+
+
+def data_format(path, dcfg: dict, key: str = "data.path") -> str:
+    """``data.format`` of ``path`` with ``auto`` resolved (from its first record)."""
+    fmt = dcfg.get("format") or "auto"
+    if fmt != "auto" or path is None:
+        return "text" if fmt == "auto" else fmt
+    return chat.detect(sources.resolve(path, key), dcfg.get("field", "text"))
 
 
 def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
@@ -124,15 +148,16 @@ def spec(path, dcfg: dict, tok: tokenizers.Tokenizer, key: str) -> Spec:
         fraction = 0.0
     elif fraction is None:
         fraction = DEFAULT_VAL_FRACTION
-    if opts.format not in ("auto", "text", "chat"):
-        raise DataError(f"data.format={opts.format} is none of auto, text, chat")
+    if opts.format not in FORMATS:
+        raise DataError(f"data.format={opts.format} is none of {', '.join(FORMATS)}")
     if opts.format == "auto":
         opts = dataclasses.replace(opts, format=chat.detect(files, opts.field))
-    if opts.format == "chat":
+    if opts.format in ("chat", "preference"):
         bad = [f.path for f in files + (val_files or []) if f.kind in ("txt", "bin", "npy")]
         if bad:
-            raise DataError(f"data.format=chat reads records (.jsonl, .parquet, Arrow, "
+            raise DataError(f"data.format={opts.format} reads records (.jsonl, .parquet, Arrow, "
                             f"ArrayRecord), not {bad[0]}; convert it, or use data.format=text")
+    if opts.format == "chat":
         chat.template_of(tok, dcfg.get("chat_template"))  # refuse a tokenizer without one now
     return Spec(files, val_files, float(fraction), opts, tok, label, dcfg.get("chat_template"))
 
@@ -147,9 +172,9 @@ def build_piece(piece: sources.Piece, mode: str, spec: Spec, out: Path) -> dict:
     cut = int(round(spec.fraction * 2 ** 32))
     tok, dtype = spec.tok, np.dtype(spec.dtype())
     files = {s: open(tmp / f"{s}.bin", "wb") for s in store.SPLITS}  # noqa: SIM115
-    template = chat.template_of(tok, spec.template) if spec.chat else None
+    template = spec.template_or_none()
     masks = {s: open(tmp / f"{s}.mask.bin", "wb") for s in store.SPLITS} \
-        if spec.chat else {}  # noqa: SIM115
+        if spec.chat or spec.preference else {}  # noqa: SIM115
     targets = dict.fromkeys(store.SPLITS, 0)
     lens: dict[str, list[int]] = {s: [] for s in store.SPLITS}
     h, lo, hi = hashlib.sha256(), None, None
@@ -160,7 +185,9 @@ def build_piece(piece: sources.Piece, mode: str, spec: Spec, out: Path) -> dict:
         encoded = iter(tok.encode_batch(texts) if texts else [])
         for d in docs:
             mask = None
-            if template is not None:  # the template writes the specials itself
+            if spec.preference:  # both sequences of an example, their specials added
+                ids, mask = preference.encode(d, tok, template, f"{piece.file.path}")
+            elif template is not None:  # the template writes the specials itself
                 ids, mask = chat.encode(d, tok, template, f"{piece.file.path}")
             else:
                 ids = next(encoded) if isinstance(d, str) else np.asarray(d, np.int64)
@@ -177,7 +204,7 @@ def build_piece(piece: sources.Piece, mode: str, spec: Spec, out: Path) -> dict:
             lens[split].append(len(ids))
             if mask is not None:
                 masks[split].write(mask.astype(np.uint8).tobytes())
-                targets[split] += int(mask.sum())
+                targets[split] += int((mask & preference.SCORED).sum())
 
     try:
         batch, size = [], 0
@@ -278,7 +305,8 @@ def _meta(spec: Spec, infos: list[dict], seconds: float) -> dict:
             "fraction": spec.fraction, "pieces": len(infos),
             "splits": {s: {k: sum(i["splits"][s].get(k, 0) for i in infos)
                            for k in ("docs", "tokens", "targets")} for s in store.SPLITS},
-            "format": spec.opts.format, "loss_mask": spec.chat,
+            "format": spec.opts.format, "loss_mask": spec.chat or spec.preference,
+            "preference": spec.preference,
             "min_id": min(i["min_id"] for i in infos), "max_id": max(i["max_id"] for i in infos),
             "prepare_seconds_process0": round(seconds, 3)}
 

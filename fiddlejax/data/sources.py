@@ -119,7 +119,7 @@ def fingerprint(files: list[SourceFile]) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """How documents are read: the text field and, for token files, the EOS id and dtype;
-    ``format="chat"``: each record whole, a dict (:mod:`.chat` renders it)."""
+    ``format="chat"`` (or ``"preference"``): each record whole, a dict (:mod:`.chat` renders it)."""
 
     field: str = "text"
     eos_id: int | None = None
@@ -235,7 +235,7 @@ def _read_jsonl(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[s
             except UnicodeDecodeError:
                 raise DataError(f"{p}:{_line_number(p, pos)}: not UTF-8 text; convert the "
                                 "file to UTF-8") from None
-            if opts.format == "chat" and isinstance(rec, dict):
+            if opts.format in ("chat", "preference") and isinstance(rec, dict):
                 yield rec
                 continue
             if not isinstance(rec, dict) or opts.field not in rec:
@@ -280,7 +280,7 @@ def _parquet(p: Path):
 
 
 def _read_parquet(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[str]:
-    f, field = _parquet(p), None if opts.format == "chat" else opts.field
+    f, field = _parquet(p), None if opts.format in ("chat", "preference") else opts.field
     _check_column(f.schema_arrow.names, p, field)
     groups = list(range(lo, f.metadata.num_row_groups if hi < 0 else hi))
     if groups:  # one record batch at a time: never the whole file
@@ -302,7 +302,7 @@ def _read_arrow(p: Path, opts: Options, lo: int = 0, hi: int = -1) -> Iterator[s
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             except pa.ArrowInvalid as e:
                 raise DataError(f"{p}: not an Arrow file ({e})") from None
-        field = None if opts.format == "chat" else opts.field
+        field = None if opts.format in ("chat", "preference") else opts.field
         _check_column(reader.schema.names, p, field)
         yield from _batches_text(batches, p, field)
 
@@ -337,7 +337,7 @@ def _record_text(rec: bytes, p: Path, n: int, opts: Options) -> str:
             obj = json.loads(text)
         except json.JSONDecodeError:
             obj = None
-        if isinstance(obj, dict) and opts.format == "chat":
+        if isinstance(obj, dict) and opts.format in ("chat", "preference"):
             return obj
         if isinstance(obj, dict):
             if opts.field not in obj:

@@ -116,6 +116,30 @@ class Rows:
         return row
 
 
+class PreferenceRows(Rows):
+    """Preference data: an example a row (:func:`.preference.row`), never packed or cut."""
+
+    def __init__(self, split: Split, length: int, lo: int = 0, hi: int | None = None):
+        from fiddlejax.data import preference
+
+        self.split, self.length, self.pack, self.table = split, length, False, None
+        self.row = preference.row
+        ends = np.asarray(split.ends, np.int64)
+        self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        longest = int((ends - self.starts).max()) if len(ends) else 0
+        if longest > length:
+            raise preference.DataError(
+                f"the longest preference example holds {longest} tokens (prompt + chosen + "
+                f"prompt + rejected), more than a row of model.seq_len + 1 = {length}; raise "
+                f"model.seq_len to at least {longest - 1}, or drop the longer examples")
+        self.lo, self.hi = lo, len(ends) if hi is None else hi
+
+    def __getitem__(self, i: int) -> dict:
+        i = self.lo + int(i)
+        start, end = int(self.starts[i]), int(self.split.ends[i])
+        return self.row(self.split.tokens(start, end), self.split.mask(start, end), self.length)
+
+
 def _row_table(split: Split, length: int) -> np.ndarray:
     """``[rows, 2]`` (start, size) of each document's chunks of ``length`` (a lone last token
     has no target and is dropped): made once per length, kept in the store, memory-mapped."""
@@ -152,6 +176,8 @@ class Store:
         self.splits = {s: Split(self.root, s, dtype, masked) for s in SPLITS}
 
     def rows(self, split: str, length: int, pack: bool = True) -> Rows:
+        if self.meta.get("preference"):
+            return PreferenceRows(self.splits[split], length)
         return Rows(self.splits[split], length, pack)
 
 
