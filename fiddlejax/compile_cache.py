@@ -4,9 +4,9 @@ start of the same job, a resume after preemption, or an ``eval`` of its run skip
 Compiling is most of a job's fixed start: on a tiny model on the CPU, a second start with the
 cache spends about half the CPU time of the first (``docs/performance.md``). Every program is
 kept, however quick to compile (JAX's default keeps only those over a second; the many small
-ones of a model's initialisation add up), and the directory is bounded (least recently used
-entries go first); its file lock also makes concurrent processes safe. The user's own JAX
-settings (``JAX_COMPILATION_CACHE_DIR`` and the other ``JAX_*`` variables) win.
+ones of a model's initialisation add up); the default directory is bounded (least recently
+used entries go first, under a file lock). The user's own JAX settings
+(``JAX_COMPILATION_CACHE_DIR`` and the other ``JAX_*`` variables) win.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def use(setting: str | None) -> Path | None:
     for name, value in (("min_compile_time_secs", 0.0), ("min_entry_size_bytes", 0)):
         if f"JAX_PERSISTENT_CACHE_{name.upper()}" not in os.environ:
             jax.config.update(f"jax_persistent_cache_{name}", value)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+    if path == DEFAULT.expanduser() and "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        # our own directory only: JAX's eviction reads an access-time file beside every entry,
+        # which a directory written without eviction (another program's) does not have
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path

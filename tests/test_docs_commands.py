@@ -112,7 +112,8 @@ def blocks() -> list:
 def test_the_harvest_finds_the_documented_commands():
     every = "".join(p.values[0] for p in blocks())
     assert "fiddlejax train" in every and "fiddlejax schedule" in every
-    assert "fiddlejax plan" in every and "launch/local.py" in every
+    assert "fiddlejax plan" in every and "launch/local.py" not in every  # exempt: see EXEMPT
+    assert script("python launch/local.py --nproc 2 -- fiddlejax train mesh.data=4\n") is None
     assert script("pip install -e . && fiddlejax train  # go\n") == (
         "set -e\ntrue && fiddlejax train " + " ".join(SHORT) + "\n")
     assert script("fiddlejax schedule KIND [--json]\n") is None
