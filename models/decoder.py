@@ -162,7 +162,7 @@ class DecoderBlock(nnx.Module):
     def routed_mlp(self, x: jax.Array, ops: Ops | None = None
                    ) -> tuple[jax.Array, MoEOutput | None]:
         """The MLP's output, and the MoE layer's routing (None for a dense MLP)."""
-        if self.config.num_experts:
+        if hasattr(self, "moe"):  # a layer has a MoE only if its MLP is one (DeepSeek's dense)
             out = self.moe(x, ops=ops)
             return out.output, out
         act = ACTIVATIONS[self.config.hidden_act]

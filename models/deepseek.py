@@ -17,14 +17,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from fiddlejax.memory import names
 from fiddlejax.parallel.ops import Ops
 
 from . import deepseek_config
-from .common import Message, param, project, scan_layers, stacked
-from .decoder import ACTIVATIONS, Decoder, DecoderBlock, RMSNorm
+from .common import Message, param, scan_layers, stacked
+from .decoder import Decoder, DecoderBlock, RMSNorm
 from .deepseek_config import DeepseekV3Config
 from .deepseek_moe import DeepseekMoE
 from .mla import LatentAttention
@@ -58,16 +56,6 @@ class DeepseekBlock(DecoderBlock):
     def attend(self, x: jax.Array, segment_ids, positions, kind: str,
                ops: Ops | None = None) -> jax.Array:
         return self.attn(x, segment_ids, positions, ops)
-
-    def routed_mlp(self, x: jax.Array, ops: Ops | None = None):
-        if not self.dense:
-            out = self.moe(x, ops=ops)
-            return out.output, out
-        act = ACTIVATIONS[self.config.hidden_act]
-        gate = checkpoint_name(project(self, "w1", x, "...d,df->...f"), names.MLP_HIDDEN)
-        up = checkpoint_name(project(self, "w3", x, "...d,df->...f"), names.MLP_HIDDEN)
-        return checkpoint_name(project(self, "w2", act(gate) * up, "...f,fd->...d"),
-                               names.MLP_OUT), None
 
 
 class DeepseekV3(Decoder):
