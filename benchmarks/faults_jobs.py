@@ -114,8 +114,7 @@ def _finite_checkpoints(ck: Path, cfg: list[str], manager) -> tuple[bool, int]:
     import numpy as np
 
     import fiddlejax as fj
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     c = config.load(None, [*TINY, *cfg])
     tr = fj.parallelize(build.build_model(c["model"], 0), build.make_optimizer(c),

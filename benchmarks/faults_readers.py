@@ -77,8 +77,7 @@ def _restores(ck: Path, steps: list[int], manager) -> bool:
     import jax
 
     import fiddlejax as fj
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     c = config.load(None, [*TINY, *ONE])
     tr = fj.parallelize(build.build_model(c["model"], 0), build.make_optimizer(c),

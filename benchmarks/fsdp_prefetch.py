@@ -3,9 +3,9 @@
 ``fj.Plan(zero=3)`` (``fsdp_gather="layer"``, no pipeline) runs the stack as a scan whose step
 ``i`` all-gathers layer ``i+1``'s weights and computes layer ``i`` on the weights gathered the
 step before; its backward gathers layer ``i-1`` and reduce-scatters layer ``i+1``'s gradient
-while layer ``i``'s backward computes (:mod:`fiddlejax.prefetch`). On a GPU the latency-hiding
-scheduler runs such independent collectives beside the matmuls; the CPU compile shows the
-structure it needs: in each layer loop's body, which collectives feed a matmul of the same
+while layer ``i``'s backward computes (:mod:`fiddlejax.compute.prefetch`). On a GPU the
+latency-hiding scheduler runs such independent collectives beside the matmuls; the CPU compile shows
+the structure it needs: in each layer loop's body, which collectives feed a matmul of the same
 iteration or are fed by one, and where they sit in the schedule.
 
 Written to ``benchmarks/results/fsdp_prefetch.md``: per loop body of a compiled step, the

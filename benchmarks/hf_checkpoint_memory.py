@@ -132,7 +132,7 @@ def check_export(run_dir: Path, out: Path) -> int:
     """The exported tensors equal the trained parameters (cast to bf16); returns their count."""
     code = f"""
 import numpy as np, ml_dtypes, fiddlejax as fj
-from fiddlejax import checkpoint_params
+from fiddlejax.checkpoint import params as checkpoint_params
 from fiddlejax.app import build, runs
 from fiddlejax.models import hf
 cfg = runs.run_config({str(run_dir)!r})

@@ -76,8 +76,7 @@ def pipeline_rates(docs: list[str], tok_path: Path, workers: list[int], seq_len:
 def step_rate(corpus: Path, tok_path: Path, steps: int) -> tuple[float, float, dict]:
     import jax
 
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     cfg = config.load(None, [f"data.path={corpus}", f"data.tokenizer={tok_path}"])
     build.setup_devices(cfg)

@@ -18,7 +18,7 @@ On the CPU XLA computes bf16 elementwise work in float32; the compiled bytes are
 buffers, compared as they are. ``--platform gpu`` compiles the same step with XLA's GPU
 compiler for 8 GPUs on a machine that has one: JAX's mock topology
 (``jax_mock_gpu_topology=1x8x1``, mock NCCL) presents 8 devices, of which only the first is
-real, so the step compiles (with the job's GPU flags, ``fiddlejax.xla_flags``, autotuning off)
+real, so the step compiles (with the job's GPU flags, ``fiddlejax.app.xla_flags``, autotuning off)
 but never runs; results go to ``long_context_gpu.md``.
 """
 
@@ -95,7 +95,7 @@ def compile_env(platform: str) -> dict:
                             + " --xla_force_host_platform_device_count=8").strip()
         env["JAX_PLATFORMS"] = "cpu"
         return env
-    from fiddlejax import xla_flags
+    from fiddlejax.app import xla_flags
 
     env.update(JAX_PLATFORMS="cuda", JAX_MOCK_GPU_TOPOLOGY="1x8x1",
                JAX_CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")

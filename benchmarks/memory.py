@@ -30,10 +30,10 @@ import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from fiddlejax import staged as staged_lib  # noqa: E402
+from fiddlejax.adaptation.split import split_model  # noqa: E402
 from fiddlejax.memory import auto, gist, policies  # noqa: E402
 from fiddlejax.models.cnn import CNN, CNNConfig  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
-from fiddlejax.split import split_model  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement")
     ap.add_argument("--rounds", type=int, default=None, help="alternated rounds of the ratio")
     ap.add_argument("--no-xla-flags", action="store_true",
-                    help="leave XLA_FLAGS as given (fiddlejax.xla_flags sets none)")
+                    help="leave XLA_FLAGS as given (fiddlejax.app.xla_flags sets none)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "mfu.md"))
     args = ap.parse_args(argv)
     config = SMOKE_CONFIG if args.smoke else GPU_CONFIG

@@ -15,7 +15,7 @@ import sys
 if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
-    from fiddlejax import xla_flags
+    from fiddlejax.app import xla_flags
 
     xla_flags.apply()
 

@@ -120,8 +120,7 @@ def reference(overrides: list[str], stale: bool) -> float:
     import optax
     from flax import nnx
 
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     cfg = config.load(None, ["optimizer.clip=0", *overrides])
     model = build.build_model(cfg["model"], cfg["train"]["seed"])

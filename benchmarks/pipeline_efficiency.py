@@ -40,10 +40,10 @@ import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
+from fiddlejax.adaptation.split import split_model  # noqa: E402
 from fiddlejax.memory import policies  # noqa: E402
 from fiddlejax.models.common import scan_layers  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
-from fiddlejax.split import split_model  # noqa: E402
 
 P_STAGES, MB, SEQ = 4, 4, 64
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2),

@@ -34,8 +34,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
+from fiddlejax.adaptation.split import split_model  # noqa: E402
 from fiddlejax.models.gpt import GPT, GPTConfig  # noqa: E402
-from fiddlejax.split import split_model  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=8, d_ff=256)
 PIPE, MB = 4, 2  # stages; sequences per microbatch

@@ -28,9 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # What a compiled training step runs: the Trainer, the plan, the parallel layouts, remat.
 STEP = ("fiddlejax/train.py", "fiddlejax/plan.py", "fiddlejax/mesh.py", "fiddlejax/sharding.py",
-        "fiddlejax/split.py", "fiddlejax/staged.py", "fiddlejax/state.py", "fiddlejax/remat.py",
-        "fiddlejax/compute.py", "fiddlejax/scanned.py", "fiddlejax/blocks.py",
-        "fiddlejax/batches.py", "fiddlejax/parallel")
+        "fiddlejax/staged.py", "fiddlejax/state.py", "fiddlejax/batches.py", "fiddlejax/adaptation",
+        "fiddlejax/compute", "fiddlejax/memory", "fiddlejax/parallel")
 PIPE = ("fiddlejax/pipeline",)
 GPT = ("fiddlejax/models/gpt.py", "fiddlejax/models/common.py")
 LLAMA = ("fiddlejax/models/llama.py", "fiddlejax/models/decoder.py",
@@ -38,12 +37,8 @@ LLAMA = ("fiddlejax/models/llama.py", "fiddlejax/models/decoder.py",
          "fiddlejax/models/common.py")
 MOE = ("fiddlejax/models/moe.py", "fiddlejax/models/moe_lm.py", "fiddlejax/models/moe_loss.py")
 PLANNER = ("fiddlejax/planner",)
-APP = ("fiddlejax/app", "fiddlejax/cli.py", "fiddlejax/config.py", "fiddlejax/configs",
-       "fiddlejax/compile_cache.py",
-       "fiddlejax/data")
-CKPT = ("fiddlejax/checkpoint.py", "fiddlejax/checkfreq.py", "fiddlejax/checkpoint_lock.py",
-        "fiddlejax/checkpoint_manifest.py", "fiddlejax/checkpoint_params.py",
-        "fiddlejax/checkpoint_timing.py", "fiddlejax/storage.py")
+APP = ("fiddlejax/app", "fiddlejax/cli.py", "fiddlejax/configs", "fiddlejax/data")
+CKPT = ("fiddlejax/checkpoint", "fiddlejax/memory/storage.py")
 
 
 @dataclass(frozen=True)
@@ -100,16 +95,16 @@ REPORTS: dict[str, Report] = {
                                 STEP + PIPE + LLAMA + PLANNER + ("fiddlejax/models/families.py",)),
     "scale_moe.md": Report("scale_moe.py", "--layout 1,2,1,8,1 --layout 2,2,1,4,1",
                            STEP + PIPE + MOE + PLANNER),
-    "fp8.md": Report("fp8.py", "", STEP + PIPE + APP + GPT + ("fiddlejax/fp8.py",)),
+    "fp8.md": Report("fp8.py", "", STEP + PIPE + APP + GPT + ("fiddlejax/compute/fp8.py",)),
     "hf_checkpoint_memory.md": Report("hf_checkpoint_memory.py", "",
-                                      STEP + APP + LLAMA + CKPT + ("fiddlejax/hub.py",
+                                      STEP + APP + LLAMA + CKPT + ("fiddlejax/models/hub.py",
                                                                    "fiddlejax/models/hf.py",
                                                                    "fiddlejax/models/hf_io.py")),
     "input_pipeline.md": Report("input_pipeline.py", "", STEP + APP + GPT,
                                 ("input_pipeline.json",)),
     "data_store.md": Report("data_store.py", "", APP, ("data_store.json",)),
     "faults.md": Report("faults.py", "--kills 4 --trials 2 --seed 0",
-                        STEP + APP + CKPT + ("fiddlejax/preemption.py", "fiddlejax/distributed")),
+                        STEP + APP + CKPT + ("fiddlejax/distributed",)),
     "suite.md": Report("suite.py", "--quick", STEP + PIPE + GPT + PLANNER +
                        ("fiddlejax/models/bert.py",), ("suite.json", "suite.png")),
 }
@@ -117,7 +112,7 @@ REPORTS: dict[str, Report] = {
 # Made on a lent GPU: the CPU runner cannot remake them. Their figures stay as measured; the
 # staleness test names the changed inputs instead of failing (no GPU in CI).
 GPU_REPORTS: dict[str, tuple[Report, str]] = {
-    "mfu.md": (Report("mfu.py", "", STEP + PIPE + LLAMA + ("fiddlejax/xla_flags.py",)),
+    "mfu.md": (Report("mfu.py", "", STEP + PIPE + LLAMA + ("fiddlejax/app/xla_flags.py",)),
                "step times and MFU of one NVIDIA H200 (jax 0.11.2); a CPU has no MFU"),
     "long_context_gpu.md": (Report("long_context.py", "--platform gpu",
                                    STEP + PIPE + LLAMA + PLANNER),

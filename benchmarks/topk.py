@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import reporting  # noqa: E402
 
-from fiddlejax import config as config_lib  # noqa: E402
 from fiddlejax.app import build  # noqa: E402
+from fiddlejax.app import config as config_lib  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "topk.md"
 

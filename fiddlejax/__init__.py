@@ -17,7 +17,7 @@ _EXPORTS = {
     "mean_loss": "fiddlejax.staged",
     "next_token": "fiddlejax.staged",
     "Reported": "fiddlejax.staged",
-    "split_model": "fiddlejax.split",
+    "split_model": "fiddlejax.adaptation.split",
     "CheckpointManager": "fiddlejax.checkpoint",
     "stale_correction": "fiddlejax.pipeline.staleness",
 }

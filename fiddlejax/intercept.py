@@ -1,9 +1,9 @@
 """How fiddlejax reaches into a user's unmodified model while tracing it: one mechanism.
 
 A user's own model keeps its ``__call__``, its ``nnx.Dropout`` and its ``jax.lax.scan``;
-fiddlejax still has to split its forward into pieces (:mod:`fiddlejax.standins`), unroll the
-scan over its stacked blocks (:mod:`fiddlejax.scanned`), draw its dropout masks per example
-(:mod:`fiddlejax.dropout`) and offer its blocks the layout's collectives
+fiddlejax still has to split its forward into pieces (:mod:`fiddlejax.adaptation.standins`), unroll
+the scan over its stacked blocks (:mod:`fiddlejax.adaptation.scanned`), draw its dropout masks per
+example (:mod:`fiddlejax.adaptation.dropout`) and offer its blocks the layout's collectives
 (:class:`fiddlejax.parallel.ops.Ops`, read by ``fiddlejax.models.common.attention`` when a
 block does not take ``ops`` itself). All four read one record, :func:`current`, which
 :func:`setting` replaces for the extent of a ``with`` block while fiddlejax traces a piece.
@@ -25,10 +25,10 @@ from typing import Any
 class Interception:
     """What fiddlejax has set for the piece being traced (defaults: nothing)."""
 
-    standins: tuple | None = None     # the stand-in blocks' mode (fiddlejax.standins.acting)
+    standins: tuple | None = None     # the stand-in blocks' mode (standins.acting)
     unroll_scan: bool = False         # the outermost jax.lax.scan runs as a loop
     scan_calls: list | None = None    # [calls so far] of the stacked blocks' stand-in
-    dropout: Any = None               # per-example dropout keys (fiddlejax.dropout.keys)
+    dropout: Any = None               # per-example dropout keys (adaptation.dropout.keys)
     ops: Any = None                   # the layout's Ops for blocks that do not take them
 
 

@@ -73,14 +73,14 @@ class Plan:
     - ``fsdp_prefetch`` (with ``zero=3``, ``fsdp_gather="layer"``, no pipeline): the scan over
       the layers gathers layer i+1's weights while layer i computes, and in the backward
       reduce-scatters layer i+1's gradient while layer i's backward computes
-      (:mod:`fiddlejax.prefetch`): the collectives overlap the matmuls, for one more layer of
-      gathered weights and one of gradient held. ``False``: each layer gathers when it runs.
+      (:mod:`fiddlejax.compute.prefetch`): the collectives overlap the matmuls, for one more layer
+      of gathered weights and one of gradient held. ``False``: each layer gathers when it runs.
     - ``compute_dtype``: the dtype of matmuls, activations, stashes and the messages between
       stages (``"bfloat16"`` for mixed precision; also ``jnp.bfloat16``). Parameters, their
       gradients, the gradient reduction, the optimizer state and the loss stay float32.
     - ``matmul_dtype``: ``"fp8"`` runs each layer's dense matmuls (a dot against the layer's
       weights) on per-tensor-scaled float8 operands, e4m3 forward and e5m2 gradients
-      (:mod:`fiddlejax.fp8`); the rest stays in ``compute_dtype``, which must be
+      (:mod:`fiddlejax.compute.fp8`); the rest stays in ``compute_dtype``, which must be
       ``"bfloat16"``. ``None`` (default): matmuls in ``compute_dtype``.
     - ``rules``: logical axis name -> mesh axis (or None), merged over
       ``fiddlejax.sharding.DEFAULT_RULES``, so a model annotated with its own names (``fsdp``,

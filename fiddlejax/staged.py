@@ -4,7 +4,7 @@ Every layout (data, tensor, pipeline) is built from this one declaration, so no 
 rewritten per layout. There are two ways to give it:
 
 - any NNX model, unmodified: ``parallelize(model, opt, plan, layers="path.to.blocks",
-  loss=fn)``; :mod:`fiddlejax.adapt` finds the rest (see there);
+  loss=fn)``; :mod:`fiddlejax.adaptation.adapt` finds the rest (see there);
 - the explicit form, the :class:`Staged` protocol below, for models that stack their layers
   themselves (``nnx.vmap``) and scan over them.
 
@@ -151,7 +151,7 @@ class StagedModel:
 
     # The canonical tree (the model's own ``nnx.state(model, nnx.Param)``) and the staged tree
     # (layers stacked under ``stack``) are the same for a model with the staged protocol; an
-    # adapted model (fiddlejax.adapt) stacks its blocks here.
+    # adapted model (fiddlejax.adaptation.adapt) stacks its blocks here.
     def to_staged(self, params: nnx.State) -> nnx.State:
         """The staged tree of canonical ``params``."""
         return params

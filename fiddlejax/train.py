@@ -1,10 +1,11 @@
 """``parallelize``: a Flax model, an optax optimizer and a Plan become a Trainer of jitted steps.
 
-The Trainer composes; it decides nothing about an axis itself. :func:`fiddlejax.split.split_model`
-turns the model into pure functions, :func:`fiddlejax.parallel.compose.lay_out` applies the
-parallel concerns in their documented order (tensor, pipe, ZeRO/FSDP over data, the gradient
-exchange), :mod:`fiddlejax.parallel.data` and :mod:`fiddlejax.parallel.exchange` are the step,
-and :mod:`fiddlejax.canonical` converts states to and from the model's own tree.
+The Trainer composes; it decides nothing about an axis itself.
+:func:`fiddlejax.adaptation.split.split_model` turns the model into pure functions,
+:func:`fiddlejax.parallel.compose.lay_out` applies the parallel concerns in their documented order
+(tensor, pipe, ZeRO/FSDP over data, the gradient exchange), :mod:`fiddlejax.parallel.data` and
+:mod:`fiddlejax.parallel.exchange` are the step, and :mod:`fiddlejax.canonical` converts states to
+and from the model's own tree.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from fiddlejax import batches, canonical, checks, dropout, lora, measure, remat, staged
+from fiddlejax import batches, canonical, checks, staged
+from fiddlejax.adaptation import dropout
+from fiddlejax.adaptation.split import split_model
+from fiddlejax.finetune import lora
+from fiddlejax.memory import remat
 from fiddlejax.parallel import compose, data
 from fiddlejax.parallel.exchange import Program
 from fiddlejax.plan import Plan
-from fiddlejax.split import split_model
 from fiddlejax.state import TrainState
 
 __all__ = ["Trainer", "TrainState", "parallelize"]
@@ -87,7 +91,7 @@ class Trainer:
 
     def _indexed(self, batch: dict, step, steps: bool = False) -> dict:
         """A model with dropout gets each row's step and global example index in its batch
-        (:mod:`fiddlejax.dropout`: masks from (step, example, layer), equal on every layout)."""
+        (:mod:`.adaptation.dropout`: masks from (step, example, layer), equal on every layout)."""
         if not getattr(self.layout.source, "dropout", False):
             return batch
         if steps:  # [K, batch, ...]: step + k for the k-th
@@ -235,7 +239,7 @@ class Trainer:
             batch = self._batch_spec(batch_size)
         batch = {k: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.batch_sharding)
                  for k, x in batch.items()}
-        return measure.memory(self.compiled_step(self.abstract_state(), batch))
+        return _compiled_memory(self.compiled_step(self.abstract_state(), batch))
 
     def compiled_step(self, state: TrainState, batch: dict):
         """The compiled step, for ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``."""
@@ -306,3 +310,15 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
     if lora.has_adapters(nnx.state(model, nnx.Param)):  # LoRA: only the adapters train
         optimizer = lora.optimizer(optimizer)
     return Trainer(model, optimizer, plan, loss, layers)
+
+
+def _compiled_memory(compiled) -> dict:
+    """Per-device bytes of a compiled step, read from XLA (exact on every backend):
+    ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs written over donated
+    arguments), ``temp_bytes`` and ``peak_bytes`` = argument + output + temp - alias."""
+    m = compiled.memory_analysis()
+    out = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+           "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}
+    out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+                         - out["alias_bytes"])
+    return out

@@ -358,7 +358,7 @@ def test_preemption_flag_from_sigterm():
 
 # -- fiddlejax train: refusing, resuming exactly after SIGKILL and SIGTERM -----------------------
 def job_cfg(d: Path, **over) -> dict:
-    from fiddlejax import config
+    from fiddlejax.app import config
 
     cfg = config.load(None, [f"checkpoint.dir={d}"])
     cfg.update(over)
@@ -421,8 +421,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_state(run_dir: Path):
     """The run's last checkpoint, restored through the CLI's own builders, canonical layout."""
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     cfg = config.load(None, TINY)
     mesh = fj.make_mesh(data=2, pipe=1, tensor=1, devices=jax.devices()[:2])
@@ -517,7 +516,7 @@ def test_unusable_checkpoint_dir_is_refused_before_the_first_step(tmp_path, caps
 
 
 def test_resume_announces_config_changes():
-    from fiddlejax import config
+    from fiddlejax.app import config
 
     said = job_ckpt.config_changes(
         config.load(None, ["train.steps=10"]),

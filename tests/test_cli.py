@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fiddlejax import config
+from fiddlejax.app import config
 
 
 def test_overrides_parse_and_unknown_keys_fail():

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fiddlejax import config, models
-from fiddlejax.app import build, train
+from fiddlejax import models
+from fiddlejax.app import build, config, train
 
 # (overrides, words the one-line error must hold). All fail before any device work.
 BAD = [
@@ -176,7 +176,7 @@ def test_default_yaml_lists_the_registrys_schedule_kinds():
 
 
 def test_compile_cache_directory_follows_jax_then_the_default(monkeypatch, tmp_path):
-    from fiddlejax import compile_cache
+    from fiddlejax.app import compile_cache
 
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
     assert compile_cache.directory("auto") == tmp_path / "jax"

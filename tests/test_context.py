@@ -257,7 +257,7 @@ def test_long_context_benchmark_compiles_for_mock_gpus():
     real), the job's GPU flags, no autotuning; the CPU row: 8 simulated CPU devices."""
     import importlib.util
 
-    from fiddlejax import xla_flags
+    from fiddlejax.app import xla_flags
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
     spec = importlib.util.spec_from_file_location("long_context_bench", path)

@@ -201,8 +201,7 @@ def test_stream_state_resumes_and_refuses_other_data(corpus):
 
 
 def test_job_refuses_bad_data_settings_before_building(tmp_path, corpus):
-    from fiddlejax import config
-    from fiddlejax.app import build, runs
+    from fiddlejax.app import build, config, runs
 
     cfg = config.load(None, ["model.name=bert", f"data.path={corpus[0] / 'c.jsonl'}"])
     with pytest.raises(config.ConfigError, match="model.name=bert trains on its bundled data"):

@@ -1,6 +1,6 @@
-"""DPO (fiddlejax.dpo, fiddlejax.data.preference): the paper's loss on a hand-computed example,
-preference records as one row per example (plain strings and chat messages), and the loss and
-gradients of one device reproduced on data x tensor and 1F1B (2, 2, 2), full and LoRA."""
+"""DPO (fiddlejax.finetune.dpo, fiddlejax.data.preference): the paper's loss on a hand-computed
+example, preference records as one row per example (plain strings and chat messages), and the loss
+and gradients of one device reproduced on data x tensor and 1F1B (2, 2, 2), full and LoRA."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import fiddlejax as fj
-from fiddlejax import dpo, lora
 from fiddlejax.data import chat, pipeline, preference, prepare, tokenizer
 from fiddlejax.data.sources import DataError
+from fiddlejax.finetune import dpo, lora
 from fiddlejax.models.llama import Llama, LlamaConfig
 from fiddlejax.staged import mean_loss
 from tests.helpers import assert_loss_and_grads

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from fiddlejax import config
-from fiddlejax.app import build, logs
+from fiddlejax.app import build, config, logs
 from tests.fixtures import make_finetune_fixture as ft
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -18,9 +18,9 @@ from flax import nnx
 from helpers import tokens
 
 import fiddlejax as fj
-from fiddlejax import config as config_lib
-from fiddlejax import fp8
 from fiddlejax.app import build
+from fiddlejax.app import config as config_lib
+from fiddlejax.compute import fp8
 from fiddlejax.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)

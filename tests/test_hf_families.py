@@ -201,7 +201,7 @@ def test_cli_fine_tunes_any_family_without_model_name_and_exports(tmp_path):
 
 
 def test_auto_model_name_refuses_an_unknown_family(tmp_path):
-    from fiddlejax import config
+    from fiddlejax.app import config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(config.ConfigError, match="model_type='falcon', which fiddlejax does "

@@ -177,7 +177,7 @@ def test_hub_configs_read_with_their_parameter_counts(hf, params):
 
 
 def test_job_picks_the_moe_family():
-    from fiddlejax import config
+    from fiddlejax.app import config
 
     for family in ("mixtral", "qwen3_moe"):
         cfg = config.load(None, [f"model.from_pretrained={FIXTURES / f'hf_{family}'}"])

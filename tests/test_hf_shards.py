@@ -14,8 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fiddlejax as fj
-from fiddlejax import hub
-from fiddlejax.models import from_pretrained, hf_io
+from fiddlejax.models import from_pretrained, hf_io, hub
 from fiddlejax.models.hf import read_safetensors
 from fiddlejax.models.llama import Llama, LlamaConfig
 
@@ -121,7 +120,7 @@ def test_hub_ids_resolve_from_the_local_cache_only(saved, tmp_path, monkeypatch)
     model = from_pretrained("meta-llama/Tiny-Test")
     np.testing.assert_array_equal(np.asarray(model.embed[...]),
                                   np.asarray(from_pretrained(saved).embed[...]))
-    from fiddlejax import config
+    from fiddlejax.app import config
 
     cfg = config.load(None, ["model.from_pretrained=meta-llama/Tiny-Test"])
     assert cfg["model"]["from_pretrained"] == str(path) and cfg["model"]["name"] == "llama"

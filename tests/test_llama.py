@@ -181,8 +181,7 @@ def test_missing_and_unexpected_tensors(tmp_path):
 
 
 def test_cli_builds_llama_from_the_config():
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     cfg = config.load(None, ["model.name=llama", "model.n_kv_heads=1", "model.d_model=64",
                              "model.n_layers=1", "model.d_ff=32"])
@@ -196,7 +195,7 @@ def test_cli_builds_llama_from_the_config():
 
 
 def test_export_refuses_a_run_without_a_hugging_face_twin(tmp_path):
-    from fiddlejax import config
+    from fiddlejax.app import config
     from fiddlejax.app.export import export
 
     (tmp_path / "config.yaml").write_text(json.dumps(config.load(None, ["model.name=bert"])))

@@ -1,5 +1,5 @@
-"""LoRA (fiddlejax.lora): the adapters' loss and gradients equal one device's on data x tensor,
-zero=3 and 1F1B; the base stays frozen and holds no optimizer state."""
+"""LoRA (fiddlejax.finetune.lora): the adapters' loss and gradients equal one device's on data x
+tensor, zero=3 and 1F1B; the base stays frozen and holds no optimizer state."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import fiddlejax as fj
-from fiddlejax import lora
+from fiddlejax.finetune import lora
 from fiddlejax.models.llama import Llama, LlamaConfig
 from tests.helpers import reference_loss_and_grads, reference_loss_fn, tokens
 

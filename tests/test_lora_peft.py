@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from fiddlejax import lora
+from fiddlejax.finetune import lora
 
 FIX = Path(__file__).parent / "fixtures"
 OUT = FIX / "peft_qwen3"

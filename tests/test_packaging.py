@@ -1,6 +1,5 @@
 """Packaging: the bundled models install as ``fiddlejax.models`` and never shadow a user's own
-``models`` package; the old ``import models`` works only from a checkout's root, with a warning,
-and hands back the same module objects."""
+``models`` package, not even from a checkout's root (they are a real subpackage, no link)."""
 
 from __future__ import annotations
 
@@ -31,21 +30,17 @@ def test_no_top_level_models_outside_a_checkout(tmp_path):
     assert "No module named 'models'" in r.stderr
 
 
-def test_old_import_path_in_a_checkout_warns_and_aliases():
-    r = _python("import models, models.gpt, fiddlejax.models.gpt as g\n"
-                "print(models.gpt.GPT is g.GPT, models.REGISTRY is __import__('fiddlejax')"
-                ".models.REGISTRY)", ROOT)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "True True"
-    assert "import them as `fiddlejax.models`" in r.stderr
+def test_no_top_level_models_in_a_checkout():
+    r = _python("import fiddlejax.models.gpt; import models", ROOT)
+    assert "No module named 'models'" in r.stderr, r.stderr
 
 
 def test_every_package_is_listed_for_the_wheel():
-    """pyproject lists packages explicitly (fiddlejax/models is a link): none may be missed."""
+    """pyproject lists packages explicitly: none may be missed."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
                  ["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts)
-             for p in (ROOT / "fiddlejax").rglob("__init__.py")} | {"fiddlejax.models"}
+             for p in (ROOT / "fiddlejax").rglob("__init__.py")}
     assert found == listed, (found - listed, listed - found)

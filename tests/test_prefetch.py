@@ -1,4 +1,4 @@
-"""FSDP's gathers one layer ahead (``fiddlejax.prefetch``), read from the compiled step.
+"""FSDP's gathers one layer ahead (``fiddlejax.compute.prefetch``), read from the compiled step.
 
 In each layer loop's body, the all-gathers (of the next layer) are issued before the matmuls and
 consumed only by the next iteration, and the backward's reduce-scatters (of the previous
@@ -69,7 +69,7 @@ def test_stack_matches_a_scan_and_saves_no_weight_or_constant_per_layer():
     the plain scan's value and gradients, and neither the layer's gathered weights nor a
     constant it closes over (a mask) stacked per layer among the residuals; the layer inputs
     are ([3, 4, 8])."""
-    from fiddlejax import prefetch
+    from fiddlejax.compute import prefetch
 
     mask = np.tril(np.ones((1, 8), np.float32) + 1)
     bf16 = lambda t: jax.tree.map(lambda a: a.astype(jnp.bfloat16), t)

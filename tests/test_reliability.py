@@ -24,7 +24,7 @@ from flax import nnx
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
 from fiddlejax.app import train
-from fiddlejax.checkpoint_lock import LOCK_NAME, DirectoryInUse, DirectoryLock
+from fiddlejax.checkpoint.lock import LOCK_NAME, DirectoryInUse, DirectoryLock
 from fiddlejax.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)

@@ -138,8 +138,7 @@ def test_a_glob_never_follows_a_directory_link(tmp_path):
     ([], "data.mixture=[] lists no data"),
 ])
 def test_mixture_weights_must_be_finite_and_present(mixture, words):
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     with pytest.raises(DataError, match=words.replace("[", r"\[").replace("]", r"\]")):
         pipeline.components({"path": None, "mixture": mixture})

@@ -64,7 +64,7 @@ TINY = ["run.cpu_devices=0", "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pla
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run directory as `fiddlejax train` leaves it: config.yaml and checkpoints/2."""
-    from fiddlejax import config
+    from fiddlejax.app import config
 
     run = tmp_path_factory.mktemp("run")
     (run / "config.yaml").write_text(json.dumps(config.load(None, [*TINY, f"run.dir={run}"])))
@@ -84,7 +84,7 @@ def test_readers_never_delete_a_writers_save_in_progress(run_dir, capsys):
     directories on open: a live trainer's save in progress vanished and the trainer stopped."""
     from fiddlejax.app import inference
     from fiddlejax.app.export import export
-    from fiddlejax.checkpoint_lock import DirectoryLock
+    from fiddlejax.checkpoint.lock import DirectoryLock
 
     ckpts = run_dir / "checkpoints"
     for name in ("6.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp-1795833279"):
@@ -108,8 +108,7 @@ def test_readers_never_delete_a_writers_save_in_progress(run_dir, capsys):
 
 
 def _trainer():
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     c = config.load(None, TINY)
     return fj.parallelize(build.build_model(c["model"], 0), build.make_optimizer(c),
@@ -203,7 +202,7 @@ def test_the_lock_file_is_never_followed_through_a_link(tmp_path, monkeypatch, f
     import fcntl
     import os
 
-    from fiddlejax.checkpoint_lock import LOCK_NAME, DirectoryInUse, DirectoryLock
+    from fiddlejax.checkpoint.lock import LOCK_NAME, DirectoryInUse, DirectoryLock
 
     if not flock:
         def no_flock(fd, op):

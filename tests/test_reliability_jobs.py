@@ -18,7 +18,7 @@ import numpy as np
 
 import fiddlejax as fj
 from fiddlejax import checkpoint as ckpt
-from fiddlejax.checkpoint_lock import LOCK_NAME
+from fiddlejax.checkpoint.lock import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
@@ -39,8 +39,7 @@ def start(cmd: list[str], **kw) -> subprocess.Popen:
 
 def trainer_for(*overrides: str) -> fj.Trainer:
     """The job's model and optimizer (any layout restores: checkpoints are canonical)."""
-    from fiddlejax import config
-    from fiddlejax.app import build
+    from fiddlejax.app import build, config
 
     cfg = config.load(None, list(overrides))
     mesh = fj.make_mesh(data=2, devices=jax.devices()[:2])

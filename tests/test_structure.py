@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 400
 MAX_TRAINER_LINES = 250
+MAX_ROOT_MODULES = 15  # folders are the concerns (issue 46): entry points and primitives only
 
 
 def circles() -> list[list[str]]:
@@ -89,10 +90,34 @@ def test_import_linter_contracts_are_kept():
     assert "0 broken" in r.stdout
 
 
+def root_modules() -> list[str]:
+    return sorted(p.name for p in (ROOT / "fiddlejax").glob("*.py"))
+
+
+def test_the_root_holds_few_modules():
+    assert len(root_modules()) <= MAX_ROOT_MODULES, (
+        f"{len(root_modules())} modules directly in fiddlejax/ ({root_modules()}): put a "
+        "concern's modules in its package")
+
+
+def test_the_layers_cover_every_top_level_module():
+    """Each module and package directly under ``fiddlejax`` sits in a layer of the contract."""
+    import tomllib
+
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    named = {n.strip() for c in contract["contracts"] if c["type"] == "layers"
+             for layer in c["layers"] for n in layer.split(":")}
+    tops = {f"fiddlejax.{p.stem}" for p in (ROOT / "fiddlejax").glob("*.py")} - {
+        "fiddlejax.__init__"}
+    tops |= {f"fiddlejax.{p.parent.name}" for p in (ROOT / "fiddlejax").glob("*/__init__.py")}
+    assert tops <= named, f"not in any import-linter layer: {sorted(tops - named)}"
+
+
 if __name__ == "__main__":
     sys.setrecursionlimit(10_000)
     lines = module_lines()
     print(f"import circles: {len(circles())}")
     print(f"modules: {len(lines)}, longest: "
           + ", ".join(f"{k} {n}" for k, n in sorted(lines.items(), key=lambda kv: -kv[1])[:5]))
+    print(f"modules directly in fiddlejax/: {len(root_modules())}")
     print(f"Trainer: {class_lines(ROOT / 'fiddlejax' / 'train.py', 'Trainer')} lines")

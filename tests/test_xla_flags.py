@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fiddlejax import xla_flags
+from fiddlejax.app import xla_flags
 
 
 def test_gpu_flags_only_for_a_gpu_backend():

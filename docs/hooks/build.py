@@ -53,8 +53,8 @@ def config_entries(path: Path = DEFAULTS) -> list[tuple[str, str, str]]:
 
 
 def _accepts() -> dict[str, str]:
-    """What each key accepts, from the config schema (``fiddlejax.config.specs``)."""
-    from fiddlejax import config
+    """What each key accepts, from the config schema (``fiddlejax.app.config.specs``)."""
+    from fiddlejax.app import config
 
     return {key: spec.expected() for key, spec in config.specs().items()}
 
@@ -81,10 +81,9 @@ def config_reference(path: Path = DEFAULTS) -> str:
 
 
 def _modules(package: str) -> list[Path]:
-    """The ``.py`` files under ``package``, sorted; a symlinked folder is not entered, so
-    ``fiddlejax/models`` (a link to ``models/``) is not listed twice."""
+    """The ``.py`` files under ``package``, sorted."""
     out = []
-    for folder, dirs, files in os.walk(ROOT / package):  # followlinks=False
+    for folder, dirs, files in os.walk(ROOT / package):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         out += [Path(folder) / f for f in files if f.endswith(".py")]
     return sorted(out, key=lambda p: p.relative_to(ROOT).as_posix())
@@ -92,10 +91,10 @@ def _modules(package: str) -> list[Path]:
 
 def module_map() -> str:
     """A Markdown table: each module of the library and the models, and what it is for."""
-    rows = ["Paths are relative to the repository root; `models/` installs as `fiddlejax.models`",
-            "(`models/gpt.py` is `fiddlejax.models.gpt`).", "",
+    rows = ["Paths are relative to the repository root (`fiddlejax/models/gpt.py` is",
+            "`fiddlejax.models.gpt`).", "",
             "| module | what it is |", "|---|---|"]
-    for package in ("fiddlejax", "models"):
+    for package in ("fiddlejax",):
         for path in _modules(package):
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             first = " ".join(doc.split("\n\n")[0].split())

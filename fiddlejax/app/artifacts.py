@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from fiddlejax.config import checkpoint_dir
+from fiddlejax.app.config import checkpoint_dir
 
 FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 EVENTS = "events.out.tfevents*"

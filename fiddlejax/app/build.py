@@ -6,17 +6,16 @@ lives with the models, in ``models.REGISTRY``; this module only reads the config
 
 from __future__ import annotations
 
-from fiddlejax import config as config_lib
 from fiddlejax import models
-from fiddlejax.model_names import DECODERS, FAMILIES
+from fiddlejax.app import config as config_lib
 
 
 def setup_devices(cfg: dict) -> dict[str, str]:
     """Simulate ``run.cpu_devices`` CPU devices and, when the backend will be a GPU, set the
-    recommended XLA flags (:mod:`fiddlejax.xla_flags`); must run before JAX starts its
+    recommended XLA flags (:mod:`fiddlejax.app.xla_flags`); must run before JAX starts its
     backends, and turns on the compile cache (``run.compile_cache``). Returns the XLA flags
     it added."""
-    from fiddlejax import compile_cache, xla_flags
+    from fiddlejax.app import compile_cache, xla_flags
 
     added = xla_flags.apply(fp8=cfg["plan"].get("matmul_dtype") == "fp8")
     compile_cache.use(cfg["run"].get("compile_cache", "auto"))
@@ -44,12 +43,13 @@ def resolve_data(cfg: dict) -> None:
 
     m, d = cfg["model"], cfg["data"]
     pipeline.components(d)  # data.mixture's weights, before anything is read
-    if m["name"] not in DECODERS and pipeline.wanted(d, m.get("from_pretrained")):
+    if m["name"] not in models.DECODERS and pipeline.wanted(d, m.get("from_pretrained")):
         raise config_lib.ConfigError(
             f"data.path, data.mixture and data.tokenizer feed the decoders; model.name="
             f"{m['name']} trains on its bundled data: use model.name=gpt or llama, or unset them")
     source = m.get("from_pretrained")
-    if source and m["name"] in DECODERS:  # bytes for a larger vocabulary: refused, unless named
+    # bytes for a larger vocabulary: refused, unless named
+    if source and m["name"] in models.DECODERS:
         tokenizer.check_bytes(d.get("tokenizer", "auto"), source,
                               pretrained_config(source).get("vocab_size"))
     if m["vocab_size"] == "auto":
@@ -62,17 +62,18 @@ def build_model(mcfg: dict, seed: int, weights: bool = True, lora: dict | None =
     (``vocab_size=auto`` without :func:`resolve_data`: the default tokenizer's size).
     ``weights=False``: a ``model.from_pretrained`` model stays abstract (shapes only), for
     :func:`initial_params` to load by shards or a checkpoint to restore into. ``lora``
-    (``plan.lora``): adapters added (:mod:`fiddlejax.lora`); a pretrained base then loads
+    (``plan.lora``): adapters added (:mod:`fiddlejax.finetune.lora`); a pretrained base then loads
     whole, before them."""
     if lora is not None:
-        from fiddlejax import lora as lora_
+        from fiddlejax.finetune import lora as lora_
 
         settings = lora_settings(lora)
         return lora_.add(build_model(mcfg, seed, weights=True), settings, seed)
     name = mcfg["name"]
-    if mcfg.get("from_pretrained") and name not in FAMILIES:
+    if mcfg.get("from_pretrained") and name not in models.HF_FAMILIES:
         raise ValueError(f"model.from_pretrained={mcfg['from_pretrained']!r} needs "
-                         f"model.name=llama, another Hugging Face family ({', '.join(FAMILIES)})"
+                         "model.name=llama, another Hugging Face family "
+                         f"({', '.join(models.HF_FAMILIES)})"
                          f" or auto (its config.json's family); got {name!r}")
     try:
         model = models.get(name).build(mcfg, seed)
@@ -93,8 +94,8 @@ def build_model(mcfg: dict, seed: int, weights: bool = True, lora: dict | None =
 
 
 def lora_settings(value: dict):
-    """``plan.lora`` as :class:`fiddlejax.lora.LoRA`, its keys checked."""
-    from fiddlejax import lora as lora_
+    """``plan.lora`` as :class:`fiddlejax.finetune.lora.LoRA`, its keys checked."""
+    from fiddlejax.finetune import lora as lora_
 
     known = ("rank", "alpha", "dropout", "targets")
     if not isinstance(value, dict) or set(value) - set(known):
@@ -230,7 +231,7 @@ def config_layers(cfg: dict) -> int | None:
     """The layer count of the config's model, without building it (``model.from_pretrained``'s
     ``num_hidden_layers``, else ``model.n_layers``)."""
     source = cfg["model"].get("from_pretrained")
-    if source and cfg["model"]["name"] in FAMILIES:
+    if source and cfg["model"]["name"] in models.HF_FAMILIES:
         n = pretrained_config(source).get("num_hidden_layers")
         return n if isinstance(n, int) else None
     return cfg["model"].get("n_layers")

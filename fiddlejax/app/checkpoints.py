@@ -24,9 +24,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from fiddlejax.app.config import AUTO_CHECKPOINT_DIR, checkpoint_dir
 from fiddlejax.checkpoint import CheckpointManager, Preemption, jsonable
-from fiddlejax.checkpoint_lock import DirectoryInUse, DirectoryLock
-from fiddlejax.config import AUTO_CHECKPOINT_DIR, checkpoint_dir
+from fiddlejax.checkpoint.lock import DirectoryInUse, DirectoryLock
 
 ROLLED_BACK = "rolled_back"  # where resume=N moves the checkpoints after N (never deleted)
 
@@ -42,7 +42,7 @@ def config_changes(saved: dict | None, cfg: dict) -> list[str]:
     (``saved``: the config stored in the checkpoint; paths, logging and resume keys ignored)."""
     if not isinstance(saved, dict):
         return []
-    from fiddlejax.config import leaves
+    from fiddlejax.app.config import leaves
 
     old, new = leaves(saved), leaves(jsonable(cfg))
     out = []

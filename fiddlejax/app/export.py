@@ -5,7 +5,7 @@ Phi-3, Gemma 1/2/3) as a Hugging Face directory of its family (a GPT run's as a 
 The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``: model, optimizer,
 plan and simulated devices), abstractly; its checkpoint's parameters (never the optimizer
 state) restore one leaf at a time onto one device (a checkpoint restores onto any layout),
-verified array by array (:mod:`fiddlejax.checkpoint_params`), and the model's
+verified array by array (:mod:`fiddlejax.checkpoint.params`), and the model's
 ``save_pretrained`` writes them tensor by tensor as ``config.json`` + safetensors (host memory:
 about one leaf and one tensor), beside the job's tokenizer files and
 ``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`). Everything is written
@@ -19,8 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from fiddlejax import models
 from fiddlejax.app import beside_writer, export_dir, runs
-from fiddlejax.model_names import DECODERS
 
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
@@ -32,7 +32,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     ``overwrite``: replace files in ``out_dir`` that no earlier export wrote (else refused).
     ``adapter``: a ``plan.lora`` run's adapters alone, as a PEFT adapter directory
     (``adapter_model.safetensors`` + ``adapter_config.json``) for the run's base."""
-    from fiddlejax.config import parse_bytes
+    from fiddlejax.app.config import parse_bytes
 
     # the arguments first: a restore takes a minute at size
     max_shard_size = parse_bytes(max_shard_size, "--max-shard-size")
@@ -40,7 +40,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         raise ValueError(f"OUT_DIR {out_dir} is a file; pass a directory to write")
     run_dir = Path(run_dir)
     cfg = runs.run_config(run_dir)
-    if cfg["model"]["name"] not in DECODERS:
+    if cfg["model"]["name"] not in models.DECODERS:
         raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
                          "Hugging Face twin here; export writes the decoder families (llama, "
                          "mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text) as "
@@ -55,7 +55,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
 
     build.setup_devices(cfg)
     import fiddlejax as fj
-    from fiddlejax import checkpoint_params, models
+    from fiddlejax.checkpoint import params as checkpoint_params
 
     model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False,  # restored
                               lora=cfg["plan"].get("lora"))
@@ -82,7 +82,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                 write_adapter(tmp, shapes, leaf, cfg)
             return step
         if cfg["plan"].get("lora") is not None:  # the base with the adapters folded in
-            from fiddlejax import lora
+            from fiddlejax.finetune import lora
 
             shapes, leaf = lora.merged_leaves(shapes, leaf,
                                               build.lora_settings(cfg["plan"]["lora"]).scale)
@@ -100,13 +100,13 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
 
 
 def write_adapter(directory: Path, shapes: dict, leaf, cfg: dict) -> None:
-    """A PEFT adapter of the run's adapters (:func:`fiddlejax.lora.peft_adapter`)."""
+    """A PEFT adapter of the run's adapters (:func:`fiddlejax.finetune.lora.peft_adapter`)."""
     import json
 
     from safetensors.numpy import save_file
 
-    from fiddlejax import lora
     from fiddlejax.app import build
+    from fiddlejax.finetune import lora
 
     tensors, config = lora.peft_adapter(shapes, leaf, build.lora_settings(cfg["plan"]["lora"]),
                                         cfg["model"].get("from_pretrained"))

@@ -27,7 +27,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from fiddlejax.checkpoint_manifest import io_cause
+from fiddlejax.checkpoint.manifest import io_cause
 
 RECORD = ".fiddlejax-export.json"
 # Every name an export may write (the tokenizer file copied from data.tokenizer aside):

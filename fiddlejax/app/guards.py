@@ -1,9 +1,9 @@
 """What ``fiddlejax train`` refuses before it allocates anything, in the job's own keys.
 
-The config schema (:mod:`fiddlejax.config`) types each key alone; these checks need another
+The config schema (:mod:`fiddlejax.app.config`) types each key alone; these checks need another
 module's names (the logical axes of :mod:`fiddlejax.sharding`, the metrics the job records) or
 the machine (its memory, its devices and their platform). Each raises
-:class:`~fiddlejax.config.ConfigError` (exit status 2) naming the key, the value and the fix:
+:class:`~fiddlejax.app.config.ConfigError` (exit status 2) naming the key, the value and the fix:
 
 - :func:`check_config` (no device touched): ``plan.rules`` names, ``checkpoint.best_metric``,
   a batch that cannot fit in this machine's memory (it would hang filling it).
@@ -18,7 +18,7 @@ import difflib
 import math
 import os
 
-from fiddlejax.config import ConfigError, check_batch
+from fiddlejax.app.config import ConfigError, check_batch
 
 # What checkpoint.best_metric may rank by: the job's numeric records (app/train.py's ``rec``).
 BEST_METRICS = ("loss", "val_loss", "val_accuracy", "grad_norm")
@@ -142,7 +142,7 @@ def pretrained_error(directory: str, e: BaseException) -> ConfigError | None:
     import json
     from pathlib import Path
 
-    from fiddlejax.checkpoint_manifest import io_cause
+    from fiddlejax.checkpoint.manifest import io_cause
 
     key = f"model.from_pretrained={directory}"
     if isinstance(e, json.JSONDecodeError | UnicodeDecodeError):

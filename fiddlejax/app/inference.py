@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import sys
 
-from fiddlejax import config as config_lib
-from fiddlejax.model_names import DECODERS
+from fiddlejax import models
+from fiddlejax.app import config as config_lib
 
 OWN_KEYS = ("run.dir", "resume", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
             "batches")
@@ -79,8 +79,7 @@ def _number(own: dict, key: str, kind, default):
 
 def load(own: dict, overrides: list[str], command: str):
     """``(cfg, model, tokenizer, what)`` for a run directory or a Hugging Face directory."""
-    from fiddlejax import compile_cache
-    from fiddlejax.app import build, runs
+    from fiddlejax.app import build, compile_cache, runs
     from fiddlejax.data import tokenizer
 
     compile_cache.use(next((config_lib.parse_override(o)["run"]["compile_cache"]
@@ -112,7 +111,6 @@ def evaluate(cfg: dict, model, batches: int) -> float:
     import jax
     from flax import nnx
 
-    from fiddlejax import models
     from fiddlejax.staged import as_weighted
 
     data = models.get(cfg["model"]["name"]).batches(cfg, model, 0, 1)
@@ -144,9 +142,9 @@ def generate_command(argv: list[str]) -> int:
     own, overrides = parse(argv, "generate")
     n, sampling = sampling_args(own)  # before the model loads (a minute, at size)
     cfg, model, tok, what = load(own, overrides, "generate")
-    if cfg["model"]["name"] not in DECODERS:
+    if cfg["model"]["name"] not in models.DECODERS:
         raise config_lib.ConfigError(f"fiddlejax generate runs the decoders "
-                                     f"({', '.join(DECODERS)}); {what} is "
+                                     f"({', '.join(models.DECODERS)}); {what} is "
                                      f"model.name={cfg['model']['name']}")
     prompt = own.get("prompt", "")
     new = continuation(model, tok, prompt, n, **sampling)
@@ -173,7 +171,6 @@ def sampling_args(own: dict) -> tuple[int, dict]:
 def continuation(model, tok, prompt: str, max_new_tokens: int, **sampling) -> list[int]:
     """The ids ``fiddlejax generate`` decodes: the prompt (after the tokenizer's BOS) continued
     by ``max_new_tokens`` at most, cut before the first EOS (greedy unless ``temperature``)."""
-    from fiddlejax import models
 
     ids = list(tok.encode(prompt))
     if tok.bos_id is not None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from fiddlejax.app.config import checkpoint_dir
 from fiddlejax.checks import NonFiniteLoss, nonfinite_what
-from fiddlejax.config import checkpoint_dir
 
 
 class NonFiniteSteps:

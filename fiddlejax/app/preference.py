@@ -1,13 +1,13 @@
 """The job's DPO: preference data (``data.format=preference``, or detected from ``prompt``,
-``chosen``, ``rejected``) trains with :func:`fiddlejax.dpo.loss` (``train.dpo_beta``), each batch
-scored first by the frozen starting model (:func:`fiddlejax.dpo.reference`)."""
+``chosen``, ``rejected``) trains with :func:`fiddlejax.finetune.dpo.loss` (``train.dpo_beta``), each
+batch scored first by the frozen starting model (:func:`fiddlejax.finetune.dpo.reference`)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from fiddlejax import config as config_lib
+from fiddlejax.app import config as config_lib
 
 
 def wanted(cfg: dict) -> bool:
@@ -25,7 +25,7 @@ def wanted(cfg: dict) -> bool:
 
 def loss(cfg: dict, model, plan) -> Any:
     """The DPO loss of ``train.dpo_beta``, the layout checked."""
-    from fiddlejax import dpo
+    from fiddlejax.finetune import dpo
 
     beta = float(cfg["train"]["dpo_beta"])
     if not beta > 0:
@@ -57,8 +57,8 @@ def with_reference(cfg: dict, data, plan):
     ``plan.lora`` is the base with its adapters off (B = 0 at the start)."""
     import dataclasses
 
-    from fiddlejax import dpo
     from fiddlejax.app import build, runs
+    from fiddlejax.finetune import dpo
 
     ref = build.build_model(cfg["model"], cfg["train"]["seed"], weights=True)
     _, loader = runs.init_weights(cfg, ref, plan)

@@ -15,7 +15,7 @@ def prepare_command(argv: list[str]) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fiddlejax import config as config_lib
+    from fiddlejax.app import config as config_lib
     from fiddlejax.data import pipeline
     from fiddlejax.data import tokenizer as tokenizers
 

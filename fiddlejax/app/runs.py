@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from fiddlejax.app import beside_writer
-from fiddlejax.config import AUTO_CHECKPOINT_DIR
+from fiddlejax.app.config import AUTO_CHECKPOINT_DIR
 
 
 def run_config(run_dir: str | Path) -> dict:

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from fiddlejax import config as config_lib
 from fiddlejax.app import artifacts, build, checkpoints, guards, logs, nonfinite, preference, runs
+from fiddlejax.app import config as config_lib
 
 # Exit codes: 0 done (or preempted and saved), 2 bad input (one line on stderr), 1 a failure while
 # training (non-finite loss, a failed save, an unexpected error), 130 interrupted before training.
@@ -111,7 +111,8 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     explicit = build.explicit_keys(config_path, overrides)  # the layout fits only the others
     guards.check_config(cfg)  # rules, best metric, a batch beyond this machine's memory
     flags = build.setup_devices(cfg)
-    from fiddlejax import compile_cache, distributed, xla_flags
+    from fiddlejax import distributed
+    from fiddlejax.app import compile_cache, xla_flags
 
     try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
         distributed.initialize()
@@ -260,7 +261,7 @@ def lora_line(model) -> str:
     """What ``plan.lora`` trains: its adapters' parameters, against the whole model's."""
     from flax import nnx
 
-    from fiddlejax import lora
+    from fiddlejax.finetune import lora
 
     n, total = lora.trainable_count(nnx.state(model, nnx.Param))
     return (f"# plan.lora: training {n:,} adapter parameters ({100 * n / total:.2f}% of "

@@ -13,7 +13,8 @@ A record is ``{"prompt", "chosen", "rejected"}``, in one of TRL's two shapes:
 The store keeps an example as one document, its two sequences back to back, with a code per
 token (the mask file): bit 0, the token is scored; bit 1, it belongs to the rejected sequence.
 :func:`row` serves it as one row: the two sequences as segments 1 and 2, ``loss_mask``
-:data:`fiddlejax.dpo.CHOSEN` / ``REJECTED`` on their scored tokens (:mod:`fiddlejax.dpo`).
+:data:`fiddlejax.finetune.dpo.CHOSEN` / ``REJECTED`` on their scored tokens
+(:mod:`fiddlejax.finetune.dpo`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Between 1 and 2, ``context`` (:mod:`fiddlejax.parallel.context`): sequences spli
 (:mod:`fiddlejax.parallel.sequence`, ``Plan(sequence_parallel=True)``); then ``expert``
 (:mod:`fiddlejax.parallel.expert`): rows split over ``expert`` between the layers, the MoE
 layers' tokens sent to their experts' devices; last, a model with LoRA adapters sees the rest
-of its parameters frozen (:mod:`fiddlejax.lora`).
+of its parameters frozen (:mod:`fiddlejax.finetune.lora`).
 The result, a :class:`~fiddlejax.parallel.layout.Layout`, holds no arrays; the step functions
 read it.
 """
@@ -29,7 +29,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import compute, layout, lora
+from fiddlejax import compute, layout
+from fiddlejax.finetune import lora
 from fiddlejax.parallel import context, exchange, expert, sequence, tensor
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.parallel.layout import Layout, to_internal

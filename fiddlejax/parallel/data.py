@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import compute, lora
-from fiddlejax import remat as remat_
+from fiddlejax import compute
+from fiddlejax.finetune import lora
+from fiddlejax.memory import remat as remat_
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.plan import Plan
 from fiddlejax.staged import Sums

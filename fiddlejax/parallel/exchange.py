@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import remat as remat_
+from fiddlejax.memory import remat as remat_
 from fiddlejax.parallel import data
 
 if TYPE_CHECKING:

@@ -76,6 +76,7 @@ class Layout:
 
 def to_internal(staged, pipeline, plan: Plan, canonical: nnx.State, shardings) -> nnx.State:
     """Canonical parameters in the internal tree (stacked, vocabulary-padded, per stage)."""
-    # An adapted model's blocks are stacked first (fiddlejax.adapt), then vocabularies padded.
+    # An adapted model's blocks are stacked first (fiddlejax.adaptation.adapt), then vocabularies
+    # padded.
     params = layout.pad_vocab(staged.to_staged(canonical), tensor.vocab_multiple(plan))
     return params if pipeline is None else pipeline.to_internal(params, shardings)

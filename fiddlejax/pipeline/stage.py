@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from fiddlejax import message
+from fiddlejax.memory.storage import from_storage, storage_dtype, to_storage
 from fiddlejax.pipeline import tables as tb
-from fiddlejax.storage import from_storage, storage_dtype, to_storage
 
 
 class Buffers(NamedTuple):

@@ -78,7 +78,7 @@ def moe_llama(layers: int, hidden: int, heads: int, kv_heads: int, seq: int, voc
     act = {p: (sp, rp + extra[p] * s) for p, (sp, rp) in base.act.items()}
     f32 = {p: v + (2 * e * s if p == "none" else 0) for p, v in base.act_f32.items()}
     dense_mlp_flops = 2.0 * s * mlp
-    # fp8 (fiddlejax.fp8): attention's projections; the experts only with capacity dispatch
+    # fp8 (fiddlejax.compute.fp8): attention's projections; the experts only with capacity dispatch
     # (einsums; dropless ragged_dot stays bf16); never the router
     attn = base.dense.weights - mlp
     q = base.dense.act[0] / s - base.ffn

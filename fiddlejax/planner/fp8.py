@@ -1,5 +1,5 @@
-"""fp8 matmuls in the planner (``Plan(matmul_dtype="fp8")``, ``fiddlejax/fp8.py``): which of a
-layer's FLOPs and bytes change.
+"""fp8 matmuls in the planner (``Plan(matmul_dtype="fp8")``, ``fiddlejax/compute/fp8.py``): which of
+a layer's FLOPs and bytes change.
 
 The runtime converts a layer's dense matmuls (a weight times an activation) to float8 with
 per-tensor current scaling; attention's activation x activation dots, a MoE router, dropless
@@ -21,7 +21,7 @@ QUANT_BYTES = 5  # per element quantized: read bf16 for the absmax, read it agai
 @dataclasses.dataclass(frozen=True)
 class DenseMatmuls:
     """One layer's dense matmuls (a weight times an activation): what ``matmul_dtype="fp8"``
-    converts (``fiddlejax.fp8``), per sample unless noted.
+    converts (``fiddlejax.compute.fp8``), per sample unless noted.
 
     - ``flops``: their forward FLOPs (attention's activation x activation dots are not here).
     - ``weights``: their weight elements per layer (split over ``tensor``), each quantized once

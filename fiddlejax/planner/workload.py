@@ -337,10 +337,10 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
     import jax
     import numpy as np
 
+    from fiddlejax.adaptation.split import split_model
     from fiddlejax.memory import remat_layer
     from fiddlejax.pipeline import costs
     from fiddlejax.sharding import param_specs
-    from fiddlejax.split import split_model
 
     sm, params = split_model(model)
     specs = param_specs(params)

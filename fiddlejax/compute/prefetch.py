@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from fiddlejax import message
-from fiddlejax.storage import from_storage, to_storage
+from fiddlejax.memory.storage import from_storage, to_storage
 
 
 def _take(stacked: Any, i) -> Any:

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from . import model_names, units
+from fiddlejax import models
+from fiddlejax.app.units import parse_bytes as _parse_bytes
 
 
 class ConfigError(ValueError):
@@ -115,7 +116,7 @@ MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minute
 # Keys typed beyond their default's type. Choices that other modules own are filled in by
 # :func:`specs` (schedule kinds, remat policies, all-reduce algorithms).
 SPECS: dict[str, Spec] = {
-    "model.name": Spec(str, choices=model_names.NAMES),
+    "model.name": Spec(str, choices=models.NAMES),
     "model.vocab_size": Spec(int, lo=2, words=("auto",)),  # auto: the tokenizer's
     "model.seq_len": POSITIVE, "model.d_model": POSITIVE, "model.n_heads": POSITIVE,
     "model.n_layers": POSITIVE, "model.d_ff": POSITIVE, "model.channels": POSITIVE,
@@ -162,9 +163,7 @@ SPECS: dict[str, Spec] = {
     "resume": Spec(int, lo=1, null=True, words=("auto",)),
 }
 
-# Keys whose value is a free mapping, not a section: overrides merge into it
-# (``plan.rules.kv=tensor``) and validation sees it whole.
-MAPPINGS = ("plan.rules", "plan.lora")
+MAPPINGS = ("plan.rules", "plan.lora")  # free mappings: plan.rules.kv=tensor merges into one
 
 # A fix for a key whose bad value the default alone does not explain.
 HINTS = {
@@ -309,7 +308,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
         cfg = _merge(cfg, parse_override(item))
     validate(cfg)
     try:
-        model_names.resolve(cfg["model"])  # auto: gpt, or model.from_pretrained's family
+        models.resolve_name(cfg["model"])  # auto: gpt, or model.from_pretrained's family
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     return cfg
@@ -395,6 +394,6 @@ def check_batch(cfg: dict, data: int) -> None:
 def parse_bytes(value: Any, key: str = "bytes") -> int:
     """``2GiB``, ``512MB``, ``1e9`` or an int -> bytes (> 0); a ConfigError otherwise."""
     try:
-        return units.parse_bytes(value, key)
+        return _parse_bytes(value, key)
     except ValueError as e:
         raise ConfigError(str(e)) from None

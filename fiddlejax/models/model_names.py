@@ -22,9 +22,9 @@ def resolve(model: dict) -> None:
     """Replace ``model.name=auto`` by the model it means (in place); ``ValueError`` naming the
     key and the file when ``model.from_pretrained``'s family cannot be read or is unknown.
     A hub id in ``model.from_pretrained`` becomes its snapshot's directory in the local cache
-    (:mod:`fiddlejax.hub`; FileNotFoundError when it is not there)."""
+    (:mod:`fiddlejax.models.hub`; FileNotFoundError when it is not there)."""
     if model.get("from_pretrained"):
-        from fiddlejax import hub
+        from fiddlejax.models import hub
 
         model["from_pretrained"] = str(hub.local_dir(model["from_pretrained"]))
     if model.get("name") != "auto":

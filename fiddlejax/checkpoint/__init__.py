@@ -21,16 +21,16 @@ What is saved, per step directory:
   saved it, the job config, the data iterator state, the RNG key and user extras. Restore checks
   names, shapes and dtypes against the target before reading arrays, and fingerprints after, so a
   different model or a corrupted checkpoint fails with an error naming the array
-  (:mod:`fiddlejax.checkpoint_manifest`).
+  (:mod:`fiddlejax.checkpoint.manifest`).
 
-CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkfreq`, SIGTERM handling
-:mod:`fiddlejax.preemption`, the ``fiddlejax train`` glue :mod:`fiddlejax.app.checkpoints`): with
-``every="auto"`` the manager times every ``save`` call it gets (call it every step): the step
-time, the snapshot stall, the background persist time and the slowdown of steps that overlap a
-persist, and picks the smallest interval that keeps the measured cost under
-``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish before the
-next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred (the
-clock is :mod:`fiddlejax.checkpoint_timing`).
+CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkpoint.checkfreq`, SIGTERM
+handling :mod:`fiddlejax.checkpoint.preemption`, the ``fiddlejax train`` glue
+:mod:`fiddlejax.app.checkpoints`): with ``every="auto"`` the manager times every ``save`` call it
+gets (call it every step): the step time, the snapshot stall, the background persist time and the
+slowdown of steps that overlap a persist, and picks the smallest interval that keeps the measured
+cost under ``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish
+before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred
+(the clock is :mod:`fiddlejax.checkpoint.timing`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from typing import Any
 
 import jax
 
-from fiddlejax import checkpoint_manifest as manifest
-from fiddlejax.checkfreq import CheckFreq
-from fiddlejax.checkpoint_manifest import FORMAT, jsonable, named_leaves
-from fiddlejax.checkpoint_timing import SaveTiming
-from fiddlejax.preemption import Preemption
+from fiddlejax.checkpoint import manifest
+from fiddlejax.checkpoint.checkfreq import CheckFreq
+from fiddlejax.checkpoint.manifest import FORMAT, jsonable, named_leaves
+from fiddlejax.checkpoint.preemption import Preemption
+from fiddlejax.checkpoint.timing import SaveTiming
 
 __all__ = ["FORMAT", "CheckFreq", "CheckpointManager", "NonFiniteState", "Preemption",
            "Restored", "jsonable", "named_leaves"]

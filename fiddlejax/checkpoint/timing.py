@@ -2,7 +2,7 @@
 
 A save blocks for the device-to-host snapshot (the stall); the write then runs in the background
 (the persist) and may slow the steps it overlaps (the interference). :class:`SaveTiming` books
-each, feeding :class:`~fiddlejax.checkfreq.CheckFreq` when the interval is ``"auto"`` and
+each, feeding :class:`~fiddlejax.checkpoint.checkfreq.CheckFreq` when the interval is ``"auto"`` and
 :meth:`~fiddlejax.checkpoint.CheckpointManager.stats` always.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from fiddlejax.checkfreq import CheckFreq
+from fiddlejax.checkpoint.checkfreq import CheckFreq
 
 
 class SaveTiming:

@@ -154,7 +154,8 @@ def counted(msg: jax.Array, side: Side, blocks: int) -> jax.Array:
 
 def activation(out: Any) -> jax.Array:
     """The activation a block returns: its first array (alone, or first in a tuple whose other
-    outputs, e.g. Mamba2's states, training drops: :func:`fiddlejax.standins.check_log`)."""
+    outputs, e.g. Mamba2's states, training drops:
+    :func:`fiddlejax.adaptation.standins.check_log`)."""
     arrays = [a for a in jax.tree.leaves(out) if isinstance(a, jax.Array)]
     if not arrays:
         raise TypeError(f"a block returned {describe(out)}; fiddlejax carries one activation")

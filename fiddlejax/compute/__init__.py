@@ -11,7 +11,7 @@ after: the cotangent back in float32, then the all-gather's transpose, a reduce-
 replica's gradient arrives already summed (in float32) and sharded.
 
 Without a pipeline the stack runs as :meth:`ParamView.stack` instead: the same gathers and
-casts, one layer ahead (:mod:`fiddlejax.prefetch`).
+casts, one layer ahead (:mod:`fiddlejax.compute.prefetch`).
 
 The prologue and epilogue (embedding, head) see the parameters outside the stack the same way
 (:class:`ViewedModel`).
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax.storage import from_storage, to_storage
+from fiddlejax.memory.storage import from_storage, to_storage
 
 # Parameters this small with no dimension divisible by ``data`` stay replicated under zero=3
 # (norm scales, biases); a larger one is an error that names it.
@@ -277,7 +277,7 @@ class ParamView:
     """Gather (over ``data`` on each leaf's FSDP dimension; -1: none) and cast (to the compute
     dtype; ``None``: keep) parameters. ``dims`` trees are prefixes of the parameter trees;
     ``specs`` trees (the same prefixes) give each gathered leaf's split over the other axes.
-    ``matmul="fp8"``: each layer's dense matmuls in float8 (:mod:`fiddlejax.fp8`). ``also``:
+    ``matmul="fp8"``: each layer's dense matmuls in float8 (:mod:`fiddlejax.compute.fp8`). ``also``:
     automatic axes the FSDP shards also split over, inside ``data`` (``("context",)``: context
     replicas hold the same parameters, so they store a share each, as data replicas do)."""
 
@@ -317,7 +317,7 @@ class ParamView:
 
         def viewed(lp, x):
             if self.matmul == "fp8":
-                from fiddlejax import fp8
+                from fiddlejax.compute import fp8
 
                 return fp8.layer(layer, self.tree(lp, dims, specs), x)
             return layer(self.tree(lp, dims, specs), x)
@@ -327,9 +327,9 @@ class ParamView:
     def stack(self, layer: Callable, dims: Any, policy: Callable | None,
               specs: Any = None, unroll: bool = False) -> Callable:
         """``run(stacked, x)``: the whole stack of ``layer``, each layer's weights gathered one
-        layer ahead and its gradient scattered one behind (:mod:`fiddlejax.prefetch`); what a
-        scan of :meth:`layer` computes, with the same residuals saved."""
-        from fiddlejax import prefetch
+        layer ahead and its gradient scattered one behind (:mod:`fiddlejax.compute.prefetch`); what
+        a scan of :meth:`layer` computes, with the same residuals saved."""
+        from fiddlejax.compute import prefetch
 
         if specs is None:
             specs = jax.tree.map(lambda _: P(), dims)
@@ -337,7 +337,7 @@ class ParamView:
 
         def apply(w, x):
             if self.matmul == "fp8":
-                from fiddlejax import fp8
+                from fiddlejax.compute import fp8
 
                 return fp8.layer(layer, w, x)
             return layer(w, x)

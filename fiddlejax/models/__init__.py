@@ -5,9 +5,7 @@ config name and asks the entry to build it, feed it, count its FLOPs and name it
 so the job holds no per-model code. Importing this package is cheap: each entry imports its
 model module only when called.
 
-They install as ``fiddlejax.models`` (the folder is ``models/`` in the repository), so a user's
-own ``models`` package is never shadowed. The old name ``import models`` resolves only from a
-checkout's root, where it warns and hands back ``fiddlejax.models`` itself.
+The model names the job accepts (:mod:`.model_names`) are read from here too.
 """
 
 from __future__ import annotations
@@ -17,23 +15,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-if __name__ == "models":  # pragma: no cover - the old import path, see the docstring
-    import importlib
-    import pkgutil
-    import sys
-    import warnings
-
-    warnings.warn("the bundled models moved: import them as `fiddlejax.models` (`import models` "
-                  "works only from a fiddlejax checkout's root and will go)", DeprecationWarning,
-                  stacklevel=2)
-    # One module object per model under both names, so classes and REGISTRY entries agree.
-    sys.modules[__name__] = importlib.import_module("fiddlejax.models")
-    for _sub in pkgutil.iter_modules(__path__):
-        sys.modules[f"{__name__}.{_sub.name}"] = importlib.import_module(
-            f"fiddlejax.models.{_sub.name}")
-
-
-from .feed import Batches, own_batches, own_data, token_batches, vocab_fix  # noqa: E402,F401
+from .feed import Batches, own_batches, own_data, token_batches, vocab_fix  # noqa: F401
+from .model_names import DECODERS, NAMES  # noqa: F401
+from .model_names import FAMILIES as HF_FAMILIES  # noqa: F401
+from .model_names import resolve as resolve_name  # noqa: F401
 
 # Muon orthogonalizes each layer's matrices: which axes of a stacked block leaf are the matrix's
 # input (reduction) and output axes, counted from the end so every parallel layout agrees.
@@ -299,7 +284,7 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
     the local cache (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the
     slices each device holds (``shardings``), or not at all with ``abstract=True`` (then
     ``trainer.init(model.pretrained_params)``). ``model.save_pretrained(dir)`` writes it back."""
-    from fiddlejax import hub
+    from fiddlejax.models import hub
 
     from .decoder import FAMILIES
     from .families import SUPPORTED

@@ -42,8 +42,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fiddlejax import dropout, intercept, scanned, sharding
-from fiddlejax.blocks import (
+from fiddlejax import intercept, sharding
+from fiddlejax.adaptation import dropout, scanned
+from fiddlejax.adaptation.blocks import (
     FROZEN,
     block_constants,
     block_keys,
@@ -57,9 +58,16 @@ from fiddlejax.blocks import (
     unstack_params,
     watch,
 )
-from fiddlejax.side_inputs import activation, constant_leaves, counted, keys_of, pack, unpack
+from fiddlejax.adaptation.side_inputs import (
+    activation,
+    constant_leaves,
+    counted,
+    keys_of,
+    pack,
+    unpack,
+)
+from fiddlejax.adaptation.standins import Stop, acting, check_log, depends, without_blocks
 from fiddlejax.staged import Loss, StagedModel, Sums, as_sums, unpad_outputs
-from fiddlejax.standins import Stop, acting, check_log, depends, without_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +152,7 @@ class AdaptedModel(StagedModel):
 
     def _tracing(self):
         """The model's own scan over a stacked module runs unrolled while fiddlejax traces its
-        pieces (:mod:`fiddlejax.scanned`); lists of blocks need nothing."""
+        pieces (:mod:`fiddlejax.adaptation.scanned`); lists of blocks need nothing."""
         return scanned.unrolled() if self.scanned else contextlib.nullcontext()
 
     def _first_call(self, model: nnx.Module, batch: dict) -> tuple[tuple, dict]:

@@ -15,7 +15,8 @@ from typing import Any
 
 import jax
 
-from fiddlejax import checks, message, storage
+from fiddlejax import checks, message
+from fiddlejax.memory import storage
 
 
 def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
@@ -41,7 +42,7 @@ def layer_remat(policy: Any, zero) -> Callable[[Callable], Callable]:
 @dataclasses.dataclass(frozen=True)
 class Prefetched:
     """A layer wrapper (``wrap``) whose whole stack can also run with FSDP's gathers one layer
-    ahead (``stack(layer) -> run(stacked, x)``, :mod:`fiddlejax.prefetch`)."""
+    ahead (``stack(layer) -> run(stacked, x)``, :mod:`fiddlejax.compute.prefetch`)."""
 
     wrap: Callable[[Callable], Callable]
     stack: Callable[[Callable], Callable]

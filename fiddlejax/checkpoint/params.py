@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import jax
 
-from fiddlejax import checkpoint_manifest as manifest
+from fiddlejax.checkpoint import manifest
 
 
 def param_leaves(mgr, step: int | None = None

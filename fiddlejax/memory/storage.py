@@ -4,9 +4,9 @@ XLA's CPU has no 16-bit float arithmetic and widens a bf16 buffer to float32 aro
 that slice it, so a program that keeps bf16 residuals compiles to twice the bytes a GPU holds.
 Stored as ``uint16`` (a bitcast, free on every backend) they stay 16 bits, so the CPU's
 ``memory_analysis`` measures what a GPU allocates. Used by the pipeline's stash, a full-remat
-layer's kept input (:mod:`fiddlejax.remat`) and the prefetching stack's residuals
-(:mod:`fiddlejax.prefetch`). Only values no autodiff flows through may be stored so: an integer
-has no cotangent.
+layer's kept input (:mod:`fiddlejax.memory.remat`) and the prefetching stack's residuals
+(:mod:`fiddlejax.compute.prefetch`). Only values no autodiff flows through may be stored so: an
+integer has no cotangent.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | 
 
 def project(module: nnx.Module, name: str, x: jax.Array, spec: str) -> jax.Array:
     """``einsum(spec, x, module.<name>)``, plus its LoRA update ``scale * (x @ A) @ B`` when the
-    kernel carries adapters (``<name>_lora_a``, ``<name>_lora_b``: :mod:`fiddlejax.lora`)."""
+    kernel carries adapters (``<name>_lora_a``, ``<name>_lora_b``:
+    :mod:`fiddlejax.finetune.lora`)."""
     y = jnp.einsum(spec, x, getattr(module, name)[...])
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
@@ -71,7 +72,7 @@ class Block(nnx.Module):
     """
 
     lora_targets = {"wq": (1, 2), "wk": (1, 2), "wv": (1, 2), "wo": (2, 1), "w1": (1, 1),
-                    "w2": (1, 1)}  # kernel: (input dims, output dims) (fiddlejax.lora)
+                    "w2": (1, 1)}  # kernel: (input dims, output dims) (fiddlejax.finetune.lora)
 
     def __init__(
         self,

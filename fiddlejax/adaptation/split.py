@@ -1,8 +1,8 @@
 """A user's model as its static :class:`~fiddlejax.staged.StagedModel` and its parameters.
 
 The one entry every layout starts from: a model that declares the staged protocol is taken as
-it declares itself; any other NNX model is adapted (:mod:`fiddlejax.adapt`) from the path of its
-repeated blocks.
+it declares itself; any other NNX model is adapted (:mod:`fiddlejax.adaptation.adapt`) from the path
+of its repeated blocks.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from fiddlejax import adapt, sharding
+from fiddlejax import sharding
+from fiddlejax.adaptation import adapt
 from fiddlejax.staged import Loss, StagedModel, check_dropout
 
 

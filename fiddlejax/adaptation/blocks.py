@@ -1,8 +1,8 @@
 """The repeated blocks of an unmodified NNX model: found by path, grouped, stacked, unstacked.
 
-:func:`fiddlejax.adapt.adapt` names the blocks with a path (a list, an ``nnx.List`` or numbered
-attributes); here they are found, checked to hold parameters only, grouped into the shortest
-repeating unit when their static attributes differ, and their parameters moved between the
+:func:`fiddlejax.adaptation.adapt.adapt` names the blocks with a path (a list, an ``nnx.List`` or
+numbered attributes); here they are found, checked to hold parameters only, grouped into the
+shortest repeating unit when their static attributes differ, and their parameters moved between the
 model's own tree and the staged tree that stacks them on a leading layer axis.
 """
 

@@ -13,7 +13,7 @@ the same mask on every layout and schedule, and a new one at every step; outside
 The step and each row's global example index enter the batch inside the step
 (:func:`with_indices`, keys :data:`STEP` and :data:`EXAMPLE`), so they travel with their rows
 through every split of the batch; the per-example keys then travel in the activation message
-(:mod:`fiddlejax.side_inputs`), with a counter of the blocks run so far.
+(:mod:`fiddlejax.adaptation.side_inputs`), with a counter of the blocks run so far.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def loss(beta: float = 0.1, vocab_size: int | None = None) -> Callable:
         if missing:
             raise ValueError(f"the DPO loss needs batch keys {missing}: preference rows "
                              "(fiddlejax.data.preference) and the reference's log-probabilities "
-                             "(fiddlejax.dpo.reference)")
+                             "(fiddlejax.finetune.dpo.reference)")
         logits = outputs[0] if isinstance(outputs, tuple) else outputs
         chosen, rejected = sequence_logps(logits, batch, vocab_size)
         margin = (chosen - batch["ref_chosen"]) - (rejected - batch["ref_rejected"])

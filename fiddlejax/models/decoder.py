@@ -329,7 +329,7 @@ class Decoder(nnx.Module):
         :meth:`pretrained_params`); ``save_pretrained`` writes the stored dtype back.
         ``seq_len`` defaults to ``max_position_embeddings``. ``abstract=True``: shapes only
         (then ``trainer.init(model.pretrained_params)``)."""
-        from fiddlejax import hub
+        from fiddlejax.models import hub
 
         directory = hub.local_dir(directory)
         config = dataclasses.replace(cls.config_from_hf(hf.read_config(directory),
@@ -362,7 +362,7 @@ class Decoder(nnx.Module):
         ``dtype``: "float32" or "bfloat16"; default: the loaded checkpoint's. ``tokenizer``: a
         tokenizer or ``data.tokenizer`` spec whose files (and ``generation_config.json``) are
         written too; ``"auto"``: the source directory's. ``leaves``: ``(shapes, leaf)``, the
-        parameters read one at a time (:func:`fiddlejax.checkpoint_params.param_leaves`)."""
+        parameters read one at a time (:func:`fiddlejax.checkpoint.params.param_leaves`)."""
         if leaves is None:
             flat = hf.flat_params(nnx.state(self, nnx.Param))
             leaves = {k: tuple(v.shape) for k, v in flat.items()}, flat.__getitem__

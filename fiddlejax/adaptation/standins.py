@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fiddlejax import intercept
-from fiddlejax.side_inputs import activation, describe
+from fiddlejax.adaptation.side_inputs import activation, describe
 
 
 class Stop(Exception):  # noqa: N818 -- control flow, not an error
@@ -69,7 +69,7 @@ def acting(*mode: Any) -> Iterator[None]:
 def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list,
                    stack_stand_in: nnx.Module | None = None) -> nnx.Module:
     """A copy of ``model`` whose blocks (found at ``layers``) are stand-ins (``stack_stand_in``
-    in place of one stacked module, :mod:`fiddlejax.scanned`)."""
+    in place of one stacked module, :mod:`fiddlejax.adaptation.scanned`)."""
     copy = nnx.merge(*nnx.split(model), copy=True)
     host = copy
     for part in layers.split(".")[:-1]:

@@ -2,13 +2,13 @@
 
 The Flax guides' scan-over-layers pattern keeps one module whose parameters already carry the
 layer axis the pipeline needs (``self.blocks = nnx.vmap(make_block)(rngs)``) and applies it with a
-scan inside ``__call__``. :func:`fiddlejax.adapt.adapt` splits such a forward as it splits a list
-of blocks: the stacked module's place is taken by a :class:`ScanStandIn` holding a ``[layers]``
-counter (so the model's own scan still finds its length), and while fiddlejax traces the model's
-pieces (:func:`unrolled`) the outermost ``jax.lax.scan`` -- the one ``nnx.scan`` calls -- runs as
-a Python loop in the caller's trace. The stand-in then sees the activation and side inputs the
-model hands its blocks as they are outside the scan, so it can stop the forward at the first
-block (the prologue), hand the stack's output on (the epilogue) or run and record the real
+scan inside ``__call__``. :func:`fiddlejax.adaptation.adapt.adapt` splits such a forward as it
+splits a list of blocks: the stacked module's place is taken by a :class:`ScanStandIn` holding a
+``[layers]`` counter (so the model's own scan still finds its length), and while fiddlejax traces
+the model's pieces (:func:`unrolled`) the outermost ``jax.lax.scan`` -- the one ``nnx.scan`` calls
+-- runs as a Python loop in the caller's trace. The stand-in then sees the activation and side
+inputs the model hands its blocks as they are outside the scan, so it can stop the forward at the
+first block (the prologue), hand the stack's output on (the epilogue) or run and record the real
 blocks (the split's check). Scans nested inside a block, or outside these traces, are untouched.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fiddlejax import intercept
-from fiddlejax.standins import StandIn
+from fiddlejax.adaptation.standins import StandIn
 
 _LAX_SCAN = jax.lax.scan
 
