@@ -115,3 +115,65 @@ def test_a_layer_that_changes_its_message_is_refused_by_name():
     x = {"x": jnp.ones((2, 3)), "ids": jnp.zeros((2, 3), jnp.int32)}
     with pytest.raises(ValueError, match=r"\['ids'\]: int32\[2, 3\]"):
         message.check_layer({"x": x["x"], "ids": x["ids"].astype(jnp.float32)}, x)
+
+
+class PosBlock(nnx.Module):
+    """A user's block reading an int32 side input: positions past 256, exact only as integers."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Linear(D, D, rngs=rngs)
+        self.pe = nnx.Embed(1024, D, rngs=rngs)
+
+    def __call__(self, x, positions):
+        return x + 0.5 * jnp.tanh(self.w(x)) + 0.1 * self.pe(positions)
+
+
+class PosModel(nnx.Module):
+    """An unmodified NNX model (no staged protocol): adapted by ``layers="blocks"``."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.blocks = nnx.List([PosBlock(rngs) for _ in range(4)])
+        self.out = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens, positions):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions)
+        return self.out(x)
+
+
+def pos_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def pos_batch(rows=8):
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    return {"tokens": jax.random.randint(k1, (rows, T), 0, V),
+            "positions": jax.random.randint(k2, (rows, T), 700, 1024),
+            "labels": jax.random.randint(k3, (rows, T), 0, V)}
+
+
+def test_an_adapted_models_side_inputs_travel_in_their_own_dtype():
+    """The message of a user's model is a pytree: its int32 side input stays int32 (it once
+    rode in the activation's dtype, and bf16 compute refused integers above 256)."""
+    model, batch = PosModel(nnx.Rngs(0)), pos_batch()
+    staged, params = fj.split_model(model, pos_loss, layers="blocks")
+    msg = staged.prologue(staged.to_staged(params), batch)  # shapes checked once, then packed
+    assert msg["x"].dtype == jnp.float32 and msg["x"].shape == (8, T, D)
+    (pos,) = msg["side"]
+    assert pos.dtype == jnp.int32 and (pos == batch["positions"]).all()
+
+    def ref(m):
+        return pos_loss(m(batch["tokens"], batch["positions"]), batch)
+
+    want = nnx.value_and_grad(ref)(model)
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan(2, 2, 1, schedule="1f1b",
+                                                         microbatches=2),
+                             layers="blocks", loss=pos_loss)
+    assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch),
+                          (want[0], nnx.state(want[1], nnx.Param)))
+    bf16 = fj.parallelize(model, optax.sgd(0.1), plan(1, 2, 1, schedule="1f1b", microbatches=2,
+                                                      compute_dtype="bfloat16"),
+                          layers="blocks", loss=pos_loss)
+    assert abs(float(bf16.loss_and_grads(bf16.init(), batch)[0]) - float(want[0])) < 2e-2

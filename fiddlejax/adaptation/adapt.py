@@ -13,8 +13,8 @@ repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attri
   follows the last block (the epilogue), so no part of the model's code is copied;
 - side inputs the blocks receive (masks, positions, segment ids, rotary tables: whatever
   arrays ``__call__`` passes besides the activation) travel with the activation: the message
-  between layers and stages is one ``[batch, features]`` array packing the activation and the
-  side inputs, which each layer unpacks (side inputs get no gradient);
+  between layers and stages is a dict of the activation and the side inputs, each in its own
+  dtype, which each layer unpacks (side inputs get no gradient);
 - blocks that differ in static attributes (local and global attention...) are grouped into the
   shortest repeating unit (5 local + 1 global: units of 6 blocks), or refused with an error that
   names the differing attribute.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import math
 import re
 from typing import Any
 
@@ -62,6 +61,7 @@ from fiddlejax.adaptation.side_inputs import (
     activation,
     constant_leaves,
     counted,
+    key,
     keys_of,
     pack,
     unpack,
@@ -80,7 +80,7 @@ class AdaptedModel(StagedModel):
     unit_consts: tuple = ()            # their frozen state (statistics), stacked over units
     block_keys: tuple = ()             # state paths of the blocks in the model's tree
     template: Any = None               # the model's canonical parameters (shapes, metadata)
-    sides: dict = dataclasses.field(default_factory=dict)  # message width -> Side
+    sides: dict = dataclasses.field(default_factory=dict)  # side_inputs.key -> Side
     callsite: str = ""
     call_names: tuple = ()             # parameter names of the model's __call__, in order
     call_nones: frozenset = frozenset()  # required ones typed optional: None if not given
@@ -128,8 +128,8 @@ class AdaptedModel(StagedModel):
             "an adapted model with the batch entries named like its parameters; rename the "
             "batch keys (or declare next-token inputs: loss=fj.next_token(loss_fn, key))")
 
-    def prologue(self, params: nnx.State, batch: dict) -> jax.Array:
-        """Runs the model's ``__call__`` up to its first block: the packed message."""
+    def prologue(self, params: nnx.State, batch: dict) -> dict:
+        """Runs the model's ``__call__`` up to its first block: the message."""
         if _shape_key(batch) not in self.checked:
             self._check_split(params, batch)
         keys = dropout.example_keys(self.dropout_base, batch) if self.dropout else None
@@ -164,25 +164,23 @@ class AdaptedModel(StagedModel):
         raise ValueError(f"{self.callsite}: the model's __call__ never called these blocks; "
                          "name the blocks that __call__ runs")
 
-    def layer(self, layer_params: nnx.State, x: jax.Array, ops: Any = None) -> jax.Array:
-        """One stacked unit of blocks on the packed message; the blocks reach ``ops`` (what
+    def layer(self, layer_params: nnx.State, x: dict, ops: Any = None) -> dict:
+        """One stacked unit of blocks on the message; the blocks reach ``ops`` (what
         the layout offers) through :mod:`fiddlejax.intercept`, being the user's own."""
-        side = self.sides[x.shape[1:]]
+        side = self.sides[key(x)]
         h, args, kwargs = unpack(x, side)
-        keys, count = keys_of(x, side)
+        keys, count = keys_of(x)
         for j in range(self.unit):
             block = self._block(j, layer_params[j] if self.unit > 1 else layer_params, count)
             with (dropout.keys(keys, None if count is None else count * self.unit + j),
                   intercept.setting(ops=ops)):
                 h = activation(block(h, *args, **kwargs))
-        n = math.prod(side.x_shape)
-        return counted(x.at[:, :n].set(h.reshape(h.shape[0], n).astype(x.dtype)), side, 1)
+        return counted({**x, "x": h.reshape(x["x"].shape).astype(x["x"].dtype)}, 1)
 
     def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
         """Runs the model's ``__call__`` after its blocks on the stack's output, then the loss."""
-        side = self.sides[x.shape[1:]]
-        h, _, _ = unpack(x, side)
-        keys = keys_of(x, side)[0]
+        h, _, _ = unpack(x, self.sides[key(x)])
+        keys = keys_of(x)[0]
         with (acting("epilogue", h, self.checked[_shape_key(batch)][0]),
               dropout.keys(keys, -2), self._tracing()):
             outputs = self._call(self._outer(params), dropout.without_indices(batch))

@@ -1,9 +1,12 @@
-"""Side inputs travel with the activation: one ``[batch, features]`` message between layers.
+"""Side inputs travel with the activation: a pytree message between layers, leaf by leaf.
 
 An adapted model's blocks get more than the activation (masks, positions, segment ids, rotary
-tables). A pipeline moves one array between stages, so :func:`pack` concatenates the flattened
-activation and side inputs (in the activation's dtype, without gradients) and :func:`unpack`
-rebuilds the block's arguments from it with the :class:`Side` recorded at packing.
+tables). :func:`pack` makes the message a dict: the activation ``"x"``, the carried side inputs
+``"side"`` each in its own dtype (int32 positions stay int32 under bf16 compute), and for
+layout-independent dropout the per-example keys ``"keys"`` (uint32) and a counter of the blocks
+run ``"count"`` (int32); the pipeline stashes and sends each leaf as it is
+(:mod:`fiddlejax.message`). :func:`unpack` rebuilds the block's arguments from it with the
+:class:`Side` recorded at packing.
 
 Side inputs come in three kinds, each rebuilt as the blocks got it:
 
@@ -18,7 +21,6 @@ Side inputs come in three kinds, each rebuilt as the blocks got it:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -28,17 +30,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Side:
-    """How the side inputs of a block call are rebuilt from the packed message."""
+    """How the side inputs of a block call are rebuilt from the message."""
 
     treedef: Any                 # of (args[1:], kwargs) with array leaves as None placeholders
     statics: tuple               # the non-array leaves, in order (None where an array goes)
-    shapes: tuple                # per-example shapes of the array leaves
-    dtypes: tuple
-    x_shape: tuple               # per-example shape of the activation
-    x_dtype: Any
+    dtypes: tuple                # each carried array's own dtype (booleans travel as int8)
     whole: tuple = ()            # per carried array: True when it has no batch axis
-    keys: int = 0                # message columns holding dropout key data (then a counter)
-    counter: bool = False        # a counter of the blocks run, without keys
 
 
 class _Const:
@@ -58,21 +55,20 @@ class _Const:
 
 def pack(x: jax.Array, args: tuple, kwargs: dict, sides: dict, where: str,
          consts: dict | None = None, keys: jax.Array | None = None,
-         counter: bool = False) -> jax.Array:
+         counter: bool = False) -> dict:
     """The message for activation ``x`` and side inputs ``(args, kwargs)``; records its
-    :class:`Side` in ``sides`` under the message's per-example shape. ``consts``: the array
-    leaves (by their index among the arrays) that are constants, with their values: they are
-    not carried. ``keys``: per-example dropout key data ``[B, 2]`` uint32, carried bit for
-    bit at the end of the message, followed by a counter of the blocks run (see
-    :func:`keys_of`); ``counter``: the counter without keys (blocks that pick their own
-    constants by it). ``where`` names the blocks in errors."""
+    :class:`Side` in ``sides`` under the message's :func:`key`. ``consts``: the array leaves
+    (by their index among the arrays) that are constants, with their values: they are not
+    carried. ``keys``: per-example dropout key data ``[B, 2]`` uint32, carried with a counter
+    of the blocks run (see :func:`keys_of`); ``counter``: the counter without keys (blocks
+    that pick their own constants by it). ``where`` names the blocks in errors."""
     b = x.shape[0]
     consts = consts or {}
     leaves, treedef = jax.tree.flatten((args, kwargs))
     arrays = [a for a in leaves if isinstance(a, jax.Array)]
     carried = [a for k, a in enumerate(arrays) if k not in consts]
     for a in carried:
-        _check_travels(a, x.dtype, where)
+        _check_travels(a, where)
     whole = tuple(not (a.ndim and a.shape[0] == b) for a in carried)
     per = [jnp.broadcast_to(a, (b, *a.shape)) if w else a for a, w in zip(carried, whole)]
     statics, k = [], 0
@@ -82,74 +78,55 @@ def pack(x: jax.Array, args: tuple, kwargs: dict, sides: dict, where: str,
             k += 1
         else:
             statics.append(a)
-    parts = [x.reshape(b, -1)] + [jax.lax.stop_gradient(a).reshape(b, -1).astype(x.dtype)
-                                  for a in per]
-    if keys is not None:  # the key bits in the message's dtype, then the block counter
-        words = jax.lax.bitcast_convert_type(keys.astype(jnp.uint32), x.dtype)
-        parts += [words.reshape(b, -1), jnp.zeros((b, 1), x.dtype)]
-    elif counter:
-        parts.append(jnp.zeros((b, 1), x.dtype))
-    side = Side(treedef, tuple(statics), tuple(a.shape[1:] for a in per),
-                tuple(a.dtype for a in per), x.shape[1:], x.dtype, whole,
-                0 if keys is None else parts[-2].shape[1], counter and keys is None)
-    msg = jnp.concatenate(parts, axis=1)
-    known = sides.setdefault(msg.shape[1:], side)
-    if known.treedef != side.treedef or known.shapes != side.shapes:
-        raise ValueError(f"{where}: two batch shapes give the same message width "
-                         f"{msg.shape[1]}; use one batch shape per trainer")
+    msg = {"x": x, "side": tuple(jax.lax.stop_gradient(a.astype(jnp.int8) if a.dtype == jnp.bool_
+                                                       else a) for a in per)}
+    if keys is not None:
+        msg["keys"] = keys.astype(jnp.uint32)
+    if keys is not None or counter:
+        msg["count"] = jnp.zeros((b,), jnp.int32)
+    side = Side(treedef, tuple(statics), tuple(a.dtype for a in per), whole)
+    known = sides.setdefault(key(msg), side)
+    if known.treedef != side.treedef or known.dtypes != side.dtypes:
+        raise ValueError(f"{where}: two batch shapes give the same message; use one batch "
+                         "shape per trainer")
     return msg
 
 
-def _check_travels(a: jax.Array, x_dtype: Any, where: str) -> None:
-    """Refuse a side input that the activation's dtype would not carry exactly."""
+def key(msg: dict) -> tuple:
+    """What identifies a message's :class:`Side`: its structure and per-example shapes."""
+    return jax.tree.structure(msg), tuple((a.shape[1:], jnp.dtype(a.dtype).name)
+                                          for a in jax.tree.leaves(msg))
+
+
+def _check_travels(a: jax.Array, where: str) -> None:
+    """Refuse a side input that no stage buffer holds."""
     if not (jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_
             or jnp.issubdtype(a.dtype, jnp.floating)):
         raise TypeError(f"{where}: a side input of dtype {a.dtype} cannot travel "
                         "between stages")
-    if (jnp.issubdtype(a.dtype, jnp.integer) and jnp.dtype(x_dtype).itemsize < 4):
-        raise TypeError(
-            f"{where}: an integer side input ({a.dtype}{list(a.shape)}) would "
-            f"travel between stages in the {jnp.dtype(x_dtype).name} activation, which "
-            "rounds integers above 256 (bfloat16) or 2048 (float16). Use "
-            "compute_dtype='float32' for this model, or pass the blocks a boolean mask "
-            "or a float side input instead")
 
 
-def unpack(msg: jax.Array, side: Side) -> tuple[jax.Array, tuple, dict]:
-    """The activation and the side inputs ``(args, kwargs)`` packed in ``msg``."""
-    b = msg.shape[0]
-    n = math.prod(side.x_shape)
-    x = msg[:, :n].reshape(b, *side.x_shape).astype(side.x_dtype)
-    start, arrays = n, []
-    whole = side.whole or (False,) * len(side.shapes)
-    for shape, dtype, w in zip(side.shapes, side.dtypes, whole, strict=True):
-        size = math.prod(shape)
-        a = jax.lax.stop_gradient(msg[:, start:start + size]).reshape(b, *shape)
-        arrays.append((a[0] if w else a).astype(dtype))  # whole: every row holds it
-        start += size
+def unpack(msg: dict, side: Side) -> tuple[jax.Array, tuple, dict]:
+    """The activation and the side inputs ``(args, kwargs)`` carried in ``msg``."""
+    whole = side.whole or (False,) * len(side.dtypes)
+    arrays = [jax.lax.stop_gradient(a[0] if w else a).astype(dtype)  # whole: every row holds it
+              for a, dtype, w in zip(msg["side"], side.dtypes, whole, strict=True)]
     it = iter(arrays)
     leaves = [next(it) if s is None else jnp.asarray(s.value) if isinstance(s, _Const) else s
               for s in side.statics]
     args, kwargs = jax.tree.unflatten(side.treedef, leaves)
-    return x, args, kwargs
+    return msg["x"], args, kwargs
 
 
-def keys_of(msg: jax.Array, side: Side) -> tuple[jax.Array | None, jax.Array | None]:
+def keys_of(msg: dict) -> tuple[jax.Array | None, jax.Array | None]:
     """The dropout key data ``[B, 2]`` and the blocks run so far (a scalar) in ``msg``."""
-    if side.counter:
-        return None, jax.lax.stop_gradient(msg[0, -1]).astype(jnp.int32)
-    if not side.keys:
-        return None, None
-    words = jax.lax.stop_gradient(msg[:, -1 - side.keys:-1])
-    if jnp.dtype(msg.dtype).itemsize < 4:
-        words = words.reshape(msg.shape[0], 2, -1)
-    data = jax.lax.bitcast_convert_type(words, jnp.uint32)
-    return data.reshape(msg.shape[0], 2), jax.lax.stop_gradient(msg[0, -1]).astype(jnp.int32)
+    count = msg["count"][0] if "count" in msg else None
+    return msg.get("keys"), count
 
 
-def counted(msg: jax.Array, side: Side, blocks: int) -> jax.Array:
+def counted(msg: dict, blocks: int) -> dict:
     """``msg`` after ``blocks`` more blocks ran (its counter advanced)."""
-    return msg if not (side.keys or side.counter) else msg.at[:, -1].add(blocks)
+    return {**msg, "count": msg["count"] + blocks} if "count" in msg else msg
 
 
 def activation(out: Any) -> jax.Array:

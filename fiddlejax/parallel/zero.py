@@ -114,7 +114,7 @@ def grad_shardings(plan: Plan, specs: nnx.State, internal: nnx.State, params: An
     if not (plan.zero == 2 and plan.data > 1):
         return params
     return jax.tree.map(
-        lambda sp, v: NamedSharding(plan.mesh, add_data_axis(sp, v.shape, plan.data)),
+        lambda sp, v: NamedSharding(plan.mesh, on_first_free_dim(sp, v.shape, plan.data)),
         specs, internal, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -125,7 +125,7 @@ def opt_shardings(optimizer, opt_abstract, specs, plan: Plan):
     def spec_for(leaf, spec):
         s = spec if isinstance(spec, P) else spec[...]
         if plan.zero and plan.data > 1 and "data" not in jax.tree.leaves(tuple(s)):
-            s = add_data_axis(s, leaf.shape, plan.data)
+            s = on_first_free_dim(s, leaf.shape, plan.data)
         return NamedSharding(mesh, s)
 
     def unwrap(x):
@@ -180,12 +180,13 @@ def masked(x) -> bool:
 def data_dim(spec: P, shape: tuple[int, ...], data: int) -> int:
     """The dimension ZeRO shards a leaf's optimizer state (and, with zero=2, its reduced
     gradient) on over ``data``; -1: none."""
-    parts = tuple(add_data_axis(spec, shape, data))
+    parts = tuple(on_first_free_dim(spec, shape, data))
     return parts.index("data") if "data" in parts else -1
 
 
-def add_data_axis(spec: P, shape: tuple[int, ...], data: int) -> P:
-    """``spec`` with ``data`` on the first free dimension that ``data`` divides."""
+def on_first_free_dim(spec: P, shape: tuple[int, ...], data: int) -> P:
+    """``spec`` with ``data`` on the first free dimension that ``data`` divides (ZeRO-1/2's
+    optimizer shards; FSDP's own dimension is :func:`fiddlejax.compute.add_data_axis`'s)."""
     parts = list(spec) + [None] * (len(shape) - len(spec))
     for d, (size, ax) in enumerate(zip(shape, parts)):
         if ax is None and size % data == 0 and size >= data:
