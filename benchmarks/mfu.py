@@ -35,7 +35,7 @@ if "--smoke" in sys.argv:  # 8 simulated CPU devices, before JAX starts
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ADDED: dict = {}
 if "--smoke" not in sys.argv and "--no-xla-flags" not in sys.argv:
-    from fiddlejax import xla_flags  # fiddlejax's GPU flags, as the job sets them for bf16
+    from fiddlejax.app import xla_flags  # fiddlejax's GPU flags, as the job sets them for bf16
 
     ADDED = xla_flags.apply()
     print(xla_flags.describe(ADDED), flush=True)

@@ -130,3 +130,75 @@ def test_bad_settings_are_refused():
         lora.LoRA(dropout=0.1)
     with pytest.raises(ValueError, match="match no kernel"):
         lora.add(Llama(TINY, rngs=nnx.Rngs(0)), lora.LoRA(targets=("nope",)))
+
+
+class UserBlock(nnx.Module):
+    """A user's own block: plain ``nnx.Linear`` layers, two named like attention projections."""
+
+    def __init__(self, d, rngs):
+        self.q_proj = nnx.Linear(d, d, rngs=rngs)
+        self.v_proj = nnx.Linear(d, d, rngs=rngs)
+        self.mlp = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.q_proj(x)) * self.v_proj(x) + 0.1 * self.mlp(x)
+
+
+class UserLM(nnx.Module):
+    def __init__(self, vocab=32, d=16, rngs=None):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([UserBlock(d, rngs) for _ in range(4)])
+        self.out = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def user_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+@pytest.mark.parametrize("layout", [dict(shape=(2, 1, 2), microbatches=2),
+                                    dict(shape=(2, 2, 1), schedule="1f1b", microbatches=2)])
+def test_a_users_own_model_gets_adapters_and_trains_only_them(layout):
+    """``lora.add`` on a model that declares no ``lora_targets``: its ``nnx.Linear`` layers
+    named like the targets become LoRALinear (same kernel and bias), and the adapters' loss and
+    gradients equal one device's through ``layers=`` on data x tensor and 1F1B."""
+    model = lora.add(UserLM(rngs=nnx.Rngs(0)), lora.LoRA(rank=4, alpha=8.0,
+                                                         targets=("q_proj", "v_proj")))
+    assert isinstance(model.blocks[0].q_proj, lora.LoRALinear)
+    assert type(model.blocks[0].mlp) is nnx.Linear and type(model.out) is nnx.Linear
+    key = jax.random.key(1)
+    for block in model.blocks:  # B nonzero, so A's gradients are not zero
+        for lin in (block.q_proj, block.v_proj):
+            key, sub = jax.random.split(key)
+            lin.lora.lora_b.set_value(0.05 * jax.random.normal(sub, lin.lora.lora_b.shape))
+    k1, k2 = jax.random.split(jax.random.key(2))
+    batch = {"tokens": jax.random.randint(k1, (8, 8), 0, 32),
+             "labels": jax.random.randint(k2, (8, 8), 0, 32)}
+    ref_loss, ref_grads = nnx.value_and_grad(lambda m: user_loss(m(batch["tokens"]), batch))(
+        model)
+    kw = dict(layout)
+    trainer = fj.parallelize(model, optax.adamw(1e-2), mesh_plan(*kw.pop("shape"), **kw),
+                             layers="blocks", loss=user_loss)
+    state = trainer.init()
+    loss, grads = trainer.loss_and_grads(state, batch)
+    assert abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)) < 1e-5
+    got, want = adapters(grads), adapters(nnx.state(ref_grads, nnx.Param))
+    assert [k for k, _ in got] == [k for k, _ in want] and len(got) == 4 * 2 * 2
+    for (k, g), (_, w) in zip(got, want):
+        assert np.linalg.norm(w) > 0, k
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-5, k
+    for p, g in jax.tree_util.tree_leaves_with_path(grads):  # nothing flows into the base
+        if not lora.is_adapter(p):
+            assert not np.any(np.asarray(g)), jax.tree_util.keystr(p)
+    before = trainer.params(state)
+    state, _ = trainer.step(state, batch)  # the adapters move, the base keeps its bits
+    for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(trainer.params(state)),
+                         jax.tree.leaves(before)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) != lora.is_adapter(p)
+    opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x)]
+    assert sum(x.size for x in opt_leaves) == 2 * lora.trainable_count(before)[0]

@@ -23,7 +23,8 @@ model wrapped with ``nnx.LoRA`` / ``nnx.LoRALinear`` is frozen the same way):
   ``set_to_zero``: an ``optax.MaskedNode``, which the ZeRO shardings and the canonical
   conversions already pass through), so they stay bit-for-bit the base.
 
-:func:`add` puts adapters on a bundled model (the modules that declare ``lora_targets``);
+:func:`add` puts adapters on a bundled model (the modules that declare ``lora_targets``) or
+on a user's own (its ``nnx.Linear`` layers named like the targets become :class:`LoRALinear`);
 :func:`merge` folds them into the base for export (``W + (alpha / rank) A @ B``).
 """
 
@@ -166,7 +167,8 @@ def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
 
     A module declares what may be adapted as ``lora_targets = {name: (input dims, output
     dims)}`` (leading dims beyond those, e.g. the stacked ``layers``, are kept) and reads its
-    kernels with :func:`fiddlejax.models.common.project`."""
+    kernels with :func:`fiddlejax.models.common.project`. A model that declares none (a user's
+    own) gets a :class:`LoRALinear` in place of each ``nnx.Linear`` named like a target."""
     key, found = jax.random.key(seed), []
     for path, module in nnx.iter_modules(model):
         table = getattr(type(module), "lora_targets", {})
@@ -178,14 +180,57 @@ def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
             found.append(".".join(map(str, (*path, name))))
         if any(n in table for n in lora.targets):
             module.lora_scale = lora.scale
+    have = sorted({n for _, m in nnx.iter_modules(model)
+                   for n in getattr(type(m), "lora_targets", {})})
+    if not have:  # a user's own model: its nnx.Linear layers named like the targets
+        found = _wrap_linears(model, lora, key)
     if not found:
-        have = sorted({n for _, m in nnx.iter_modules(model)
-                       for n in getattr(type(m), "lora_targets", {})})
+        linears = sorted({str(p[-1]) for p, m in nnx.iter_modules(model)
+                          if isinstance(m, nnx.Linear) and p})
         raise ValueError(
             f"LoRA targets {list(lora.targets)} match no kernel of {type(model).__name__}; "
-            + (f"it has {have}" if have else "it declares no lora_targets (a bundled family "
-               "does; wrap your own nnx.Linear layers with nnx.LoRALinear instead)"))
+            + (f"it has {have}" if have else f"its nnx.Linear layers are named {linears}: "
+               "name those (plan.lora.targets=[...])"))
     return model
+
+
+def _peft_a_init(key, shape, dtype):
+    """``kaiming_uniform(a=sqrt(5))`` over the fan-in ``shape[0]``, as peft initializes A."""
+    bound = 1.0 / math.sqrt(shape[0])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class LoRALinear(nnx.LoRALinear):
+    """flax's ``nnx.LoRALinear`` with peft's scale: ``x @ W + b + (alpha / rank) (x @ A) @ B``
+    (the parameters keep flax's names: ``kernel``, ``bias``, ``lora.lora_a``, ``lora.lora_b``)."""
+
+    def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
+        y = nnx.Linear.__call__(self, x, out_sharding=out_sharding)
+        return y + (self.lora_scale * self.lora(x)).astype(y.dtype)
+
+
+def _wrap_linears(model: nnx.Module, lora: LoRA, key) -> list[str]:
+    """Replace each ``nnx.Linear`` attribute named like a target (its own name or its Hugging
+    Face twin: ``q_proj`` is ``wq``) by a :class:`LoRALinear` holding the same kernel and bias;
+    the adapters carry the kernel's sharding names on the dims they share with it."""
+    hits = [(path, module, name) for path, module in nnx.iter_modules(model)
+            for name, value in list(vars(module).items())
+            if isinstance(value, nnx.Linear) and not isinstance(value, nnx.LoRALinear)
+            and HF_NAMES.get(name, name) in lora.targets]
+    for _, module, name in hits:
+        base = getattr(module, name)
+        axes = base.kernel.get_metadata().get("out_sharding")
+        key, sub = jax.random.split(key)
+        meta = ({"out_sharding": (axes[0], None), "eager_sharding": False},
+                {"out_sharding": (None, axes[1]), "eager_sharding": False}) if axes else ({}, {})
+        new = LoRALinear(base.in_features, base.out_features, lora_rank=lora.rank,
+                         use_bias=base.use_bias, dtype=base.dtype, param_dtype=base.param_dtype,
+                         precision=base.precision, rngs=nnx.Rngs(sub),
+                         a_initializer=_peft_a_init,
+                         a_metadata=meta[0], b_metadata=meta[1])
+        new.kernel, new.bias, new.lora_scale = base.kernel, base.bias, lora.scale
+        setattr(module, name, new)
+    return [".".join(map(str, (*path, name))) for path, _, name in hits]
 
 
 def _adapt(module: nnx.Module, name: str, n_in: int, rank: int, key) -> None:
