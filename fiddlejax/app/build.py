@@ -6,6 +6,8 @@ lives with the models, in ``models.REGISTRY``; this module only reads the config
 
 from __future__ import annotations
 
+import dataclasses
+
 from fiddlejax import models
 from fiddlejax.app import config as config_lib
 
@@ -157,19 +159,13 @@ def make_plan(cfg: dict):
     elif p["remat"] == "auto":
         budget = default_memory_budget()
     rules = {k: tuple(v) if isinstance(v, list) else v for k, v in (p.get("rules") or {}).items()}
-    return fj.Plan(mesh=mesh, schedule=p["schedule"], microbatches=p["microbatches"],
-                   virtual_stages=virtual, remat=p["remat"],
-                   encodings=tuple(p["encodings"] or ()), grad_allreduce=p["grad_allreduce"],
-                   topk_density=p["topk_density"], topk_on=p["topk_on"],
-                   zero=p["zero"], fsdp_gather=p.get("fsdp_gather", "layer"),
-                   fsdp_prefetch=bool(p.get("fsdp_prefetch", True)),
-                   partition=p["partition"], memory_budget=budget,
-                   check_inputs=bool(p.get("check_inputs", False)),
-                   compute_dtype=compute_dtype(p.get("compute_dtype", "float32"),
-                                               p.get("matmul_dtype")),
-                   rules=rules, matmul_dtype=p.get("matmul_dtype"),
-                   sequence_parallel=bool(p.get("sequence_parallel", False)),
-                   unroll_layers=p.get("unroll_layers"))
+    # Every plan.<key> named like a Plan field is that field (a new one needs no line here);
+    # only the keys whose job form differs from the field's are converted.
+    fields = {f.name for f in dataclasses.fields(fj.Plan)} - {"mesh"}
+    return fj.Plan(mesh=mesh, **{k: v for k, v in p.items() if k in fields} | dict(
+        virtual_stages=virtual, encodings=tuple(p["encodings"] or ()), memory_budget=budget,
+        compute_dtype=compute_dtype(p.get("compute_dtype", "float32"), p.get("matmul_dtype")),
+        rules=rules))
 
 
 def model_layers(model) -> int | None:
