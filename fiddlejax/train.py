@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,12 +37,12 @@ class Trainer:
     """Pure, jitted functions for one model, optimizer and plan. Build with :func:`parallelize`."""
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,
-                 loss: staged.Loss | None = None, layers: str | None = None):
+                 loss: staged.Loss | None = None, layers: str | None = None, block_output=None):
         if plan.remat == "auto" and not plan.memory_budget:
             raise ValueError("remat='auto' needs Plan(memory_budget=<bytes per device>)")
         self.plan, self.mesh, self.optimizer = plan, plan.mesh, optimizer
         self.model_name = type(model).__name__
-        source, self._init_params = split_model(model, loss, layers=layers)
+        source, self._init_params = split_model(model, loss, layers, block_output)
         self._batch_spec = getattr(model, "batch_spec", None)
         example = self._batch_spec(1) if self._batch_spec is not None else None
         self.layout = compose.lay_out(source, self._init_params, plan, optimizer,
@@ -290,13 +291,16 @@ def _canonical_grads(lay, loss_grads):
 
 
 def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan: Plan,
-                loss: staged.Loss | None = None, layers: str | None = None) -> Trainer:
+                loss: staged.Loss | None = None, layers: str | None = None,
+                block_output: Callable[[Any], jax.Array] | None = None) -> Trainer:
     """Lay ``model`` out by ``plan`` and return its :class:`Trainer`.
 
     ``loss(outputs, batch)`` replaces the model's own ``loss``: a scalar mean, or a pair
     ``(sum, weight)`` for a weighted mean (see :mod:`fiddlejax.staged`). ``layers`` names the
     attribute holding the repeated blocks of a model that does not declare the staged protocol
-    (a dotted path such as ``"decoder.blocks"``).
+    (a dotted path such as ``"decoder.blocks"``); ``block_output(out)`` picks the activation
+    from what each of those blocks returns (default: the first array; training drops the rest,
+    e.g. Mamba2's states: ``block_output=lambda out: out[0]``).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fiddlejax.Plan, got {type(plan).__name__}")
@@ -309,7 +313,7 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
                         f"optax.adamw(1e-3), got {optimizer!r}")
     if lora.has_adapters(nnx.state(model, nnx.Param)):  # LoRA: only the adapters train
         optimizer = lora.optimizer(optimizer)
-    return Trainer(model, optimizer, plan, loss, layers)
+    return Trainer(model, optimizer, plan, loss, layers, block_output)
 
 
 def _compiled_memory(compiled) -> dict:

@@ -64,10 +64,11 @@ def plan_for(layout_):
     return fj.Plan(mesh=fj.make_mesh(data=data, pipe=pipe, tensor=tensor), **kw)
 
 
-def check_exact(model, call, loss_fn, batch, layers, layout_, leaf_tol=None):
+def check_exact(model, call, loss_fn, batch, layers, layout_, leaf_tol=None, **kw):
     """The trainer's loss, gradients and parameter tree equal the single-device ones (key
     biases, whose true gradient is zero, at :data:`helpers.KEY_BIAS`; ``leaf_tol``: more)."""
-    trainer = parallelize(model, optax.sgd(0.1), plan_for(layout_), loss=loss_fn, layers=layers)
+    trainer = parallelize(model, optax.sgd(0.1), plan_for(layout_), loss=loss_fn, layers=layers,
+                          **kw)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # with any names it inferred
 
     def ref(p):

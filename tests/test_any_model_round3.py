@@ -77,6 +77,36 @@ def test_mamba_like_blocks_with_states_and_layer_idx_exact(layout_):
     assert trainer.staged.unit == 1 and trainer.staged.ignored == (("mixer", "layer_idx"),)
 
 
+class StateFirst(Block):
+    """A block that returns ``(state, activation)``: the activation is not its first array."""
+
+    def __call__(self, x, cache=None):
+        y, state = self.mixer(self.norm(x), cache)
+        return state, x + y
+
+
+class StateFirstLM(Mamba):
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            _, h = layer(h)
+        return self.lm_head(self.norm(h)), None
+
+
+def test_block_output_picks_the_activation_of_a_block():
+    """``parallelize(block_output=)``: the activation is what it picks (here the second of a
+    pair); without it such a block is refused, naming block_output; with it, exact on 1F1B."""
+    model = StateFirstLM(block=StateFirst, rngs=nnx.Rngs(0))
+    staged, canonical = fj.split_model(model, fj.next_token(ce), layers="layers")
+    with pytest.raises(TypeError, match=r"block_output"):
+        staged.prologue(staged.to_staged(canonical), TOKENS)
+    with pytest.warns(UserWarning, match=r"mixer\.layer_idx"):
+        check_exact(model, lambda m: m(TOKENS["tokens"][:, :-1]), fj.next_token(ce), TOKENS,
+                    "layers", LAYOUTS[1], block_output=lambda out: out[1])
+    with pytest.raises(TypeError, match=r"picks the activation of the blocks at layers="):
+        fj.split_model(model, fj.next_token(ce), block_output=lambda out: out[1])
+
+
 def test_attribute_read_through_getattr_is_refused():
     """An attribute that differs and that the forward reads (here by a name no method spells
     out) is refused at the first step, not ignored."""

@@ -89,6 +89,7 @@ class AdaptedModel(StagedModel):
     dropout_base: Any = None           # key data every dropout key is folded from
     scanned: bool = False              # the blocks are one nnx.vmap stack applied by a scan
     ignored: tuple = ()                # attributes that differ between blocks, presumed unread
+    block_output: Any = None           # picks the activation from a block's return (None: 1st)
     # batch shapes -> (a block output's treedef, the constant side inputs {index: value})
     checked: dict = dataclasses.field(default_factory=dict)
 
@@ -174,7 +175,7 @@ class AdaptedModel(StagedModel):
             block = self._block(j, layer_params[j] if self.unit > 1 else layer_params, count)
             with (dropout.keys(keys, None if count is None else count * self.unit + j),
                   intercept.setting(ops=ops)):
-                h = activation(block(h, *args, **kwargs))
+                h = activation(block(h, *args, **kwargs), self.block_output)
         return counted({**x, "x": h.reshape(x["x"].shape).astype(x["x"].dtype)}, 1)
 
     def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
@@ -213,7 +214,7 @@ class AdaptedModel(StagedModel):
             log = []
             with acting("record", real, log), dropout.keys(None, 0), self._tracing():
                 self._call_checked(model, bt)  # eval mode: shapes only
-            info["out"] = check_log(log, n, self.callsite)
+            info["out"] = check_log(log, n, self.callsite, self.block_output)
             check_unwritten(self.callsite, frozen, [jax.tree.leaves(nnx.state(r, FROZEN))
                                                     for r in real])
 
@@ -297,9 +298,11 @@ def _required_optional(params: list[inspect.Parameter]) -> frozenset:
     return frozenset(out)
 
 
-def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[AdaptedModel, nnx.State]:
+def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str,
+          block_output=None) -> tuple[AdaptedModel, nnx.State]:
     """Split an unmodified ``model`` around the blocks at ``layers``; returns the staged model
-    and the model's own (canonical) parameter tree."""
+    and the model's own (canonical) parameter tree. ``block_output(out)`` picks the activation
+    from what a block returns (default: its first array)."""
     name = type(model).__name__
     shift = tuple(getattr(loss_fn, "shift_inputs", ()) or getattr(model, "shift_inputs", ()))
     if loss_fn is None:
@@ -339,7 +342,7 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str) -> tuple[Adapted
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=n_layers, loss_fn=loss_fn, unit=unit, scanned=stack is not None,
-        ignored=ignored,
+        ignored=ignored, block_output=block_output,
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest), unit_consts=consts,
         block_keys=bkeys, template=_abstract(canonical),
         callsite=f"{name}.{layers}",

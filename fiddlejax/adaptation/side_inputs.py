@@ -21,6 +21,7 @@ Side inputs come in three kinds, each rebuilt as the blocks got it:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -129,10 +130,16 @@ def counted(msg: dict, blocks: int) -> dict:
     return {**msg, "count": msg["count"] + blocks} if "count" in msg else msg
 
 
-def activation(out: Any) -> jax.Array:
-    """The activation a block returns: its first array (alone, or first in a tuple whose other
-    outputs, e.g. Mamba2's states, training drops:
-    :func:`fiddlejax.adaptation.standins.check_log`)."""
+def activation(out: Any, select: Callable[[Any], Any] | None = None) -> jax.Array:
+    """The activation a block returns: ``select(out)`` (``parallelize(block_output=)``), else
+    its first array (alone, or first in a tuple whose other outputs, e.g. Mamba2's states,
+    training drops: :func:`fiddlejax.adaptation.standins.check_log`)."""
+    if select is not None:
+        x = select(out)
+        if not isinstance(x, jax.Array):
+            raise TypeError(f"block_output picked {describe(x)} from a block that returned "
+                            f"{describe(out)}; it must return the activation array")
+        return x
     arrays = [a for a in jax.tree.leaves(out) if isinstance(a, jax.Array)]
     if not arrays:
         raise TypeError(f"a block returned {describe(out)}; fiddlejax carries one activation")

@@ -15,15 +15,21 @@ from fiddlejax.adaptation import adapt
 from fiddlejax.staged import Loss, StagedModel, check_dropout
 
 
-def split_model(model: nnx.Module, loss_fn: Loss | None = None,
-                layers: str | None = None) -> tuple[StagedModel, nnx.State]:
+def split_model(model: nnx.Module, loss_fn: Loss | None = None, layers: str | None = None,
+                block_output=None) -> tuple[StagedModel, nnx.State]:
     """Split ``model`` into its static :class:`StagedModel` and its parameters.
 
-    ``layers``: the path of the repeated blocks of a model without the staged protocol.
+    ``layers``: the path of the repeated blocks of a model without the staged protocol;
+    ``block_output(out)``: the activation among what such a block returns (default: the first
+    array).
     """
     explicit = all(hasattr(model, a) for a in ("stack", "prologue", "head"))
     if layers is not None and not (explicit and layers == model.stack):
-        return adapt.adapt(model, loss_fn, layers)
+        return adapt.adapt(model, loss_fn, layers, block_output)
+    if block_output is not None:
+        raise TypeError(f"block_output= picks the activation of the blocks at layers=; "
+                        f"{type(model).__name__} declares the staged protocol, whose layers "
+                        "return their message themselves: pass layers=, or drop block_output")
     for attr in ("stack", "prologue", "head"):
         if not hasattr(model, attr):
             raise TypeError(

@@ -109,19 +109,25 @@ class Output:
             for k, v in enumerate(self.leaves)])
 
 
-def _output(out: Any) -> Output | None:
+def _output(out: Any, select=None) -> Output | None:
     leaves, tdef = jax.tree.flatten(out)
-    first = next((k for k, a in enumerate(leaves) if isinstance(a, jax.Array)), None)
-    if first is None:
+    arrays = [k for k, a in enumerate(leaves) if isinstance(a, jax.Array)]
+    if not arrays:
         return None
+    x = activation(out, select)
+    first = next((k for k in arrays if leaves[k] is x), None)
+    if first is None:
+        raise TypeError(f"block_output returned a new array for a block's {describe(out)}; it "
+                        "must pick one of the block's outputs as it is, e.g. lambda out: out[1]")
     return Output(tdef, first, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
                                      if isinstance(a, jax.Array) else a for a in leaves))
 
 
-def check_log(log: list, n: int, where: str) -> Output:
+def check_log(log: list, n: int, where: str, select=None) -> Output:
     """Check a recorded forward: each of the ``n`` blocks called once, in order, back to back,
-    with the same side inputs, returning an activation (the first array, shaped like the
-    block's input) and maybe more that no later block receives; returns a block's output."""
+    with the same side inputs, returning an activation (the first array, or what ``select``
+    picks, shaped like the block's input) and maybe more that no later block receives; returns
+    a block's output."""
     order = [i for i, *_ in log]
     if order != list(range(n)):
         raise ValueError(f"{where}: __call__ runs the blocks in the order {order[:8]}; "
@@ -131,23 +137,24 @@ def check_log(log: list, n: int, where: str) -> Output:
         if not args or not isinstance(args[0], jax.Array):
             raise TypeError(f"{where}: block {i} gets no array as its first argument; "
                             "fiddlejax passes the activation first")
-        output = _output(out)
+        output = _output(out, select)
         if output is None or output.leaves[output.index].shape != args[0].shape:
             raise TypeError(
                 f"{where}: block {i} returns {describe(out)}; fiddlejax carries one "
-                f"activation between blocks: the first array a block returns, shaped like its "
-                f"input {tuple(args[0].shape)} (alone, or first in a tuple whose other "
-                "outputs training drops)")
+                f"activation between blocks: the first array a block returns (or the one "
+                f"parallelize(block_output=) picks), shaped like its input "
+                f"{tuple(args[0].shape)}; training drops the other outputs")
         out_def = out_def or output
         if i == 0:
             continue
         prev = log[i - 1][3]
-        if args[0] is not activation(prev):
+        if args[0] is not activation(prev, select):
             raise ValueError(
                 f"{where}: __call__ changes the activation between block {i - 1} and block "
                 f"{i}; fiddlejax runs the blocks back to back. Move that code into the "
                 "blocks, or declare the staged protocol (fiddlejax.staged)")
-        extras = [a for a in jax.tree.leaves(prev) if isinstance(a, jax.Array)][1:]
+        extras = [a for a in jax.tree.leaves(prev)
+                  if isinstance(a, jax.Array) and a is not args[0]]
         if any(x is e for x in jax.tree.leaves((args[1:], kwargs)) for e in extras):
             raise ValueError(
                 f"{where}: block {i} receives an output of block {i - 1} besides the "
