@@ -126,8 +126,8 @@ def test_merge_folds_the_adapters_into_the_base():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="rank=0"):
         lora.LoRA(rank=0)
-    with pytest.raises(ValueError, match="dropout=0.1"):
-        lora.LoRA(dropout=0.1)
+    with pytest.raises(ValueError, match=r"dropout=1\.5 must be in \[0, 1\)"):
+        lora.LoRA(dropout=1.5)
     with pytest.raises(ValueError, match="match no kernel"):
         lora.add(Llama(TINY, rngs=nnx.Rngs(0)), lora.LoRA(targets=("nope",)))
 
@@ -202,3 +202,37 @@ def test_a_users_own_model_gets_adapters_and_trains_only_them(layout):
         assert np.array_equal(np.asarray(a), np.asarray(b)) != lora.is_adapter(p)
     opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x)]
     assert sum(x.size for x in opt_leaves) == 2 * lora.trainable_count(before)[0]
+
+
+def test_lora_dropout_on_a_users_model_is_layout_independent():
+    """LoRA dropout (on the adapters' input) through layers=: deterministic from one key,
+    off in eval, new after a step, and the same loss and gradients on data x tensor and on
+    1F1B with 4 microbatches; refused on a bundled family, naming the key."""
+    import dataclasses
+
+    from helpers import assert_loss_and_grads
+
+    model = lora.add(UserLM(rngs=nnx.Rngs(0)), lora.LoRA(rank=4, dropout=0.3,
+                                                         targets=("q_proj", "v_proj")))
+    for block in model.blocks:
+        for lin in (block.q_proj, block.v_proj):
+            lin.lora.lora_b.set_value(0.3 * jnp.ones(lin.lora.lora_b.shape))
+    k1, k2 = jax.random.split(jax.random.key(2))
+    batch = {"tokens": jax.random.randint(k1, (8, 8), 0, 32),
+             "labels": jax.random.randint(k2, (8, 8), 0, 32)}
+    results = []
+    for layout in [dict(shape=(2, 1, 2), microbatches=2),
+                   dict(shape=(2, 2, 1), schedule="1f1b", microbatches=4)]:
+        kw = dict(layout)
+        trainer = fj.parallelize(model, optax.sgd(0.1), mesh_plan(*kw.pop("shape"), **kw),
+                                 layers="blocks", loss=user_loss)
+        state = trainer.init()
+        loss, grads = trainer.loss_and_grads(state, batch)
+        assert float(trainer.loss_and_grads(state, batch)[0]) == float(loss)
+        assert abs(float(trainer.loss(state, batch)) - float(loss)) > 1e-4  # eval: no dropout
+        later = trainer.loss_and_grads(dataclasses.replace(state, step=state.step + 1), batch)
+        assert abs(float(later[0]) - float(loss)) > 1e-4  # a new mask after a step
+        results.append((loss, grads))
+    assert_loss_and_grads(results[1], results[0])
+    with pytest.raises(ValueError, match=r"plan\.lora\.dropout=0"):
+        lora.add(Llama(TINY, rngs=nnx.Rngs(0)), lora.LoRA(rank=4, dropout=0.1))

@@ -47,7 +47,8 @@ DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and ML
 @dataclasses.dataclass(frozen=True)
 class LoRA:
     """What :func:`add` puts on a model: ``rank``, ``alpha`` (the update is scaled by
-    ``alpha / rank``), ``dropout`` (on the adapters' input; not yet: 0 only) and the
+    ``alpha / rank``), ``dropout`` (on the adapters' input: a user's own model, not yet the
+    bundled families) and the
     ``targets``, kernels by attribute name (Meta's: ``wq wk wv wo`` attention, ``w1 w3 w2``
     gate, up, down; Hugging Face's ``q_proj`` ... ``down_proj`` are accepted too)."""
 
@@ -61,9 +62,8 @@ class LoRA:
             raise ValueError(f"LoRA rank={self.rank!r} must be a positive integer, e.g. 16")
         if not self.alpha > 0:
             raise ValueError(f"LoRA alpha={self.alpha!r} must be positive, e.g. 2 * rank")
-        if self.dropout:
-            raise ValueError(f"LoRA dropout={self.dropout} is not supported yet; use "
-                             "dropout=0 (plan.lora.dropout=0)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout={self.dropout!r} must be in [0, 1), e.g. 0.05")
         names = tuple(HF_NAMES.get(t, t) for t in self.targets)
         if not names:
             raise ValueError("LoRA targets is empty; name kernels, e.g. [wq, wv]")
@@ -170,6 +170,11 @@ def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
     kernels with :func:`fiddlejax.models.common.project`. A model that declares none (a user's
     own) gets a :class:`LoRALinear` in place of each ``nnx.Linear`` named like a target."""
     key, found = jax.random.key(seed), []
+    bundled = any(getattr(type(m), "lora_targets", {}) for _, m in nnx.iter_modules(model))
+    if bundled and lora.dropout:
+        raise ValueError(f"LoRA dropout={lora.dropout} on {type(model).__name__}: a bundled "
+                         "family's layers get no per-example dropout keys yet; use dropout=0 "
+                         "(plan.lora.dropout=0), or your own NNX model through layers=")
     for path, module in nnx.iter_modules(model):
         table = getattr(type(module), "lora_targets", {})
         for name in lora.targets:
@@ -201,12 +206,14 @@ def _peft_a_init(key, shape, dtype):
 
 
 class LoRALinear(nnx.LoRALinear):
-    """flax's ``nnx.LoRALinear`` with peft's scale: ``x @ W + b + (alpha / rank) (x @ A) @ B``
-    (the parameters keep flax's names: ``kernel``, ``bias``, ``lora.lora_a``, ``lora.lora_b``)."""
+    """flax's ``nnx.LoRALinear`` with peft's scale and dropout on the adapters' input:
+    ``x @ W + b + (alpha / rank) (dropout(x) @ A) @ B`` (the parameters keep flax's names:
+    ``kernel``, ``bias``, ``lora.lora_a``, ``lora.lora_b``). Through ``layers=`` the dropout is
+    fiddlejax's layout-independent one (:mod:`fiddlejax.adaptation.dropout`)."""
 
     def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
         y = nnx.Linear.__call__(self, x, out_sharding=out_sharding)
-        return y + (self.lora_scale * self.lora(x)).astype(y.dtype)
+        return y + (self.lora_scale * self.lora(self.lora_dropout(x))).astype(y.dtype)
 
 
 def _wrap_linears(model: nnx.Module, lora: LoRA, key) -> list[str]:
@@ -229,6 +236,7 @@ def _wrap_linears(model: nnx.Module, lora: LoRA, key) -> list[str]:
                          a_initializer=_peft_a_init,
                          a_metadata=meta[0], b_metadata=meta[1])
         new.kernel, new.bias, new.lora_scale = base.kernel, base.bias, lora.scale
+        new.lora_dropout = nnx.Dropout(lora.dropout, rngs=nnx.Rngs(dropout=sub))
         setattr(module, name, new)
     return [".".join(map(str, (*path, name))) for path, _, name in hits]
 
