@@ -17,7 +17,7 @@ vocab 8,000 on a sample with ``tokenizers``; nothing downloads. Then runs ``fidd
 
 Writes ``benchmarks/results/data_store.md`` (ratios first) and ``.json``.
 
-    python benchmarks/data_store.py                    # ~5 minutes on 2 CPU cores
+    python benchmarks/data_store.py                    # ~20 minutes on 2 CPU cores
     python benchmarks/data_store.py --small-mb 2 --large-mb 12   # a quick look
     python benchmarks/data_store.py --jobs small_cold small_cold_2proc --out /tmp/part
     python benchmarks/data_store.py --merge part1.json part2.json   # runs made apart
@@ -139,8 +139,8 @@ JOBS = {"small_cold": ("small", "cache-a", 1), "large_cold": ("large", "cache-a"
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--small-mb", type=int, default=10)
-    p.add_argument("--large-mb", type=int, default=60)
-    p.add_argument("--jobs", nargs="*", default=list(JOBS)[:4], choices=list(JOBS))
+    p.add_argument("--large-mb", type=int, default=200)  # the issue's own larger corpus
+    p.add_argument("--jobs", nargs="*", default=list(JOBS), choices=list(JOBS))
     p.add_argument("--workers", nargs="*", type=int, default=[1, 2])
     p.add_argument("--merge", nargs="*", help="combine the .json of earlier partial runs")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data_store"))
