@@ -215,6 +215,25 @@ def test_resume_refuses_other_reading_unless_allowed(key, value, words):
     pipeline.check_same_data({"sources": ["x"]}, new, allow_change=False)  # older checkpoints
 
 
+def test_resume_names_the_changed_key_not_the_data_hash():
+    """Another data.field also changes the prepared data's hash: the refusal named two equal
+    paths with two sha256s, not the key. And data.val_fraction=null is its default (0.05), so
+    setting the default, or a fraction data.val_path makes unused, is not a change."""
+    tok = type("Tok", (), {"eos_id": 2, "bos_id": None})()
+
+    def ident(sha: str, **dcfg) -> dict:
+        return {"sources": [{"paths": ["a.jsonl"], "sha256": sha}],
+                "reading": pipeline.reading({"field": "text", **dcfg}, tok)}
+
+    with pytest.raises(DataError, match=r"data.field='text' but this run has 'body'"):
+        pipeline.check_same_data(ident("aa"), ident("bb", field="body"), allow_change=False)
+    with pytest.raises(DataError, match=r"data.val_fraction=0.05 but this run has 0.2"):
+        pipeline.check_same_data(ident("aa"), ident("aa", val_fraction=0.2), allow_change=False)
+    pipeline.check_same_data(ident("aa"), ident("aa", val_fraction=0.05), allow_change=False)
+    pipeline.check_same_data(ident("aa", val_path="v.jsonl"),
+                             ident("aa", val_path="v.jsonl", val_fraction=0.3), allow_change=False)
+
+
 # -- the commands' own arguments -----------------------------------------------------------------
 @pytest.mark.parametrize("arg, words", [
     ("temperature=nan", "temperature=nan must be a number >= 0"),

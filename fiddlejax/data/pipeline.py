@@ -233,17 +233,23 @@ class Stream:
 
 def check_same_data(old: dict, new: dict, allow_change: bool) -> None:
     """Refuse to resume on other data or another tokenizer than the checkpoint's, or read
-    otherwise (:data:`READING`)."""
-    for key, what in (("sources", "data"), ("tokenizer", "tokenizer")):
-        a, b = old.get(key), new.get(key)
-        if a is None or a == b or allow_change:
-            continue
+    otherwise (:data:`READING`). The most specific change is named: another ``data.field``,
+    tokenizer or EOS also changes the prepared data's hash."""
+    if allow_change:
+        return
+    _check_reading(old.get("reading"), new.get("reading"), ("field", "val_fraction"))
+    _check_same(old, new, "tokenizer", "tokenizer")
+    _check_reading(old.get("reading"), new.get("reading"), ("eos_id", "bos_id"))
+    _check_same(old, new, "sources", "data")
+
+
+def _check_same(old: dict, new: dict, key: str, what: str) -> None:
+    a, b = old.get(key), new.get(key)
+    if a is not None and a != b:
         raise DataError(
             f"the checkpoint was trained with {what} {_describe(a)} but this run has "
             f"{_describe(b)}; resuming would silently switch {what}. Use the checkpoint's "
             f"{what}, or set data.allow_change=true to continue on the new one")
-    if not allow_change:
-        _check_reading(old.get("reading"), new.get("reading"))
 
 
 # What else decides the tokens and rows a resumed stream gives (checked as data and tokenizer are)
@@ -254,17 +260,23 @@ READING = {"field": "data.field", "val_fraction": "data.val_fraction",
 
 def reading(dcfg: dict, tok: tokenizers.Tokenizer) -> dict:
     """The keys of :data:`READING` for this job (recorded with the stream's position)."""
-    return {"field": dcfg.get("field"), "val_fraction": dcfg.get("val_fraction"),
+    fraction = None if dcfg.get("val_path") is not None else dcfg.get("val_fraction")
+    return {"field": dcfg.get("field"), "val_fraction": fraction,  # val_path: not used
             "eos_id": tok.eos_id, "bos_id": tok.bos_id}
 
 
-def _check_reading(old: dict | None, new: dict | None) -> None:
-    for key, what in READING.items():
-        if old and new and key in old and old[key] != new.get(key):
+def _check_reading(old: dict | None, new: dict | None, keys: tuple[str, ...]) -> None:
+    def value(d: dict, key: str):  # data.val_fraction null means the default
+        v = d.get(key)
+        return DEFAULT_VAL_FRACTION if key == "val_fraction" and v is None else v
+
+    for key in keys:
+        if old and new and key in old and value(old, key) != value(new, key):
             raise DataError(
-                f"the checkpoint was trained with {what}={old[key]!r} but this run has "
-                f"{new.get(key)!r}; resuming would silently continue on other tokens or rows. "
-                "Use the checkpoint's, or set data.allow_change=true to continue on the new one")
+                f"the checkpoint was trained with {READING[key]}={value(old, key)!r} but this "
+                f"run has {value(new, key)!r}; resuming would silently continue on other "
+                "tokens or rows. Use the checkpoint's, or set data.allow_change=true to "
+                "continue on the new one")
 
 
 def _describe(x) -> str:
