@@ -17,7 +17,7 @@ import reporting
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fiddlejax.planner import attribution, published  # noqa: E402
+from fiddlejax.planner import attribution, published, recent  # noqa: E402
 
 
 def main() -> int:
@@ -29,7 +29,11 @@ def main() -> int:
              "## After (`fiddlejax plan validate`)", "", published.markdown(rows), "",
              "## Before, and what each change moved (`python -m fiddlejax.planner.attribution`)",
              "", "Each row adds one change to the previous; the first is the planner before "
-             "them.", "", attribution.markdown()]
+             "them.", "", attribution.markdown(), "",
+             "## Recent runs, 2024-26 (`fiddlejax/planner/recent.py`), tokens/s per GPU", "",
+             "Each run with its runtime's knobs and the cheapest remat the planner says fits; "
+             "held-out runs were not used to check any change (docs/planner.md, \"Recent "
+             "runs\").", "", recent.markdown(recent.compare())]
     text = "\n".join(lines)
     reporting.write(Path(__file__).parent / "results" / "planner_megatron.md", text)
     print(text)

@@ -110,8 +110,11 @@ def test_context_parallel_keeps_the_ring_model():
     preds = [planner.predict(m, h100, dataclasses.replace(lo, attention=a))
              for a in ("auto", "fused", "xla")]
     assert attention.kind(m, lo, h100) == "ring"
-    assert preds[0].time == preds[1].time == preds[2].time
+    assert preds[0].time == preds[2].time  # fiddlejax's ring: its own tiles
     assert preds[0].memory == preds[1].memory == preds[2].memory
+    # attention="fused" asks for the ring's blocks in a fused kernel (Transformer Engine's
+    # context parallelism): no score traffic, 4.7x less compute time at 32k tokens
+    assert preds[1].time.compute < preds[0].time.compute / 4
 
 
 def test_fused_refused_by_name(capsys):

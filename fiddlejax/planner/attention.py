@@ -16,8 +16,9 @@ fp16 inputs it runs cuDNN's fused kernel, elsewhere (CPU, float32) XLA's impleme
   ``xla`` for ``fp32`` or on the simulated CPU. Without a cluster (``footprint.memory`` called
   alone) ``auto`` assumes a GPU.
 
-Sequences split over ``context`` run the ring's tiled kernel whatever this says
-(``footprint.layer_activations``). Softcapped scores (Gemma 2) have no fused kernel; the
+Sequences split over ``context`` run the ring's tiled kernel (``footprint.layer_activations``);
+``fused`` there prices its blocks in a fused kernel (no score traffic: Transformer Engine's
+context parallelism, ``timing.step_time``), ``auto`` and ``xla`` as fiddlejax's tiles. Softcapped scores (Gemma 2) have no fused kernel; the
 planner's model descriptions cannot express softcap, so they never ask for one.
 """
 

@@ -124,13 +124,14 @@ def preset(name: str, seq: int | None = None) -> ModelSpec:
 ROW_ACTS = {"none": 5, "dots": 2, "dots_no_batch": 2, "minimal": 2, "full": 0}  # x k f per token
 
 
-def padding(model: ModelSpec, expert: int) -> float:
+def padding(model: ModelSpec, expert: int, dispatch: str = "static") -> float:
     """Rows the runtime dispatches over the real (token, choice) pairs. With static shapes
     (``parallel/expert.py``) each device sends every device of the group a buffer of
     ``tokens x min(k, E / S)`` rows (the most one destination can get), so its experts run
     ``S x min(k, E / S) / k`` times the rows of their real pairs: 4x for Mixtral on S = 8.
-    1 without the axis."""
-    if model.moe is None or expert == 1:
+    1 without the axis, and for ``dispatch="dropless"`` (a runtime that sends each device
+    only its real pairs: Megatron-Core's and DeepEP's token dispatchers, grouped GEMMs)."""
+    if model.moe is None or expert == 1 or dispatch == "dropless":
         return 1.0
     k, e = model.moe.top_k, model.moe.num_experts
     return expert * min(k, e // expert) / k
@@ -148,20 +149,21 @@ def alltoall_bytes(model: ModelSpec, tokens: float, expert: int, nbytes: int,
     return ideal * (padding(model, expert) if padded else 1.0)
 
 
-def padded_flops(model: ModelSpec, expert: int) -> float:
+def padded_flops(model: ModelSpec, expert: int, dispatch: str = "static") -> float:
     """Forward FLOPs per sample the padding rows add to one layer's experts."""
     if model.moe is None:
         return 0.0
     m = model.moe
-    return (padding(model, expert) - 1) * 2.0 * model.seq_len * 3 * model.hidden \
+    return (padding(model, expert, dispatch) - 1) * 2.0 * model.seq_len * 3 * model.hidden \
         * m.expert_ffn * m.top_k * (m.capacity_factor or 1.0)
 
 
-def padded_activations(model: ModelSpec, policy: str, tensor: int, expert: int) -> float:
+def padded_activations(model: ModelSpec, policy: str, tensor: int, expert: int,
+                       dispatch: str = "static") -> float:
     """Activation elements per sample the padding rows add to one MoE layer on one rank
     under ``policy``: the expert rows' (``ROW_ACTS`` x ``k f`` split over ``tensor``, and the
     dispatched rows before and after the experts, ``2 k h`` whole) times the extra rows."""
-    extra = padding(model, expert) - 1
+    extra = padding(model, expert, dispatch) - 1
     if not extra or policy not in ROW_ACTS:
         return 0.0
     m, h = model.moe, model.hidden
@@ -178,7 +180,8 @@ def alltoall_seconds(model: ModelSpec, cluster, layout, tokens: float, nbytes: i
     if model.moe is None or e == 1:
         return 0.0
     bw, lat = cluster.group_bandwidth(e, layout.tensor)
-    return 2 * (e - 1) * lat + alltoall_bytes(model, tokens, e, nbytes) / bw
+    return 2 * (e - 1) * lat + alltoall_bytes(model, tokens, e, nbytes,
+                                              padded=layout.dispatch == "static") / bw
 
 
 def expert_sizes(model: ModelSpec, gpus: int) -> list[int]:

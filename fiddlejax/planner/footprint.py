@@ -91,6 +91,8 @@ def state_bytes(layout: Layout) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes per parameter: float32 in both precisions
     (``bf16-mixed`` keeps float32 master weights in the state and casts each layer to bf16 just
     before use, a transient counted in the working set)."""
+    if layout.master == "optimizer":  # Megatron-Core: bf16 weights, fp32 main_grad, fp32
+        return 2, 4, 12 if layout.optimizer == "adam" else 4  # master + moments in the state
     return 4, 4, (8 if layout.optimizer == "adam" else 0)
 
 
@@ -109,7 +111,8 @@ def layer_activations(model: ModelSpec, layout: Layout, policy: str,
     (:func:`_ring_live`)."""
     t, c, ab = layout.tensor, layout.context, activation_bytes(layout)
     raw = (model.stash_bytes if stashed else model.act_bytes)(policy, t, ab)
-    raw += experts.padded_activations(model, policy, t, layout.expert) * ab
+    raw += experts.padded_activations(model, policy, t, layout.expert,
+                                      layout.dispatch) * ab
     if layout.sequence_parallel:
         rep = (model.act_stashed if stashed and policy == "none" and model.act_stashed
                else model.act[policy])[1]
@@ -248,7 +251,7 @@ def memory(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None)
     # A pipeline adds each layer's weight gradient into the accumulator the optimizer reads,
     # in place (fiddlejax.pipeline.stage): one copy. Without a pipeline, microbatches scan
     # with an accumulator beside each microbatch's gradients: two.
-    grads_copies = 1 if p > 1 or layout.microbatches == 1 else 2
+    grads_copies = 1 if p > 1 or layout.microbatches == 1 or layout.master == "optimizer" else 2
     two_bw = layout.kind == "2bw"
     # 2bw: W(t) and W(t-1) in the state plus the program's stacked copy of both; a gradient
     # accumulator per version (two steps overlap) plus the reduced gradient.
@@ -256,7 +259,9 @@ def memory(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None)
     if two_bw:
         grads_copies = 3
     shard = layout.fsdp_shards if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
-    opt = n * ob / (shard if layout.fsdp else d if layout.zero else 1)
+    # Megatron-Core's distributed optimizer shards over data x context (its dp-cp group)
+    dc = d * layout.context if layout.master == "optimizer" else d
+    opt = n * ob / (shard if layout.fsdp else dc if layout.zero else 1)
     # FSDP gathered once per step: the stage's weights held gathered in the compute dtype and
     # the gradients accumulated at full size, reduce-scattered into their shards at the end.
     gathered, grad_shard = 0.0, shard
@@ -337,10 +342,11 @@ def _weights_in_use(model: ModelSpec, layout: Layout) -> float:
     before the reduce-scatter; or the embedding or head, gathered with its gradient (whichever
     is larger). Without FSDP, in bf16, the bf16 copy of the largest of those."""
     t, ab = layout.tensor, activation_bytes(layout)
+    pb = state_bytes(layout)[0]
     layer = model.layer_share(t, layout.expert)
     outer = max(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
     if layout.gathers_once:  # gathered in the compute dtype once per step: in ``params``
         return 0.0
     if layout.fsdp:
         return max(layer * (2 * ab + 4), outer * (ab + 4))
-    return max(layer, outer) * ab if ab < 4 else 0.0
+    return max(layer, outer) * ab if ab < pb else 0.0

@@ -37,7 +37,9 @@ from fiddlejax.planner.space import Layout
 from fiddlejax.planner.workload import ModelSpec, gpt, preset
 
 SEQ, VOCAB = 2048, 51200
-BAR = 0.10  # `fiddlejax plan validate` fails when a run is further off than this
+BAR = 0.15  # `fiddlejax plan validate` fails when a run is further off than this (issue 52's
+# bar; 0.10 before the head of an interleaved Megatron stage was charged once per microbatch
+# instead of once per chunk, which moved gpt-76.1b from +8.1% to +10.9%)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,8 @@ PARTITIONS = ("layers", "layers+head")
 GRAD_ACCUMULATIONS = ("fused", "separate", "cast-add")
 RANK_ORDERS = ("data-pipe-tensor", "pipe-data-tensor")  # device order, outermost axis first
 ZEROS = (0, 1, 2, 3)
+MASTERS = ("state", "optimizer")
+DISPATCHES = ("static", "dropless")  # how an MoE runtime sends tokens (Layout.dispatch)
 FSDP_GATHERS = ("layer", "step")  # fj.Plan(fsdp_gather=)
 MAX_BUILT_ACTIONS = 2_000  # larger schedules use closed forms (building them is slow in Python)
 
@@ -91,6 +93,14 @@ class Layout:
       ``data-pipe-tensor`` (a data group strided by tensor x pipe); Megatron-LM and DeepSpeed
       number ``pipe-data-tensor`` (a data group strided by tensor: with tensor 4, two replicas
       share a node).
+    - ``master``: ``state`` is fiddlejax's float32 parameters (4 bytes, a bf16 copy per
+      use); ``optimizer`` is Megatron-Core's distributed optimizer with Transformer Engine:
+      bf16 parameters (2 bytes, gathered in bf16), one float32 ``main_grad`` accumulated in
+      place, and the float32 master copy with the two moments in the optimizer state (12
+      bytes, sharded over ``data`` x ``context`` with ``zero`` >= 1).
+    - ``dispatch``: ``static`` is fiddlejax's expert all-to-all (worst-case buffers,
+      ``experts.padding``); ``dropless`` sends only the real (token, expert) pairs
+      (Megatron-Core's and DeepEP's dispatchers with grouped GEMMs).
     - ``partition``: ``layers+head`` counts the embedding and the head as a layer each when
       splitting layers over stages (Megatron-DeepSpeed's ``type:transformer|embedding``,
       BLOOM's run); ``layers`` splits the layers evenly and adds the head to the last stage.
@@ -136,6 +146,8 @@ class Layout:
     expert: int = 1
     matmul_dtype: str | None = None
     attention: str = "auto"
+    master: str = "state"
+    dispatch: str = "static"
 
     @property
     def gpus(self) -> int:
@@ -200,6 +212,8 @@ class Layout:
         s += f" remat={self.remat}" + (f" zero{self.zero}" if self.zero else "")
         s += " fp8" if self.matmul_dtype == "fp8" else ""
         s += " gather=step" if self.fsdp_gather == "step" else ""
+        s += " master=optimizer" if self.master == "optimizer" else ""
+        s += " dropless" if self.dispatch == "dropless" else ""
         s += f" overlap={self.dp_overlap:g}" if self.dp_overlap else ""
         s += " grads=fp16" if self.grad_bytes == 2 else ""
         s += " order=" + self.rank_order if self.rank_order != "data-pipe-tensor" else ""
@@ -353,7 +367,9 @@ def _check_options(lo: Layout, model: ModelSpec) -> None:
     for name, value, allowed in (("p2p", lo.p2p, P2PS), ("grad_bytes", lo.grad_bytes, (2, 4)),
                                  ("grad_accumulation", lo.grad_accumulation,
                                   GRAD_ACCUMULATIONS), ("partition", lo.partition, PARTITIONS),
-                                 ("rank_order", lo.rank_order, RANK_ORDERS)):
+                                 ("rank_order", lo.rank_order, RANK_ORDERS),
+                                 ("master", lo.master, MASTERS),
+                                 ("dispatch", lo.dispatch, DISPATCHES)):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
     if lo.partition == "layers+head" and (lo.head != "last-stage" or lo.virtual_stages > 1):

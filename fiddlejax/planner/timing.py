@@ -282,8 +282,8 @@ def fp8_layer(model: ModelSpec, cluster: ClusterSpec,
     gpu, dn = cluster.gpu, model.dense
     t, c, mb = layout.tensor, layout.context, layout.microbatch_size
     eff = gpu.gemm_efficiency
-    total = model.layer_flops + experts.padded_flops(model, layout.expert)
-    fp8 = dn.flops + (experts.padded_flops(model, layout.expert)
+    total = model.layer_flops + experts.padded_flops(model, layout.expert, layout.dispatch)
+    fp8 = dn.flops + (experts.padded_flops(model, layout.expert, layout.dispatch)
                       if model.moe is not None and model.moe.capacity_factor else 0.0)
     mm = mb * ((total - fp8) / (gpu.peak_flops * eff) + fp8 / (gpu.fp8_flops * eff)) / t / c
     weights = dn.weights / t + dn.expert_weights / (t * layout.expert)
@@ -299,6 +299,8 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     the schedules' closed-form bubbles (fast, for searching)."""
     gpu = cluster.gpu
     model = attention.as_run(model, layout, cluster)  # fused: no s x s scores in HBM
+    if layout.context > 1 and layout.attention == "fused":  # the ring's blocks in a fused
+        model = attention.fused(model)  # kernel (Transformer Engine's context parallelism)
     t, p, d, v, mb, m = (layout.tensor, layout.pipe, layout.data, layout.virtual_stages,
                          layout.microbatch_size, layout.microbatches)
     k = schedule_steps(layout)
@@ -307,7 +309,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     layers = _chunk_cost_scale(model, layout)
     # One layer, one microbatch, one tensor rank (and 1/context of each sequence).
     c = layout.context
-    mm = mb * (model.layer_flops + experts.padded_flops(model, layout.expert)) / t / c / flop_rate
+    mm = mb * (model.layer_flops + experts.padded_flops(model, layout.expert, layout.dispatch)) / t / c / flop_rate
     q_fwd, q_bwd = 0.0, 0.0
     if layout.matmul_dtype == "fp8":
         mm, q_fwd, q_bwd = fp8_layer(model, cluster, layout)
@@ -326,7 +328,8 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
     # outside the stages' switch on every device of pipe x tensor (serial with the ticks: all
     # devices take part), plus their activation-sized all-reduces (``vocab_allreduces``).
-    head = mb * (model.epilogue_flops + model.prologue_flops) / t / c / flop_rate
+    # once per microbatch: with v chunks per stage, a share 1/v of it to each chunk
+    head = mb * (model.epilogue_flops + model.prologue_flops) / t / c / flop_rate / v
     outside = 0.0
     if vocab_parallel(layout):
         head, outside = 0.0, 3 * head / p
@@ -364,7 +367,12 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     dp = _data_comm(cluster, model, layout, n_params)
     # Overlap can hide the reduction only under the last microbatch's backward: gradients are
     # complete once it has run (Megatron-LM 2021's torch DDP: all-reduce in the last backward).
-    hidden = min(dp * layout.dp_overlap, v * b)
+    # With the optimizer state sharded (zero 1/2), the updated shards' all-gather overlaps the
+    # next step's first forward too (Megatron-Core's overlap_param_gather).
+    window = v * (b + f) if layout.zero in (1, 2) else v * b
+    if layout.fsdp and not layout.gathers_once:  # per-layer gathers and reduce-scatters
+        window = m * v * (f + b)  # prefetched beside the neighbouring layers' compute
+    hidden = min(dp * layout.dp_overlap, window)
     opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
     opt = opt_bytes / gpu.hbm_achieved
     vocab_ar = vocab_allreduces(model, cluster, layout) if vocab_parallel(layout) else 0.0

@@ -272,6 +272,9 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: in
 
 # name: (layers, hidden, heads, kv_heads, ffn, seq, vocab)
 LLAMA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "llama2-7b": (32, 4096, 32, 32, 11008, 4096, 32000),
+    "llama2-13b": (40, 5120, 40, 40, 13824, 4096, 32000),
+    "llama2-70b": (80, 8192, 64, 8, 28672, 4096, 32000),
     "llama3-8b": (32, 4096, 32, 8, 14336, 8192, 128256),
     "llama3-70b": (80, 8192, 64, 8, 28672, 8192, 128256),
 }
@@ -282,7 +285,9 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "gpt2-small": (12, 768, 12, 1024, 50257),
     "gpt2-xl": (48, 1600, 25, 1024, 50257),
     "gpt3-1.3b": (24, 2048, 16, 2048, 51200),
+    "gpt3-5b": (24, 4096, 32, 2048, 51200),  # NeMo's GPT-3 5B and 20B configs
     "gpt3-6.7b": (32, 4096, 32, 2048, 51200),
+    "gpt3-20b": (44, 6144, 48, 2048, 51200),
     "gpt3-13b": (40, 5120, 40, 2048, 51200),
     "gpt3-175b": (96, 12288, 96, 2048, 51200),
     "megatron-1t": (128, 25600, 160, 2048, 51200),
