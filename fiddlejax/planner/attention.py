@@ -18,7 +18,8 @@ fp16 inputs it runs cuDNN's fused kernel, elsewhere (CPU, float32) XLA's impleme
 
 Sequences split over ``context`` run the ring's tiled kernel (``footprint.layer_activations``);
 ``fused`` there prices its blocks in a fused kernel (no score traffic: Transformer Engine's
-context parallelism, ``timing.step_time``), ``auto`` and ``xla`` as fiddlejax's tiles. Softcapped scores (Gemma 2) have no fused kernel; the
+context parallelism, ``timing.step_time``), ``auto`` and ``xla`` as fiddlejax's tiles.
+Softcapped scores (Gemma 2) have no fused kernel; the
 planner's model descriptions cannot express softcap, so they never ask for one.
 """
 

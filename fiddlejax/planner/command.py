@@ -239,9 +239,7 @@ def plan_command(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "validate":
-            from fiddlejax.planner import published
-
-            from fiddlejax.planner import recent
+            from fiddlejax.planner import published, recent
 
             rows, new = published.compare(), recent.compare()
             print(json.dumps(rows + new, indent=2) if a.json else published.markdown(rows)

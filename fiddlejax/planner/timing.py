@@ -309,7 +309,8 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     layers = _chunk_cost_scale(model, layout)
     # One layer, one microbatch, one tensor rank (and 1/context of each sequence).
     c = layout.context
-    mm = mb * (model.layer_flops + experts.padded_flops(model, layout.expert, layout.dispatch)) / t / c / flop_rate
+    pad = experts.padded_flops(model, layout.expert, layout.dispatch)
+    mm = mb * (model.layer_flops + pad) / t / c / flop_rate
     q_fwd, q_bwd = 0.0, 0.0
     if layout.matmul_dtype == "fp8":
         mm, q_fwd, q_bwd = fp8_layer(model, cluster, layout)

@@ -282,19 +282,14 @@ LLAMA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
 
 # name: (layers, hidden, heads, seq, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int]] = {
-    "gpt2-small": (12, 768, 12, 1024, 50257),
-    "gpt2-xl": (48, 1600, 25, 1024, 50257),
-    "gpt3-1.3b": (24, 2048, 16, 2048, 51200),
-    "gpt3-5b": (24, 4096, 32, 2048, 51200),  # NeMo's GPT-3 5B and 20B configs
-    "gpt3-6.7b": (32, 4096, 32, 2048, 51200),
+    "gpt2-small": (12, 768, 12, 1024, 50257), "gpt2-xl": (48, 1600, 25, 1024, 50257),
+    "gpt3-1.3b": (24, 2048, 16, 2048, 51200), "gpt3-5b": (24, 4096, 32, 2048, 51200),
+    "gpt3-6.7b": (32, 4096, 32, 2048, 51200), "gpt3-13b": (40, 5120, 40, 2048, 51200),
     "gpt3-20b": (44, 6144, 48, 2048, 51200),
-    "gpt3-13b": (40, 5120, 40, 2048, 51200),
-    "gpt3-175b": (96, 12288, 96, 2048, 51200),
-    "megatron-1t": (128, 25600, 160, 2048, 51200),
+    "gpt3-175b": (96, 12288, 96, 2048, 51200), "megatron-1t": (128, 25600, 160, 2048, 51200),
     "tiny": (4, 64, 4, 64, 256),  # the calibration model of tests/test_planner.py
-    # BigScience BLOOM-176B (Le Scao et al. 2022): ALiBi (no position table), embedding tied
-    # to the head, vocabulary 250,880. Not counted: the embedding's layer norm and the q/k/v
-    # biases (3.0M of 176.2B).
+    # BLOOM-176B (Le Scao et al. 2022): ALiBi (no position table), tied embedding; not counted:
+    # the embedding's layer norm and the q/k/v biases (3.0M of 176.2B).
     "bloom-176b": (70, 14336, 112, 2048, 250880),
 }
 GPT_OPTIONS: dict[str, dict[str, bool]] = {"bloom-176b": {"tied": True, "positions": False}}
