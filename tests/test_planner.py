@@ -224,6 +224,14 @@ def test_cli_search_2bw_only_when_asked(capsys):
                          and lo["zero"] == 0 for lo in piped)
 
 
+def test_cli_predict_takes_context(capsys):
+    code, out, _ = run_cli(capsys, "predict", "--model", "llama3-8b", "--cluster", "h100",
+                           "--context", "2", "--global-batch", "8", "--attention", "fused",
+                           "--master", "optimizer", "--zero", "1", "--json")
+    lo = json.loads(out)["layout"]
+    assert code == 0 and (lo["context"], lo["data"], lo["master"]) == (2, 4, "optimizer")
+
+
 def test_gpt_flags_missing_is_an_error(capsys):
     code, _, err = run_cli(capsys, "predict", "--model", "gpt", "--layers", "2",
                            "--global-batch", "8")
