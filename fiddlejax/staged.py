@@ -43,7 +43,7 @@ class Reported(NamedTuple):
     """A loss's ``value`` (scalar mean or ``(sum, weight)``) with metrics the step reports
     beside it, each a scalar: ``means`` are averaged as the loss is (give what ``value`` gives:
     a mean per microbatch, or a sum over the loss's weight), ``sums`` are added up over the
-    whole batch (counts). Not differentiated."""
+    whole batch (counts; an integer array too, summed exactly). Not differentiated."""
 
     value: Any
     means: dict = {}
@@ -197,15 +197,18 @@ def as_sums(value: Any, fn: Any = None) -> tuple[jax.Array, Sums]:
             raise ValueError(f"{name} reports a metric {key!r} that the step (or its other "
                              f"metrics) already names; rename it (taken: {STEP_METRICS})")
 
-    def scalar(key, v):
-        v = jax.lax.stop_gradient(jnp.asarray(v, jnp.float32))
+    def scalar(key, v, counts=False):
+        v = jax.lax.stop_gradient(jnp.asarray(v))
+        if counts and v.shape and jnp.issubdtype(v.dtype, jnp.integer):
+            return v  # an array of counts, added up exactly (the router's loads)
+        v = v.astype(jnp.float32)
         if v.shape != ():
             raise TypeError(f"{name} reports metric {key!r} of shape {v.shape}; report "
                             "scalars (reduce over the batch, e.g. .sum() or .mean())")
         return v
 
     return total, Sums(weight, {k: scalar(k, v) for k, v in means.items()},
-                       {k: scalar(k, v) for k, v in sums.items()})
+                       {k: scalar(k, v, True) for k, v in sums.items()})
 
 
 def as_weighted(value: Any, fn: Any = None) -> tuple[jax.Array, jax.Array]:

@@ -167,3 +167,49 @@ def test_training_matches_one_device_on_expert_and_pipeline_layouts():
     trainer = fj.parallelize(model, optax.sgd(0.1), fj.Plan(
         mesh=fj.make_mesh(data=2, pipe=2, tensor=2), schedule="1f1b", microbatches=2))
     assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch), (ref_loss, ref_grads))
+
+
+def reference_bias(model, batch, speed):
+    """One step's loss-free update on one device, from transformers-style routing: each MoE
+    layer's loads over the batch, ``bias + speed * sign(mean - load)``."""
+    from fiddlejax.models.deepseek_moe import group_route
+
+    _, router = nnx.jit(lambda m, t: m(t, output_router_logits=True))(
+        model, batch["tokens"][:, :-1])
+    bias = np.asarray(model.blocks.moe.bias[...])
+    e = model.config.num_experts
+    out = []
+    for layer, logits in enumerate(router):
+        experts = np.asarray(group_route(logits, bias[layer], model.config.moe)[1])
+        loads = np.bincount(experts.reshape(-1), minlength=e)
+        out.append(bias[layer] + speed * np.sign(loads.mean() - loads))
+    return np.stack(out).astype(np.float32)
+
+
+@pytest.mark.slow  # two 8-device layouts
+def test_router_bias_moves_by_the_loads_not_the_optimizer():
+    """Auxiliary-loss-free balancing: after one adamw step (weight decay on) the router bias
+    equals the one-device update from the batch's loads, on data=2 x expert=2 x tensor=2 and
+    data=2 x pipe=2 (1F1B, 2 microbatches); the optimizer moved every other weight."""
+    speed = 0.01
+    loaded = load(seq_len=8)  # the speed is the bias' metadata, set from the config when built
+    model = nnx.eval_shape(lambda: DeepseekV3(dataclasses.replace(
+        loaded.config, bias_update_speed=speed), rngs=nnx.Rngs(0)))
+    nnx.update(model, nnx.to_pure_dict(nnx.state(loaded, nnx.Param)))
+    assert model.blocks.moe.bias.get_metadata()["speed"] == speed
+    batch = {"tokens": 1 + tokens(5, 8, 8, model.config.vocab_size - 1)["tokens"]}
+    want = reference_bias(model, batch, speed)
+    old = np.asarray(model.blocks.moe.bias[...])
+    assert np.any(want != old)
+    opt = optax.adamw(0.1, weight_decay=0.5)
+    for plan in (fj.Plan(mesh=fj.make_mesh(data=2, expert=2, tensor=2)),
+                 fj.Plan(mesh=fj.make_mesh(data=2, pipe=2, tensor=2), schedule="1f1b",
+                         microbatches=2)):
+        trainer = fj.parallelize(model, opt, plan)
+        state, metrics = trainer.step(trainer.init(), batch)
+        assert "router_loads" not in metrics
+        params = trainer.params(state)
+        got = np.asarray(params["blocks"]["moe"]["bias"][...])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+        assert rel_err(np.asarray(params["blocks"]["moe"]["router"][...]),
+                       np.asarray(model.blocks.moe.router[...])) > 1e-3

@@ -144,6 +144,7 @@ class Message(NamedTuple):
     positions: jax.Array | None = None      # int32 [B, T]: each token's place in its document
     layer: jax.Array | None = None          # int32 []: the next layer's index (layer types)
     tally: jax.Array | None = None          # float32 [B, T, 2E + 2]: MoE router tally
+    loads: jax.Array | None = None          # int32 [L, E]: each MoE layer's expert loads
 
 
 def activation(msg) -> jax.Array:

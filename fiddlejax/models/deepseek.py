@@ -8,7 +8,11 @@ the prologue with the embedding: the first pipeline stage) and ``blocks``, the M
 layout splits (stages, experts, heads). Loss, head, checkpoints and the router tally are the
 shared decoder's; :mod:`.deepseek_config` reads and writes ``config.json``.
 
-Not yet: the auxiliary-loss-free bias update, the multi-token-prediction modules (a
+Auxiliary-loss-free balancing: with ``bias_update_speed`` > 0 the message carries each MoE
+layer's expert loads (``int32 [L, E]``) beside the layer index; the loss reports them and the
+step moves each layer's router bias by them (:mod:`fiddlejax.parallel.balance`).
+
+Not yet: the multi-token-prediction modules (a
 checkpoint holding them is refused by name) and KV-cached generation.
 """
 
@@ -18,7 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fiddlejax.parallel import balance
 from fiddlejax.parallel.ops import Ops
+from fiddlejax.staged import vocab_parallel
 
 from . import deepseek_config
 from .common import Message, param, scan_layers, stacked
@@ -48,6 +54,20 @@ class DeepseekBlock(DecoderBlock):
             self.w2 = param(rngs, normal(out_std), (f, d), ("mlp", "embed"))
         else:
             self.moe = DeepseekMoE(c.moe, rngs=rngs, out_std=out_std)
+
+    def routed(self, msg: Message, ops: Ops | None = None) -> tuple[Message, jax.Array | None]:
+        """As :meth:`.decoder.DecoderBlock.routed`; a message carrying ``loads`` (the
+        loss-free balancing, :mod:`fiddlejax.parallel.balance`) gets this layer's: each expert's
+        choices by the real tokens (padding left out), added at row ``msg.layer``."""
+        out, logits = super().routed(msg, ops)
+        if msg.loads is None or logits is None:
+            return out, logits
+        e = self.config.num_experts
+        counts = (out.tally - msg.tally)[..., :e].astype(jnp.float32)  # [B, T, E], exact
+        if msg.segment_ids is not None:
+            counts = counts * (msg.segment_ids > 0)[..., None]
+        per_expert = jnp.sum(counts.reshape(-1, e), axis=0).astype(jnp.int32)
+        return out._replace(loads=msg.loads.at[msg.layer].add(per_expert)), logits
 
     def qkv(self, x, positions, kind):
         raise NotImplementedError("DeepSeek-V3's latent attention has no K/V cache yet: "
@@ -81,8 +101,31 @@ class DeepseekV3(Decoder):
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None) -> Message:
         """The message entering the first MoE layer: the dense layers run here."""
+        c = self.config
         msg = super().message(tokens, segment_ids, positions)
-        return scan_layers(self.dense, msg) if self.config.first_k_dense_replace else msg
+        msg = scan_layers(self.dense, msg) if c.first_k_dense_replace else msg
+        if not c.bias_update_speed:
+            return msg
+        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+        return msg._replace(layer=jnp.zeros((), jnp.int32),
+                            loads=jnp.zeros((moe_layers, c.num_experts), jnp.int32))
+
+    def head(self, msg: Message | jax.Array):
+        """As :meth:`.decoder.Decoder.head`, and the message's ``loads`` last when it has
+        them (the loss reports them)."""
+        out = super().head(msg)
+        loads = getattr(msg, "loads", None)
+        return out if loads is None else (*out, loads)
+
+    @vocab_parallel
+    def loss(self, outputs, batch: dict):
+        """As :meth:`.decoder.Decoder.loss`; ``loads`` are reported as the sum
+        :data:`fiddlejax.parallel.balance.LOADS`, which the step turns into the router bias'
+        move."""
+        if not (isinstance(outputs, tuple) and len(outputs) == 3):
+            return super().loss(outputs, batch)
+        reported = super().loss(outputs[:2], batch)
+        return reported._replace(sums={**reported.sums, balance.LOADS: outputs[2]})
 
     @classmethod
     def config_from_hf(cls, hf_config: dict, seq_len: int | None = None) -> DeepseekV3Config:

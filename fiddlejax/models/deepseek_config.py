@@ -73,6 +73,7 @@ class DeepseekV3Config(DecoderConfig):
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 1
     rope_interleave: bool = True
+    bias_update_speed: float = 0.001  # loss-free balancing: the router bias' move per step
     rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3", "linear", "yarn")
 
     def __post_init__(self):
@@ -114,7 +115,7 @@ class DeepseekV3Config(DecoderConfig):
             router_z_loss_coef=self.router_z_loss_coef, hidden_act=self.hidden_act,
             n_group=self.n_group, topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
-            n_shared_experts=self.n_shared_experts)
+            n_shared_experts=self.n_shared_experts, bias_update_speed=self.bias_update_speed)
 
     def hf_stacks(self) -> list[tuple]:
         """The checkpoint's layers per stack of ours (:func:`.hf._stacks`): ``dense`` (the

@@ -3,7 +3,8 @@ shared experts, as transformers' ``DeepseekV3MoE`` / ``DeepseekV3TopkRouter``.
 
 Routing (float32 router logits): scores ``sigmoid(logits)``; the choice adds each expert's
 ``e_score_correction_bias`` (selection only: the gates are the scores, so no gradient reaches
-the bias). The ``E`` experts form ``n_group`` groups; a group's rank is the sum of its two best
+the bias; the step moves it by the observed loads, :mod:`fiddlejax.parallel.balance`, at
+``bias_update_speed`` per step). The ``E`` experts form ``n_group`` groups; a group's rank is the sum of its two best
 biased scores, tokens choose among the experts of their ``topk_group`` best groups only, the
 top ``k`` of those. The gates are the chosen scores (divided by their sum with
 ``norm_topk_prob``) times ``routed_scaling_factor``. ``n_shared_experts`` always-on experts,
@@ -22,9 +23,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fiddlejax.memory import names
+from fiddlejax.parallel.balance import RouterBias
 from fiddlejax.parallel.ops import Ops
 
-from .common import annotated, param, project
+from .common import param, project
 from .moe import ACTIVATIONS, MoE, MoEConfig, MoEOutput
 
 
@@ -38,6 +40,7 @@ class DeepseekMoEConfig(MoEConfig):
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 1
+    bias_update_speed: float = 0.001
 
     def __post_init__(self):
         super().__post_init__()
@@ -60,6 +63,10 @@ class DeepseekMoEConfig(MoEConfig):
         n = self.n_shared_experts
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{me}.n_shared_experts={n!r} must be an int >= 0")
+        v = self.bias_update_speed
+        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{me}.bias_update_speed={v!r} must be a number >= 0 (0: the "
+                             "router bias stays as loaded)")
 
 
 def group_route(logits: jax.Array, bias: jax.Array, c: DeepseekMoEConfig
@@ -88,7 +95,9 @@ class DeepseekMoE(MoE):
                  out_std: float | None = None):
         super().__init__(config, rngs=rngs, out_std=out_std)
         c, normal = config, jax.nn.initializers.normal
-        self.bias = annotated(jnp.zeros((c.num_experts,)), (None,))  # e_score_correction_bias
+        # e_score_correction_bias: moved after each step by the loads, never by the optimizer
+        self.bias = RouterBias(jnp.zeros((c.num_experts,)), out_sharding=(None,),
+                               eager_sharding=False, speed=float(c.bias_update_speed))
         if c.n_shared_experts:
             d, f = c.hidden_size, c.intermediate_size * c.n_shared_experts
             self.w1 = param(rngs, normal(0.02), (d, f), ("embed", "mlp"))

@@ -71,13 +71,21 @@ def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
     zero = match_varying(jnp.zeros((), jnp.float32), jax.tree.leaves(params)[0])
     sums = sums_like(lay.model, params, jax.tree.map(lambda x: x[0], mbs))
     # float32 sums even for weights gathered once in bf16 (fsdp_gather="step")
-    zeros = (zero, jax.tree.map(lambda _: zero, sums), jax.tree.map(
+    zeros = (zero, jax.tree.map(lambda a: _zero_like(zero, a), sums), jax.tree.map(
         lambda x: jnp.zeros_like(x, compute.grad_dtype(x.dtype)),
         lora.drop_frozen(params) if adapters else params))
     total, sums, grads = jax.lax.scan(body, zeros, mbs)[0]
     if adapters:  # the base's gradients: zeros, never accumulated
         grads = lora.fill_frozen(grads, params, lambda x: compute.grad_dtype(x.dtype))
     return total, sums, grads
+
+
+def _zero_like(zero: jax.Array, like) -> jax.Array:
+    """An accumulator for one reported sum: ``zero`` (float32) for a scalar, zeros of its own
+    shape and dtype for an integer array (counts, e.g. the router's per-expert loads)."""
+    if not like.shape:
+        return zero
+    return match_varying(jnp.zeros(like.shape, like.dtype), zero)
 
 
 def sums_like(model, params: nnx.State, batch: dict) -> Sums:

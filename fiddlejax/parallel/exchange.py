@@ -25,7 +25,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax.memory import remat as remat_
-from fiddlejax.parallel import data
+from fiddlejax.parallel import balance, data
 
 if TYPE_CHECKING:
     from fiddlejax.parallel.layout import Layout
@@ -55,7 +55,8 @@ class DenseExchange:
 
     def step(self, prog: Program, state, batch):
         loss, grads, reported = prog.loss_and_grads(state.params, batch)
-        new, metrics = self.apply(prog, state, loss, grads)
+        loads = reported.pop(balance.LOADS, None)  # the router bias' update, not a metric
+        new, metrics = self.apply(prog, state, loss, grads, loads=loads)
         return new, {**metrics, **reported}
 
     def steps(self, prog: Program, state, batches):
@@ -63,12 +64,15 @@ class DenseExchange:
         return jax.lax.scan(partial(self.step, prog), state, batches)
 
     @staticmethod
-    def apply(prog: Program, state, loss, grads, **changes):
+    def apply(prog: Program, state, loss, grads, loads=None, **changes):
         grads = jax.lax.with_sharding_constraint(grads, prog.lay.grad_shardings)
+        pipe = prog.lay.pipeline
+        rows = pipe.stack_rows if pipe is not None else (lambda a: a)
 
         def update(s):
             updates, opt_state = prog.optimizer.update(grads, s.opt_state, s.params)
-            params = optax.apply_updates(s.params, updates)
+            # a router bias moves by its loads only (parallel.balance), never by the optimizer
+            params = balance.steer(optax.apply_updates(s.params, updates), s.params, loads, rows)
             return s.advanced(params=params, opt_state=opt_state, **changes)
 
         return apply_if_finite(state, update, loss, optax.tree.norm(grads))
@@ -91,6 +95,7 @@ class TopKExchange(DenseExchange):
 
     def step(self, prog: Program, state, batch):
         lay = prog.lay
+        _refuse_bias(state.params, "grad_allreduce='topk'")
         if not self.local_optimizer:
             loss, grads, residual, reported = self.loss_and_grads(prog, state.params, batch,
                                                                   state.residual)
@@ -175,6 +180,7 @@ class TwoBWStepper(DenseExchange):
 
     def steps(self, prog: Program, state, batches):
         lay = prog.lay
+        _refuse_bias(state.params, "schedule='2bw'")
         k = jax.tree.leaves(batches)[0].shape[0]
         opt_specs = jax.tree.map(lambda s: P(), lay.opt_shardings)  # whole per data replica
         losses, reported, norms, prev, params, opt_state = lay.pipeline.train_2bw(
@@ -186,6 +192,15 @@ class TwoBWStepper(DenseExchange):
         new, metrics = keep_if_finite(state, new, losses, norms)
         return new, {**metrics, **reported, "nonfinite_skipped": jnp.broadcast_to(
             metrics["nonfinite_skipped"], losses.shape)}
+
+
+def _refuse_bias(params, what: str) -> None:
+    """Refuse a router bias (:mod:`.balance`) where the optimizer's update is not this
+    module's to amend."""
+    if balance.has_bias(params):
+        raise ValueError(f"{what} applies the optimizer where the loss-free router bias "
+                         "(parallel.balance.RouterBias) cannot be kept out of it; use "
+                         "grad_allreduce='xla' and a schedule other than 2bw")
 
 
 def _finite(loss, grad_norm) -> jax.Array:

@@ -259,7 +259,8 @@ def run(pipeline, versions: list[nnx.State], batch: dict, remat: Callable,
     g_outer = [vary_data(jnp.zeros_like(o, grad_dtype(o.dtype))) for o in shard.outer]
     carry = Carry(local0, g_outer,
                   jax.tree.map(vary_data, message.zeros(act)), zeros((steps,), jnp.float32),
-                  jax.tree.map(lambda _: zeros((steps,), jnp.float32), sums))
+                  jax.tree.map(lambda a: zeros((steps, *a.shape), a.dtype if a.shape
+                                               else jnp.float32), sums))
     if update is None:
         return _one_step(carry, shard, tables, make_tick(), pipeline.tick_unroll)
     return _steps_2bw(carry, shard, tables, make_tick, update)

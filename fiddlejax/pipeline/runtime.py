@@ -173,6 +173,15 @@ class Pipeline:
         return L == p * v * n and np.array_equal(
             self.inverse, np.arange(L).reshape(p, v, n).transpose(1, 0, 2).reshape(-1))
 
+    def stack_rows(self, a: jax.Array) -> jax.Array:
+        """An array ``[L, ...]`` with one row per layer of the stack, laid out as the stack's
+        parameters are inside (``[pipe, virtual, layers, ...]``; padding rows zero)."""
+        p, v, n = self.index.shape
+        if self._cyclic():
+            return jnp.swapaxes(a.reshape(v, p, n, *a.shape[1:]), 0, 1)
+        padded = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+        return jnp.take(padded, jnp.asarray(self.index), axis=0)
+
     def to_internal(self, params: nnx.State, shardings: nnx.State | None = None) -> nnx.State:
         """The stack as ``[pipe, virtual, layers, ...]``: a transpose for cyclic layouts; with
         the internal ``shardings``, other equal chunks move chunk by chunk between the stages
