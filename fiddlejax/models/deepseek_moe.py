@@ -4,9 +4,9 @@ shared experts, as transformers' ``DeepseekV3MoE`` / ``DeepseekV3TopkRouter``.
 Routing (float32 router logits): scores ``sigmoid(logits)``; the choice adds each expert's
 ``e_score_correction_bias`` (selection only: the gates are the scores, so no gradient reaches
 the bias; the step moves it by the observed loads, :mod:`fiddlejax.parallel.balance`, at
-``bias_update_speed`` per step). The ``E`` experts form ``n_group`` groups; a group's rank is the sum of its two best
-biased scores, tokens choose among the experts of their ``topk_group`` best groups only, the
-top ``k`` of those. The gates are the chosen scores (divided by their sum with
+``bias_update_speed`` per step). The ``E`` experts form ``n_group`` groups; a group's rank
+is the sum of its two best biased scores, tokens choose among the experts of their
+``topk_group`` best groups only, the top ``k`` of those. The gates are the chosen scores (divided by their sum with
 ``norm_topk_prob``) times ``routed_scaling_factor``. ``n_shared_experts`` always-on experts,
 one SwiGLU ``n_shared_experts * intermediate_size`` wide, add to every token's output.
 
