@@ -6,9 +6,10 @@ Routing (float32 router logits): scores ``sigmoid(logits)``; the choice adds eac
 the bias; the step moves it by the observed loads, :mod:`fiddlejax.parallel.balance`, at
 ``bias_update_speed`` per step). The ``E`` experts form ``n_group`` groups; a group's rank
 is the sum of its two best biased scores, tokens choose among the experts of their
-``topk_group`` best groups only, the top ``k`` of those. The gates are the chosen scores (divided by their sum with
-``norm_topk_prob``) times ``routed_scaling_factor``. ``n_shared_experts`` always-on experts,
-one SwiGLU ``n_shared_experts * intermediate_size`` wide, add to every token's output.
+``topk_group`` best groups only, the top ``k`` of those. The gates are the chosen scores
+(divided by their sum with ``norm_topk_prob``) times ``routed_scaling_factor``.
+``n_shared_experts`` always-on experts, one SwiGLU ``n_shared_experts * intermediate_size``
+wide, add to every token's output.
 
 Dispatch, expert parallelism and the router tally are :class:`~.moe.MoE`'s.
 """
