@@ -192,10 +192,7 @@ def test_router_bias_moves_by_the_loads_not_the_optimizer():
     equals the one-device update from the batch's loads, on data=2 x expert=2 x tensor=2 and
     data=2 x pipe=2 (1F1B, 2 microbatches); the optimizer moved every other weight."""
     speed = 0.01
-    loaded = load(seq_len=8)  # the speed is the bias' metadata, set from the config when built
-    model = nnx.eval_shape(lambda: DeepseekV3(dataclasses.replace(
-        loaded.config, bias_update_speed=speed), rngs=nnx.Rngs(0)))
-    nnx.update(model, nnx.to_pure_dict(nnx.state(loaded, nnx.Param)))
+    model = load(seq_len=8, overrides={"bias_update_speed": speed})
     assert model.blocks.moe.bias.get_metadata()["speed"] == speed
     batch = {"tokens": 1 + tokens(5, 8, 8, model.config.vocab_size - 1)["tokens"]}
     want = reference_bias(model, batch, speed)
@@ -213,3 +210,17 @@ def test_router_bias_moves_by_the_loads_not_the_optimizer():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
         assert rel_err(np.asarray(params["blocks"]["moe"]["router"][...]),
                        np.asarray(model.blocks.moe.router[...])) > 1e-3
+
+
+def test_bias_moves_are_exact_signs():
+    """``sign(mean - load)`` from integers: ties stay (0), a fractional mean breaks them."""
+    from fiddlejax.parallel.balance import moves
+
+    loads = np.array([[3, 3, 3, 3], [5, 3, 2, 2], [4, 3, 3, 3], [7, 0, 0, 1], [0, 0, 0, 0]],
+                     np.int32)
+    want = np.sign(loads.mean(-1, keepdims=True) - loads)
+    np.testing.assert_array_equal(np.asarray(moves(jax.numpy.asarray(loads))), want)
+    with pytest.raises(ValueError, match="no field"):
+        load(abstract=True, overrides={"bias_speed": 0.1})
+    with pytest.raises(ValueError, match="bias_update_speed"):
+        load(abstract=True, overrides={"bias_update_speed": -1.0})

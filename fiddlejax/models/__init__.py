@@ -275,7 +275,7 @@ def generate_text(model, prompt, max_new_tokens: int, **kw):
 
 
 def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: bool = False,
-                    shardings=None):
+                    shardings=None, overrides: dict | None = None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s
     ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, mixtral,
     qwen3_moe, deepseek_v3): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`.
@@ -283,7 +283,9 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
     (any length up to ``max_position_embeddings`` is accepted). ``path`` may be a hub id in
     the local cache (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the
     slices each device holds (``shardings``), or not at all with ``abstract=True`` (then
-    ``trainer.init(model.pretrained_params)``). ``model.save_pretrained(dir)`` writes it back."""
+    ``trainer.init(model.pretrained_params)``); ``overrides``: config fields the checkpoint
+    does not hold (``{"bias_update_speed": 0.0}``). ``model.save_pretrained(dir)`` writes it
+    back."""
     from fiddlejax.models import hub
 
     from .decoder import FAMILIES
@@ -300,7 +302,7 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
         raise ValueError(f"{path}/config.json has model_type={family!r}, which fiddlejax does "
                          f"not implement; supported: {', '.join((*SUPPORTED, 'deepseek_v3'))}")
     return classes[family].from_pretrained(path, seq_len=seq_len, dtype=dtype, abstract=abstract,
-                                           shardings=shardings)
+                                           shardings=shardings, overrides=overrides)
 
 
 def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None,

@@ -320,21 +320,26 @@ class Decoder(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, seq_len: int | None = None,
-                        dtype: Any = None, abstract: bool = False, shardings: Any = None
-                        ) -> Decoder:
+                        dtype: Any = None, abstract: bool = False, shardings: Any = None,
+                        overrides: dict | None = None) -> Decoder:
         """The model of a Hugging Face directory (or a hub id in the local cache:
         ``meta-llama/Llama-3.1-8B``): ``config.json`` and ``model.safetensors`` or sharded
         files with ``model.safetensors.index.json``. Weights load as float32 masters (or
         ``dtype``), each leaf read by the slices its devices hold (``shardings``: see
         :meth:`pretrained_params`); ``save_pretrained`` writes the stored dtype back.
         ``seq_len`` defaults to ``max_position_embeddings``. ``abstract=True``: shapes only
-        (then ``trainer.init(model.pretrained_params)``)."""
+        (then ``trainer.init(model.pretrained_params)``). ``overrides``: fields of the config
+        class replaced, training options the checkpoint does not hold (DeepSeek-V3's
+        ``bias_update_speed``)."""
         from fiddlejax.models import hub
 
         directory = hub.local_dir(directory)
-        config = dataclasses.replace(cls.config_from_hf(hf.read_config(directory),
-                                                        seq_len=seq_len),
-                                     source_dir=str(directory))
+        config = cls.config_from_hf(hf.read_config(directory), seq_len=seq_len)
+        fields = {f.name for f in dataclasses.fields(config)}
+        if unknown := sorted(set(overrides or {}) - fields):
+            raise ValueError(f"overrides={overrides!r}: {cls.config_class.__name__} has no "
+                             f"field {unknown}")
+        config = dataclasses.replace(config, **(overrides or {}), source_dir=str(directory))
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         model.pretrained_from = str(directory)
         # every file's header now: a damaged file, a tensor of the wrong shape named at build
