@@ -328,18 +328,15 @@ class Decoder(nnx.Module):
         ``dtype``), each leaf read by the slices its devices hold (``shardings``: see
         :meth:`pretrained_params`); ``save_pretrained`` writes the stored dtype back.
         ``seq_len`` defaults to ``max_position_embeddings``. ``abstract=True``: shapes only
-        (then ``trainer.init(model.pretrained_params)``). ``overrides``: fields of the config
-        class replaced, training options the checkpoint does not hold (DeepSeek-V3's
-        ``bias_update_speed``)."""
+        (then ``trainer.init(model.pretrained_params)``). ``overrides``: config fields the
+        checkpoint does not hold (DeepSeek-V3's ``bias_update_speed``)."""
         from fiddlejax.models import hub
 
         directory = hub.local_dir(directory)
-        config = cls.config_from_hf(hf.read_config(directory), seq_len=seq_len)
-        fields = {f.name for f in dataclasses.fields(config)}
-        if unknown := sorted(set(overrides or {}) - fields):
-            raise ValueError(f"overrides={overrides!r}: {cls.config_class.__name__} has no "
-                             f"field {unknown}")
-        config = dataclasses.replace(config, **(overrides or {}), source_dir=str(directory))
+        config, overrides = cls.config_from_hf(hf.read_config(directory), seq_len), overrides or {}
+        if bad := sorted(set(overrides) - {f.name for f in dataclasses.fields(config)}):
+            raise ValueError(f"overrides={overrides!r}: {type(config).__name__} has no field {bad}")
+        config = dataclasses.replace(config, **overrides, source_dir=str(directory))
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         model.pretrained_from = str(directory)
         # every file's header now: a damaged file, a tensor of the wrong shape named at build
