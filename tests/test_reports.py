@@ -32,7 +32,7 @@ PENDING: set[str] = {
     "lockstep.md", "vocab_parallel.md", "topk.md", "checkpoint.md", "context.md",
     "expert_parallel.md", "moe_dispatch.md", "fsdp_gather_dtype.md", "fsdp_gather_once.md",
     "fsdp_prefetch.md", "long_context.md", "scale.md", "scale_families.md", "scale_moe.md",
-    "fp8.md", "hf_checkpoint_memory.md", "input_pipeline.md", "data_store.md", "faults.md",
+    "fp8.md", "hf_checkpoint_memory.md", "input_pipeline.md", "faults.md",
     "suite.md",
 }
 
