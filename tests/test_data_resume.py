@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,9 +69,11 @@ def test_resume_sees_the_same_examples_on_any_layout(corpus, tmp_path):
     want = ids(straight)
     assert len(want) == STEPS and len({i for b in want for i in b}) > 8 * 3
 
+    # one interrupted run, resumed on the same layout and (a copy of it) on another
+    interrupt(cmd(tmp_path / "same", corpus, *DATA_PARALLEL), 4)
+    shutil.copytree(tmp_path / "same", tmp_path / "other")
     for name, layout in (("same", DATA_PARALLEL), ("other", PIPELINE)):
         d = tmp_path / name
-        interrupt(cmd(d, corpus, *DATA_PARALLEL), 4)
         stopped = max(losses(d))
         assert stopped < STEPS
         r = run(cmd(d, corpus, *layout, "resume=auto"))
