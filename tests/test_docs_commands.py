@@ -131,7 +131,7 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("code", blocks())
 def test_documented_commands_run(code, tmp_path):
     # launch/local.py and fiddlejax/configs/default.yaml are named relative to the repository
-    for name in ("launch", "fiddlejax", "models", "tests"):  # tests/fixtures: stand-ins
+    for name in ("launch", "fiddlejax", "tests"):  # tests/fixtures: stand-ins
         (tmp_path / name).symlink_to(ROOT / name)
     r = subprocess.run(["bash", "-c", code], cwd=tmp_path, env=_env(), capture_output=True,
                        text=True, timeout=600)
