@@ -207,9 +207,7 @@ class Decoder(nnx.Module):
     """A decoder-only language model of any family :mod:`.families` reads."""
 
     stack = "blocks"  # the attribute holding the stacked layers
-    # embedding, head input and cross-entropy through fiddlejax.models.common's vocabulary
-    # functions: zero=3 keeps the embedding and head split by vocabulary (compute.vocab)
-    vocab_services = True
+    vocab_services = True  # through common.embedding/vocab_rows/cross_entropy: compute.vocab
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = self.config = config
@@ -223,10 +221,8 @@ class Decoder(nnx.Module):
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings (times sqrt(hidden) for Gemma)."""
-        x = embedding(self.embed[...], tokens)
-        if self.config.scale_embeddings:
-            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
-        return x
+        x, c = embedding(self.embed[...], tokens), self.config
+        return x * jnp.asarray(c.hidden_size ** 0.5, x.dtype) if c.scale_embeddings else x
 
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None) -> Message:
