@@ -45,11 +45,17 @@ class VocabShards:
         mine = (index >= 0) & (index < local)
         rows = jnp.take(table, jnp.where(mine, index, 0), axis=0)
         rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
-        return jax.lax.psum_scatter(rows, self.axis, scatter_dimension=0, tiled=True)
+        # summed in float32 (XLA's CPU aborts on a 16-bit reduce-scatter; the gradient's
+        # all-gather is the backward's), cast back: one non-zero term, the sum exact
+        wide = jax.lax.psum_scatter(rows.astype(jnp.float32), self.axis, scatter_dimension=0,
+                                    tiled=True)
+        return wide.astype(table.dtype)
 
     def rows(self, x: jax.Array) -> jax.Array:
-        """Every replica's rows of ``x`` (the head's input), for the local vocabulary slice."""
-        return jax.lax.all_gather(x, self.axis, axis=0, tiled=True)
+        """Every replica's rows of ``x`` (the head's input), for the local vocabulary slice;
+        gathered in float32, so that the backward's reduce-scatter sums float32."""
+        return jax.lax.all_gather(x.astype(jnp.float32), self.axis, axis=0,
+                                  tiled=True).astype(x.dtype)
 
     def cross_entropy(self, logits: jax.Array, targets: jax.Array,
                       vocab_size: int) -> jax.Array:
