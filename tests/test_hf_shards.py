@@ -149,3 +149,49 @@ def test_init_from_a_hugging_face_directory_returns_a_slice_loader(saved, monkey
     assert reads
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+SAVE_ON_TWO_PROCESSES = """
+import sys, jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
+from fiddlejax import distributed
+from fiddlejax.models import from_pretrained
+distributed.initialize()  # FIDDLEJAX_* from the test: 2 processes x 2 CPU devices, gloo
+assert jax.process_count() == 2 and jax.device_count() == 4
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+abstract = from_pretrained(sys.argv[1], abstract=True)
+shardings = jax.tree.map(  # every leaf split over the 4 devices on its first dimension 4 divides
+    lambda v: NamedSharding(mesh, P(*[("data" if i == next(
+        (j for j, n in enumerate(v.shape) if n % 4 == 0), None) else None)
+        for i in range(len(v.shape))])), nnx.state(abstract, nnx.Param))
+model = from_pretrained(sys.argv[1], shardings=shardings)
+assert not model.embed[...].is_fully_addressable  # each process holds half of each leaf
+model.save_pretrained(sys.argv[2], max_shard_size="40KB")  # collective; process 0 writes
+"""
+
+
+@pytest.mark.slow
+def test_save_from_two_processes_writes_the_same_files(saved, tmp_path):
+    """Two processes (jax.distributed over 127.0.0.1, gloo), each holding half of every leaf:
+    both call save_pretrained, process 0 writes, and the files equal the source bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import _free_port, clean_env
+
+    port, out = _free_port(), tmp_path / "out"
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", SAVE_ON_TWO_PROCESSES, str(saved), str(out)],
+        env=clean_env(FIDDLEJAX_COORDINATOR=f"127.0.0.1:{port}", FIDDLEJAX_NUM_PROCESSES="2",
+                      FIDDLEJAX_PROCESS_ID=str(rank), FIDDLEJAX_CPU_DEVICES="2",
+                      PYTHONPATH=os.pathsep.join(sys.path)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    a, b = read_safetensors(saved), read_safetensors(out)
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint16),
+                                                           b[k].view(np.uint16)), k

@@ -23,6 +23,7 @@ size, once after the last (:func:`scatter_whole`): 1/m of the traffic for a whol
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -35,6 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax import intercept
 from fiddlejax.memory.storage import from_storage, to_storage
 
 # Parameters this small with no dimension divisible by ``data`` stay replicated under zero=3
@@ -352,23 +354,33 @@ class ParamView:
 class ViewedModel:
     """A staged model whose prologue and epilogue see the outer parameters through a view.
 
-    Everything else (``stack``, ``num_layers``, ``layer``...) is the wrapped model's.
+    ``vocab``: the embedding and head stay split by vocabulary over ``data`` (the view does
+    not gather them) and the model's vocabulary functions compute with the slices
+    (:mod:`fiddlejax.compute.vocab`). Everything else (``stack``, ``num_layers``,
+    ``layer``...) is the wrapped model's.
     """
 
-    def __init__(self, inner, view: Callable):
-        self._inner, self._view = inner, view
+    def __init__(self, inner, view: Callable, vocab: Any = None):
+        self._inner, self._view, self._vocab = inner, view, vocab
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
+    def _traced(self):
+        return intercept.setting(vocab=self._vocab) if self._vocab is not None else (
+            contextlib.nullcontext())
+
     def prologue(self, params, batch):
-        return self._inner.prologue(self._view(params), batch)
+        with self._traced():
+            return self._inner.prologue(self._view(params), batch)
 
     def weighted_loss(self, params, x, batch):
-        return self._inner.weighted_loss(self._view(params), x, batch)
+        with self._traced():
+            return self._inner.weighted_loss(self._view(params), x, batch)
 
     def epilogue(self, params, x, batch):
-        return self._inner.epilogue(self._view(params), x, batch)
+        with self._traced():
+            return self._inner.epilogue(self._view(params), x, batch)
 
 
 __all__ = ["ParamView", "ViewedModel", "add_data_axis", "fsdp_dims", "gather_whole",

@@ -307,8 +307,26 @@ def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
     return jax.lax.scan(body, x, state)[0]
 
 
+def embedding(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``take(table, tokens, axis=0)``; with the table split by vocabulary over ``data``
+    (zero=3, :mod:`fiddlejax.compute.vocab`), from this device's slice."""
+    shards = intercept.current().vocab
+    return jnp.take(table, tokens, axis=0) if shards is None else shards.lookup(table, tokens)
+
+
+def vocab_rows(x: jax.Array) -> jax.Array:
+    """The rows the head projects: ``x``; with the head split by vocabulary over ``data``,
+    every replica's rows (onto this device's slice)."""
+    shards = intercept.current().vocab
+    return x if shards is None else shards.rows(x)
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
-    """Per-position cross-entropy; logits past ``vocab_size`` (sharding padding) are ignored."""
+    """Per-position cross-entropy; logits past ``vocab_size`` (sharding padding) are ignored.
+    Logits of every replica's rows over a vocabulary slice (:func:`vocab_rows`) give this
+    replica's rows' cross-entropy."""
+    if (shards := intercept.current().vocab) is not None:
+        return shards.cross_entropy(logits, targets, vocab_size)
     logits = logits.astype(jnp.float32)
     if logits.shape[-1] > vocab_size:
         valid = jnp.arange(logits.shape[-1]) < vocab_size

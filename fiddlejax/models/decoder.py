@@ -51,6 +51,7 @@ from .common import (
     annotated,
     attention,
     batch_sides,
+    embedding,
     next_token_loss,
     param,
     project,
@@ -58,6 +59,7 @@ from .common import (
     side_inputs,
     stacked,
     target_mask,
+    vocab_rows,
 )
 from .decoder_config import ACTIVATIONS, LAYER_TYPES, DecoderConfig  # noqa: F401 - re-exported
 from .moe import MoE, MoEOutput
@@ -205,6 +207,7 @@ class Decoder(nnx.Module):
     """A decoder-only language model of any family :mod:`.families` reads."""
 
     stack = "blocks"  # the attribute holding the stacked layers
+    vocab_services = True  # through common.embedding/vocab_rows/cross_entropy: compute.vocab
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = self.config = config
@@ -218,10 +221,8 @@ class Decoder(nnx.Module):
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings (times sqrt(hidden) for Gemma)."""
-        x = jnp.take(self.embed[...], tokens, axis=0)
-        if self.config.scale_embeddings:
-            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
-        return x
+        x, c = embedding(self.embed[...], tokens), self.config
+        return x * jnp.asarray(c.hidden_size ** 0.5, x.dtype) if c.scale_embeddings else x
 
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None) -> Message:
@@ -241,7 +242,7 @@ class Decoder(nnx.Module):
         """Final norm and vocabulary projection: the logits, or ``(logits, tally)`` when the
         message carries an MoE model's router tally (the loss reads it)."""
         c, tally = self.config, getattr(msg, "tally", None)
-        x = self.norm(activation(msg))
+        x = vocab_rows(self.norm(activation(msg)))
         if c.tie_word_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...])
         else:

@@ -57,8 +57,9 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     internal = jax.eval_shape(lambda c: to_internal(staged, pipeline, plan, c, None), canonical)
     specs = tensor.param_specs(internal, plan, pipeline, name)
     zero, specs, outer_view = zero_.lay_out(internal, specs, plan, staged.stack,
-                                            pipeline is not None)
-    model = staged if outer_view is None else compute.ViewedModel(staged, outer_view)
+                                            pipeline is not None, vocab_services(staged))
+    model = staged if outer_view is None else compute.ViewedModel(staged, outer_view,
+                                                                  zero.vocab)
     if pipeline is not None:
         pipeline = pipeline.running(model, zero.dims)
     mesh = plan.mesh
@@ -75,3 +76,14 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     return Layout(plan, name, staged, model, template, pipeline, zero, specs, params,
                   zero_.grad_shardings(plan, specs, internal, params), opt, residual, state,
                   NamedSharding(mesh, P("data")), stepper)
+
+
+def vocab_services(staged) -> bool:
+    """Whether ``staged`` runs a model whose own embedding, head and loss compute with
+    vocabulary slices (``vocab_services``; :mod:`fiddlejax.compute.vocab`): not through a
+    layout's wrapper, a loss of the user's or logits cut back from padding."""
+    if type(staged) is not StagedModel or staged.loss_fn is not None:
+        return False
+    if staged.vocab_pads or staged.loss_layout is not None:
+        return False
+    return bool(getattr(staged.graphdef.nodes[0].type, "vocab_services", False))

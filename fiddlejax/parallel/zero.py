@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax import compute
+from fiddlejax.compute import vocab
 from fiddlejax.mesh import axis_size
 from fiddlejax.plan import Plan
 
@@ -49,13 +50,18 @@ class Zero:
     layer_dims: Any = None
     layer_specs: Any = None
     prefetch: bool = False
+    vocab: Any = None  # compute.vocab.VocabShards: the embedding and head split by vocabulary
 
 
 def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
-            pipelined: bool) -> tuple[Zero, nnx.State, Any]:
+            pipelined: bool, vocab_services: bool = False) -> tuple[Zero, nnx.State, Any]:
     """``(zero, specs, outer_view)``: the storage over ``data`` for ``plan``, the parameters'
     specs with their FSDP dimensions added, and the view of the tree outside the layer stack
-    (a function of the parameters, or ``None`` when the model sees them as stored)."""
+    (a function of the parameters, or ``None`` when the model sees them as stored).
+
+    ``vocab_services``: the model computes its embedding and head with vocabulary slices
+    (:mod:`fiddlejax.compute.vocab`); when zero=3 splits them by vocabulary over ``data`` (and
+    gathers per layer, outside a pipeline, over ``data`` alone) the view leaves them split."""
     lead = 3 if pipelined else 1  # stack: [pipe, virtual, layers, ...] or [layers, ...]
 
     def in_stack(path) -> bool:
@@ -65,6 +71,8 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
     also = store_also(plan, pipelined)
     shards = plan.data * axis_size(plan.mesh, "context") if also else plan.data
     if plan.zero == 3 and shards > 1:
+        if vocab_services and not pipelined and not also and plan.fsdp_gather == "layer":
+            specs = vocab.free_vocab(specs, internal, dict(plan.mesh.shape))
         dims = compute.fsdp_dims(internal, specs, shards,
                                  lambda path: lead if in_stack(path) else 0)
         axes = ("data", *also) if plan.data > 1 else also
@@ -95,9 +103,15 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
         lambda _, v: P(*tuple(v.get_value() if isinstance(v, nnx.Variable) else v)[lead:]),
         layer_dims, gather_specs[stack])
     outer = jax.tree_util.tree_map_with_path(lambda path, d: -1 if in_stack(path) else d, used)
+    shards = None
+    if (vocab_services and per_use is not None and not pipelined and not also
+            and vocab.splits_vocab(outer, internal)):
+        shards = vocab.VocabShards("data")
+        outer = jax.tree.map(lambda d, v: -1 if vocab.vocab_axis(v) >= 0 else d, outer,
+                             internal, is_leaf=lambda x: isinstance(x, nnx.Variable))
     zero = dataclasses.replace(zero, view=view, layer_dims=layer_dims, layer_specs=layer_specs,
                                prefetch=plan.fsdp_prefetch and per_use is not None
-                               and not pipelined)
+                               and not pipelined, vocab=shards)
     return zero, specs, lambda p: view.tree(p, outer, gather_specs)
 
 

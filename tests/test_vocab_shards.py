@@ -1,0 +1,64 @@
+"""zero=3 keeps a Decoder's embedding and head split by vocabulary over ``data``
+(``fiddlejax.compute.vocab``): the step equals one device, and no device holds them whole."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_loss_and_grads, reference_loss_and_grads, tokens
+
+import fiddlejax as fj
+from fiddlejax.models.llama import Llama, LlamaConfig
+
+VOCAB, HIDDEN = 512, 16  # the vocabulary the largest dimension, as for real models
+
+
+def config(tied: bool) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=16, tie_word_embeddings=tied)
+
+
+def trainer(model, **plan):
+    return fj.parallelize(model, optax.sgd(1e-2), fj.Plan(
+        mesh=fj.make_mesh(data=8), zero=3, **plan))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loss_and_grads_equal_one_device(tied):
+    """Untied: a plain mean; tied (one table, looked up and projected on): packed documents,
+    a masked mean over the replicas' targets."""
+    model = Llama(config(tied), rngs=nnx.Rngs(0))
+    batch = tokens(1, 8, 8, VOCAB)
+    if tied:
+        seg = np.ones((8, 9), np.int32)
+        seg[:, 5:] = 2
+        seg[0, 7:] = 0
+        batch["segment_ids"] = seg
+    t = trainer(model)
+    assert t.layout.zero.vocab is not None
+    assert_loss_and_grads(t.loss_and_grads(t.init(), batch),
+                          reference_loss_and_grads(model, batch))
+
+
+def test_no_device_holds_the_embedding_or_head_whole():
+    """The compiled step's temporaries per device stay below one float32 copy of the embedding
+    and head (gathered, they and their gradients were four)."""
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=16)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    whole = 2 * cfg.vocab_size * cfg.hidden_size * 4
+
+    def temp(trainer):
+        state = trainer.abstract_state()
+        step = trainer.lower_step(state, {"tokens": jax.ShapeDtypeStruct((8, 9), jnp.int32)})
+        return step.compile().memory_analysis().temp_size_in_bytes
+
+    split = trainer(model)
+    assert split.layout.zero.vocab is not None
+    gathered = trainer(model, fsdp_gather="step")  # the control: gathered whole
+    assert gathered.layout.zero.vocab is None
+    assert temp(split) < whole < temp(gathered)
