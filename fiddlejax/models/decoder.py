@@ -243,10 +243,8 @@ class Decoder(nnx.Module):
         message carries an MoE model's router tally (the loss reads it)."""
         c, tally = self.config, getattr(msg, "tally", None)
         x = vocab_rows(self.norm(activation(msg)))
-        if c.tie_word_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...])
-        else:
-            logits = x @ self.lm_head[...]
+        tied = c.tie_word_embeddings  # the head is the embedding's transpose
+        logits = jnp.einsum("btd,vd->btv", x, self.embed[...]) if tied else x @ self.lm_head[...]
         cap = c.final_logit_softcapping
         logits = logits if cap is None else cap * jnp.tanh(logits / cap)
         return logits if tally is None else (logits, tally)
