@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -44,20 +46,14 @@ SMALL = ["model.seq_len=32", "model.d_model=32", "model.n_heads=4", "model.n_kv_
          "run.progress=lines"]
 
 
-def in_process(capsys, command: str, *args: str) -> tuple[int, str]:
-    """``fiddlejax COMMAND ARGS`` in this process (the suite's 8 devices; no interpreter and
-    JAX start per command): exit status and output."""
-    from fiddlejax.app import inference, train
-
-    capsys.readouterr()
-    code = (train.main(None, list(args)) if command == "train"
-            else inference.main(command, list(args)))
-    out = capsys.readouterr()
-    return code, out.out + out.err
+def cli(*args):
+    r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", *args], capture_output=True,
+                       text=True, timeout=600)
+    return r.returncode, r.stdout + r.stderr
 
 
 @pytest.mark.slow
-def test_eval_generate_and_init_from(tmp_path, capsys):
+def test_eval_generate_and_init_from(tmp_path):
     from tests.test_data_sources import stdlib_docs
 
     docs = stdlib_docs(80)
@@ -73,21 +69,19 @@ def test_eval_generate_and_init_from(tmp_path, capsys):
     tok.save(str(tmp_path / "tokenizer.json"))
     data = [f"data.path={tmp_path / 'c.jsonl'}", f"data.tokenizer={tmp_path / 'tokenizer.json'}"]
     run = tmp_path / "run"
-    code, out = in_process(capsys, "train", "model.name=llama", *SMALL, *data, "train.steps=6",
-                           f"run.dir={run}")
+    code, out = cli("train", "model.name=llama", *SMALL, *data, "train.steps=6", f"run.dir={run}")
     assert code == 0, out[-3000:]
 
-    code, out = in_process(capsys, "eval", f"run.dir={run}")
+    code, out = cli("eval", f"run.dir={run}")
     assert code == 0 and "step 6: validation loss" in out and "perplexity" in out, out[-2000:]
     loss = float(out.split("validation loss ")[1].split(",")[0])
-    code, out = in_process(capsys, "generate", f"run.dir={run}", "prompt=def ",
-                           "max_new_tokens=5")
+    code, out = cli("generate", f"run.dir={run}", "prompt=def ", "max_new_tokens=5")
     assert code == 0 and out.startswith("def "), out[-2000:]
 
     # init_from: the run's weights, a fresh optimizer, step 0: the first validation loss is the
     # run's own
-    code, out = in_process(capsys, "train", "model.name=llama", *SMALL, *data, "train.steps=1",
-                           f"init_from={run}", f"run.dir={tmp_path / 'fine'}")
+    code, out = cli("train", "model.name=llama", *SMALL, *data, "train.steps=1",
+                    f"init_from={run}", f"run.dir={tmp_path / 'fine'}")
     assert code == 0 and "fresh optimizer, step 0" in out, out[-3000:]
     assert f"step 0: validation loss {loss:.4f}" in out
 
@@ -98,8 +92,8 @@ def test_eval_generate_and_init_from(tmp_path, capsys):
     hf = tmp_path / "hf"
     model.save_pretrained(hf)
     shutil.copy(tmp_path / "tokenizer.json", hf / "tokenizer.json")
-    code, out = in_process(capsys, "generate", f"model.from_pretrained={hf}", "prompt=import ",
-                           "max_new_tokens=4")
+    code, out = cli("generate", f"model.from_pretrained={hf}", "prompt=import ",
+                    "max_new_tokens=4")
     assert code == 0 and out.startswith("import "), out[-2000:]
     from fiddlejax.app import inference
 
