@@ -151,3 +151,34 @@ def test_no_hidden_channel_reaches_a_block():
     for block in ("common.py", "decoder.py", "moe_lm.py"):  # the bundled blocks take `ops`
         text = (MODELS / block).read_text()
         assert "ops: Ops | None = None) -> Message" in text, block
+
+
+def test_each_parallel_concern_is_one_typed_step_the_fold_holds_to_its_word():
+    """``compose.lay_out`` folds :data:`CONCERNS`; each declares the mesh axis it serves, the
+    draft fields it writes and the ``Ops`` service it offers, and the fold refuses a concern
+    that writes a field it did not declare (the declaration cannot drift from the code)."""
+    import dataclasses
+
+    import pytest
+
+    from fiddlejax.parallel import compose, concern, ops
+
+    services = {f.name for f in dataclasses.fields(ops.Ops)}
+    axes = {"", "data", "pipe", "tensor", "context", "expert"}
+    for c in compose.CONCERNS:
+        assert c.axis in axes and c.sets <= set(concern.FIELDS), type(c).__name__
+        assert c.offers is None or c.offers in services, type(c).__name__
+    assert {c.offers for c in compose.CONCERNS} - {None} == services  # every service offered
+    assert [type(c).__name__ for c in compose.CONCERNS].index("Pipe") < [
+        type(c).__name__ for c in compose.CONCERNS].index("Store")  # FSDP sees the stages
+
+    class Sneaky:
+        axis, sets, offers = "tensor", frozenset({"staged"}), None
+
+        def apply(self, draft):
+            return dataclasses.replace(draft, specs={"w": None})
+
+    draft = concern.Draft(None, "M", {}, {}, None, None, staged=object())
+    with pytest.raises(TypeError, match=r"Sneaky wrote \['specs'\] but declares"):
+        concern.fold((Sneaky(),), draft)
+    assert concern.fold((), draft) is draft

@@ -252,7 +252,7 @@ def test_gpt_learned_positions_context2_tensor2():
                  tokens(6, 4, SEQ, 64))
 
 
-def test_long_context_benchmark_compiles_for_mock_gpus():
+def test_long_context_benchmark_compiles_for_mock_gpus(monkeypatch):
     """The GPU row of benchmarks/long_context.py: XLA's GPU compiler with 8 mock GPUs (one
     real), the job's GPU flags, no autotuning; the CPU row: 8 simulated CPU devices."""
     import importlib.util
@@ -260,6 +260,7 @@ def test_long_context_benchmark_compiles_for_mock_gpus():
     from fiddlejax.app import xla_flags
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its `import reporting`, in any test order
     spec = importlib.util.spec_from_file_location("long_context_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -17,11 +17,14 @@ Between 1 and 2, ``context`` (:mod:`fiddlejax.parallel.context`): sequences spli
 (:mod:`fiddlejax.parallel.expert`): rows split over ``expert`` between the layers, the MoE
 layers' tokens sent to their experts' devices; last, a model with LoRA adapters sees the rest
 of its parameters frozen (:mod:`fiddlejax.finetune.lora`).
-The result, a :class:`~fiddlejax.parallel.layout.Layout`, holds no arrays; the step functions
-read it.
+Each step is a :class:`~fiddlejax.parallel.concern.Concern` (:data:`CONCERNS`, in that order),
+folded over a :class:`~fiddlejax.parallel.concern.Draft`; :func:`assemble` turns the draft into a
+:class:`~fiddlejax.parallel.layout.Layout`, which holds no arrays: the step functions read it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import optax
@@ -29,14 +32,46 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import compute, layout
+from fiddlejax import layout
 from fiddlejax.finetune import lora
-from fiddlejax.parallel import context, exchange, expert, sequence, tensor
-from fiddlejax.parallel import zero as zero_
+from fiddlejax.parallel import context, exchange, expert, sequence, tensor, zero
+from fiddlejax.parallel.concern import Draft, fold
 from fiddlejax.parallel.layout import Layout, to_internal
 from fiddlejax.plan import Plan
 from fiddlejax.staged import StagedModel
 from fiddlejax.state import TrainState
+
+
+class Freezing:
+    """LoRA: a model with adapters sees the rest of its parameters frozen, on every layout.
+    (Defined here: :mod:`fiddlejax.finetune` sits below the parallel concerns.)"""
+
+    axis, sets, offers = "", frozenset({"staged"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, staged=lora.lay_out(draft.staged, draft.canonical))
+
+
+class Pipe:
+    """``pipe``: the layers grouped into stages and chunks, which fixes the internal tree
+    (stacked per stage and chunk; with no pipeline, the model's own stacking)."""
+
+    axis, sets, offers = "pipe", frozenset({"pipeline", "internal"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        pipeline = None
+        if draft.plan.schedule is not None:
+            from fiddlejax.pipeline import runtime
+
+            pipeline = runtime.build(draft.staged, draft.plan, draft.template, draft.example)
+        internal = jax.eval_shape(
+            lambda c: to_internal(draft.staged, pipeline, draft.plan, c, None), draft.canonical)
+        return dataclasses.replace(draft, pipeline=pipeline, internal=internal)
+
+
+CONCERNS = (tensor.VocabPads(), context.ContextAxis(), sequence.SequenceSplit(),
+            expert.ExpertAxis(), Freezing(), Pipe(), tensor.Specs(), zero.Store(),
+            exchange.Replicas())
 
 
 def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
@@ -44,46 +79,26 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
             example: dict | None = None) -> Layout:
     """Apply the parallel concerns to ``staged`` in the documented order."""
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
-    staged = tensor.with_vocab_pads(staged, canonical, plan)
-    staged = context.lay_out(staged, plan, example)
-    staged = sequence.lay_out(staged, plan, example)
-    staged = expert.lay_out(staged, plan, canonical)
-    staged = lora.lay_out(staged, canonical)  # adapters: the rest frozen, on every layout
-    pipeline = None
-    if plan.schedule is not None:
-        from fiddlejax.pipeline import runtime
+    return assemble(fold(CONCERNS, Draft(plan, name, canonical, template, example, optimizer,
+                                         staged)))
 
-        pipeline = runtime.build(staged, plan, template, example)
-    internal = jax.eval_shape(lambda c: to_internal(staged, pipeline, plan, c, None), canonical)
-    specs = tensor.param_specs(internal, plan, pipeline, name)
-    zero, specs, outer_view = zero_.lay_out(internal, specs, plan, staged.stack,
-                                            pipeline is not None, vocab_services(staged))
-    model = staged if outer_view is None else compute.ViewedModel(staged, outer_view,
-                                                                  zero.vocab)
-    if pipeline is not None:
-        pipeline = pipeline.running(model, zero.dims)
+
+def assemble(draft: Draft) -> Layout:
+    """The :class:`Layout` of a folded draft: the pipeline running the model as a step sees
+    it, and every sharding from the specs and what the stepper keeps."""
+    plan, specs, stepper = draft.plan, draft.specs, draft.stepper
+    model = draft.model if draft.model is not None else draft.staged
+    pipeline = draft.pipeline.running(model, draft.zero.dims) if draft.pipeline else None
     mesh = plan.mesh
     params = layout.shardings(mesh, specs)
-    stepper = exchange.pick(plan)
-    stepper.check(optimizer)
-    opt = zero_.opt_shardings(optimizer, jax.eval_shape(optimizer.init, internal), specs, plan)
+    opt = zero.opt_shardings(draft.optimizer, jax.eval_shape(draft.optimizer.init,
+                                                             draft.internal), specs, plan)
     if stepper.local_optimizer:  # topk_on="updates": one optimizer state per data replica
         opt = jax.tree.map(lambda s: NamedSharding(mesh, P("data", *s.spec)), opt)
     residual = (jax.tree.map(lambda s: NamedSharding(mesh, P("data", *s.spec)), params)
                 if stepper.residual else None)  # top-k: per data replica
     state = TrainState(NamedSharding(mesh, P()), params, opt, residual,
                        params if stepper.versions == 2 else None)
-    return Layout(plan, name, staged, model, template, pipeline, zero, specs, params,
-                  zero_.grad_shardings(plan, specs, internal, params), opt, residual, state,
-                  NamedSharding(mesh, P("data")), stepper)
-
-
-def vocab_services(staged) -> bool:
-    """Whether ``staged`` runs a model whose own embedding, head and loss compute with
-    vocabulary slices (``vocab_services``; :mod:`fiddlejax.compute.vocab`): not through a
-    layout's wrapper, a loss of the user's or logits cut back from padding."""
-    if type(staged) is not StagedModel or staged.loss_fn is not None:
-        return False
-    if staged.vocab_pads or staged.loss_layout is not None:
-        return False
-    return bool(getattr(staged.graphdef.nodes[0].type, "vocab_services", False))
+    return Layout(plan, draft.name, draft.staged, model, draft.template, pipeline, draft.zero,
+                  specs, params, zero.grad_shardings(plan, specs, draft.internal, params), opt,
+                  residual, state, NamedSharding(mesh, P("data")), stepper)

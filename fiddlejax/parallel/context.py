@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from fiddlejax.mesh import axis_size
 from fiddlejax.parallel import ring
+from fiddlejax.parallel.concern import Draft
 from fiddlejax.parallel.ops import Ops, extend
 from fiddlejax.plan import CONTEXT_KERNELS
 
@@ -244,5 +245,16 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None) -> ob
     return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None))
 
 
-__all__ = ["KERNELS", "ContextModel", "Joining", "Split", "attention", "check",
+class ContextAxis:
+    """The ``context`` concern: sequences split over the axis; attention joins the shards
+    (offered to blocks as ``ops.context``)."""
+
+    axis, sets, offers = "context", frozenset({"staged"}), "context"
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, staged=lay_out(draft.staged, draft.plan,
+                                                         draft.example))
+
+
+__all__ = ["KERNELS", "ContextAxis", "ContextModel", "Joining", "Split", "attention", "check",
            "lay_out", "pick", "split_batch"]

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from fiddlejax.memory import remat as remat_
 from fiddlejax.parallel import balance, data
+from fiddlejax.parallel.concern import Draft
 
 if TYPE_CHECKING:
     from fiddlejax.parallel.layout import Layout
@@ -248,6 +249,18 @@ def _leafwise(optimizer: optax.GradientTransformation) -> bool:
     return bool(jnp.allclose(small["a"], large["a"]))
 
 
+class Replicas:
+    """The ``data`` axis as replicas: how their gradients are exchanged (dense, top-k,
+    PipeDream-2BW), which says what the state holds for it (``Stepper``)."""
+
+    axis, sets, offers = "data", frozenset({"stepper"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        stepper = pick(draft.plan)
+        stepper.check(draft.optimizer)
+        return dataclasses.replace(draft, stepper=stepper)
+
+
 def pick(plan) -> DenseExchange:
     """The strategy for ``plan`` (chosen once, by the Trainer)."""
     if plan.schedule == "2bw":
@@ -257,5 +270,5 @@ def pick(plan) -> DenseExchange:
     return DenseExchange()
 
 
-__all__ = ["DenseExchange", "Program", "TopKExchange", "TwoBWStepper", "apply_if_finite",
-           "keep_if_finite", "pick"]
+__all__ = ["DenseExchange", "Program", "Replicas", "TopKExchange", "TwoBWStepper",
+           "apply_if_finite", "keep_if_finite", "pick"]

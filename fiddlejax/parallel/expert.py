@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax.mesh import axis_size
+from fiddlejax.parallel.concern import Draft
 from fiddlejax.parallel.ops import Ops, extend
 
 
@@ -296,6 +297,17 @@ def lay_out(staged, plan, canonical) -> object:
     return ExpertModel(staged, Split(size, plan.mesh))
 
 
+class ExpertAxis:
+    """The ``expert`` concern: MoE experts split over the axis, rows split between the layers
+    (more data parallelism); the dispatch is offered to blocks as ``ops.expert``."""
+
+    axis, sets, offers = "expert", frozenset({"staged"}), "expert"
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, staged=lay_out(draft.staged, draft.plan,
+                                                         draft.canonical))
+
+
 def experts(canonical, rules) -> dict[str, int]:
     """``{path: size}`` of each parameter dimension the ``rules`` map to ``expert``."""
     from fiddlejax import sharding
@@ -312,5 +324,5 @@ def experts(canonical, rules) -> dict[str, int]:
     return out
 
 
-__all__ = ["ExpertModel", "Split", "buffer_rows", "constrain_rows", "dropless", "experts",
-           "lay_out", "loss_inputs", "with_capacity"]
+__all__ = ["ExpertAxis", "ExpertModel", "Split", "buffer_rows", "constrain_rows", "dropless",
+           "experts", "lay_out", "loss_inputs", "with_capacity"]

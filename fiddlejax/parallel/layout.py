@@ -8,13 +8,15 @@ model as it computes, its pipeline, its storage over ``data``, every sharding).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from fiddlejax import layout
 from fiddlejax.parallel import tensor
+from fiddlejax.parallel.concern import Stepper
 from fiddlejax.parallel.zero import Zero
 from fiddlejax.plan import Plan
 from fiddlejax.staged import StagedModel
@@ -23,17 +25,6 @@ from fiddlejax.state import TrainState
 if TYPE_CHECKING:
     from fiddlejax.compute import ViewedModel
     from fiddlejax.pipeline.runtime import Pipeline
-
-
-class Stepper(Protocol):
-    """How gradients are exchanged (:func:`fiddlejax.parallel.exchange.pick`'s choice): what
-    the state holds for it and what it accepts."""
-
-    residual: bool          # a per-replica residual in TrainState (top-k's error feedback)
-    local_optimizer: bool   # one optimizer state per data replica
-    versions: int           # weight versions in TrainState (2BW keeps two)
-
-    def check(self, optimizer: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -50,7 +41,7 @@ class Layout:
     specs: nnx.State            # the internal parameters' PartitionSpecs
     param_shardings: nnx.State  # of NamedSharding, like the internal parameters
     grad_shardings: nnx.State
-    opt_shardings: Any          # the optimizer state's own pytree, of NamedSharding
+    opt_shardings: optax.OptState  # the optimizer state's own pytree, of NamedSharding
     residual_shardings: nnx.State | None  # top-k's per-replica residual
     state_shardings: TrainState
     batch_sharding: NamedSharding
@@ -60,13 +51,14 @@ class Layout:
     def mesh(self):
         return self.plan.mesh
 
-    def to_internal(self, canonical: nnx.State, shardings: Any = None) -> nnx.State:
+    def to_internal(self, canonical: nnx.State,
+                    shardings: nnx.State | optax.OptState | None = None) -> nnx.State:
         """Canonical parameters in this layout. ``shardings``: the internal tree's (default:
         the parameters'; an optimizer-state tree passes its own, ZeRO's split included)."""
         return to_internal(self.source, self.pipeline, self.plan, canonical,
                             shardings if shardings is not None else self.param_shardings)
 
-    def to_canonical(self, internal: nnx.State, shardings: Any = None) -> nnx.State:
+    def to_canonical(self, internal: nnx.State, shardings: nnx.State | None = None) -> nnx.State:
         """The inverse of :meth:`to_internal`."""
         params = (self.pipeline.to_canonical(internal, shardings or self.param_shardings)
                   if self.pipeline else internal)

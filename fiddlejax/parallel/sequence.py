@@ -15,11 +15,14 @@ With ``context`` the rows stay on ``context`` and the tokens of each row split o
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax.mesh import axis_size
+from fiddlejax.parallel.concern import Draft
 
 
 class SequenceParallel:
@@ -69,4 +72,15 @@ def lay_out(staged, plan, example: dict | None):
     return SequenceParallel(staged, plan.mesh, "context" if c > 1 else None)
 
 
-__all__ = ["SequenceParallel", "lay_out"]
+class SequenceSplit:
+    """Sequence parallelism (``plan.sequence_parallel``): the residual stream between the
+    tensor-split matmuls split over ``tensor`` along the sequence."""
+
+    axis, sets, offers = "tensor", frozenset({"staged"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, staged=lay_out(draft.staged, draft.plan,
+                                                         draft.example))
+
+
+__all__ = ["SequenceParallel", "SequenceSplit", "lay_out"]

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax import layout, sharding
+from fiddlejax.parallel.concern import Draft
 from fiddlejax.plan import Plan
 from fiddlejax.staged import StagedModel
 
@@ -43,6 +44,28 @@ def param_specs(internal: nnx.State, plan: Plan, pipeline, model_name: str) -> n
         logging.getLogger("fiddlejax").info("%s on tensor=%d: %s", model_name, plan.tensor,
                                             split_summary(specs))
     return specs
+
+
+class VocabPads:
+    """The ``tensor`` concern's first step: vocabularies padded for their split, the model told
+    which so it slices its outputs back."""
+
+    axis, sets, offers = "tensor", frozenset({"staged"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, staged=with_vocab_pads(draft.staged, draft.canonical,
+                                                                 draft.plan))
+
+
+class Specs:
+    """The ``tensor`` concern's second step, once ``pipe`` has fixed the internal tree: each
+    parameter's spec over ``tensor`` (and ``pipe``)."""
+
+    axis, sets, offers = "tensor", frozenset({"specs"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, specs=param_specs(draft.internal, draft.plan,
+                                                            draft.pipeline, draft.name))
 
 
 def split_summary(specs: nnx.State) -> str:

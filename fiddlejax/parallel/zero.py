@@ -27,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 from fiddlejax import compute
 from fiddlejax.compute import vocab
 from fiddlejax.mesh import axis_size
+from fiddlejax.parallel.concern import Draft
 from fiddlejax.plan import Plan
+from fiddlejax.staged import StagedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,30 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
                                prefetch=plan.fsdp_prefetch and per_use is not None
                                and not pipelined, vocab=shards)
     return zero, specs, lambda p: view.tree(p, outer, gather_specs)
+
+
+class Store:
+    """The ``data`` axis as a store: ZeRO's shards and FSDP's dimensions added to the specs,
+    and the view through which the model sees its parameters (gathers, casts)."""
+
+    axis, sets, offers = "data", frozenset({"zero", "specs", "model"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        zero, specs, outer = lay_out(draft.internal, draft.specs, draft.plan, draft.staged.stack,
+                                     draft.pipeline is not None, vocab_services(draft.staged))
+        model = None if outer is None else compute.ViewedModel(draft.staged, outer, zero.vocab)
+        return dataclasses.replace(draft, zero=zero, specs=specs, model=model)
+
+
+def vocab_services(staged) -> bool:
+    """Whether ``staged`` runs a model whose own embedding, head and loss compute with
+    vocabulary slices (``vocab_services``; :mod:`fiddlejax.compute.vocab`): not through a
+    layout's wrapper, a loss of the user's or logits cut back from padding."""
+    if type(staged) is not StagedModel or staged.loss_fn is not None:
+        return False
+    if staged.vocab_pads or staged.loss_layout is not None:
+        return False
+    return bool(getattr(staged.graphdef.nodes[0].type, "vocab_services", False))
 
 
 def store_also(plan: Plan, pipelined: bool) -> tuple[str, ...]:
