@@ -12,11 +12,17 @@ Auxiliary-loss-free balancing: with ``bias_update_speed`` > 0 the message carrie
 layer's expert loads (``int32 [L, E]``) beside the layer index; the loss reports them and the
 step moves each layer's router bias by them (:mod:`fiddlejax.parallel.balance`).
 
-Not yet: the multi-token-prediction modules (a
-checkpoint holding them is refused by name) and KV-cached generation.
+Multi-token prediction (``num_nextn_predict_layers`` > 0, :mod:`.mtp`): the ``mtp`` stack
+runs in the loss, on the last hidden state the head hands it, so every layout that runs the
+head runs it too (a pipeline's last stage path); its weights load from and save to the Hub's
+``model.layers.{num_hidden_layers + k - 1}.*``. Not yet: KV-cached generation.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +32,18 @@ from fiddlejax.parallel import balance
 from fiddlejax.parallel.ops import Ops
 from fiddlejax.staged import vocab_parallel
 
-from . import deepseek_config
-from .common import Message, param, scan_layers, stacked
+from . import deepseek_config, hf, hf_io, mtp
+from .common import Message, activation, param, scan_layers, stacked
 from .decoder import Decoder, DecoderBlock, RMSNorm
 from .deepseek_config import DeepseekV3Config
 from .deepseek_moe import DeepseekMoE
 from .mla import LatentAttention
+
+
+class MTPInput(NamedTuple):
+    """What the head hands the loss for the MTP modules: the normed last hidden state."""
+
+    hidden: jax.Array
 
 
 class DeepseekBlock(DecoderBlock):
@@ -93,6 +105,11 @@ class DeepseekV3(Decoder):
             self.dense = stacked(k, lambda r: DeepseekBlock(c, rngs=r, dense=True), rngs)
         self.blocks = stacked(c.num_hidden_layers - k, lambda r: DeepseekBlock(c, rngs=r),
                               rngs)
+        if c.num_nextn_predict_layers:  # its block's router bias stays as loaded (.mtp)
+            still = dataclasses.replace(c, bias_update_speed=0.0)
+            self.mtp = stacked(c.num_nextn_predict_layers, lambda r: mtp.MTPLayer(
+                c.hidden_size, c.rms_norm_eps, lambda r: DeepseekBlock(still, rngs=r),
+                rngs=r), rngs)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = param(rngs, normal(0.02), (c.hidden_size, c.vocab_size),
@@ -111,21 +128,62 @@ class DeepseekV3(Decoder):
                             loads=jnp.zeros((moe_layers, c.num_experts), jnp.int32))
 
     def head(self, msg: Message | jax.Array):
-        """As :meth:`.decoder.Decoder.head`, and the message's ``loads`` last when it has
-        them (the loss reports them)."""
+        """As :meth:`.decoder.Decoder.head`, then the message's ``loads`` when it has them
+        (the loss reports them), then with MTP an :class:`MTPInput`: the normed last hidden
+        state the MTP modules start from."""
         out = super().head(msg)
         loads = getattr(msg, "loads", None)
-        return out if loads is None else (*out, loads)
+        out = out if loads is None else (*out, loads)
+        if not self.config.num_nextn_predict_layers:
+            return out
+        return (*out, MTPInput(self.norm(activation(msg))))
 
     @vocab_parallel
     def loss(self, outputs, batch: dict):
         """As :meth:`.decoder.Decoder.loss`; ``loads`` are reported as the sum
         :data:`fiddlejax.parallel.balance.LOADS`, which the step turns into the router bias'
-        move."""
-        if not (isinstance(outputs, tuple) and len(outputs) == 3):
+        move; with MTP, its weighted loss added (:mod:`.mtp`) and reported (``mtp_loss``)."""
+        if not isinstance(outputs, tuple):
             return super().loss(outputs, batch)
+        extra = None
+        if isinstance(outputs[-1], MTPInput):
+            outputs, extra = outputs[:-1], outputs[-1].hidden
         reported = super().loss(outputs[:2], batch)
-        return reported._replace(sums={**reported.sums, balance.LOADS: outputs[2]})
+        if len(outputs) == 3:
+            reported = reported._replace(sums={**reported.sums, balance.LOADS: outputs[2]})
+        if extra is None:
+            return reported
+        c = self.config
+        value, metric = mtp.add_to_loss(reported.value, mtp.depth_sums(self, extra, batch),
+                                        c.mtp_loss_weight, extra.shape[0] * extra.shape[1])
+        return reported._replace(value=value, means={**reported.means, "mtp_loss": metric})
+
+    @classmethod
+    def from_pretrained(cls, directory, **kw) -> DeepseekV3:
+        """As :meth:`.decoder.Decoder.from_pretrained`; the MTP depth is the checkpoint's: 0
+        when it holds no MTP layer (transformers drops them), unless ``overrides`` set it."""
+        from fiddlejax.models import hub
+
+        directory, overrides = hub.local_dir(directory), dict(kw.pop("overrides", None) or {})
+        if "num_nextn_predict_layers" not in overrides:
+            n = hf.read_config(directory).get("num_hidden_layers")
+            names = hf_io.sources(directory)
+            overrides["num_nextn_predict_layers"] = sum(
+                1 for k in range(8) if f"model.layers.{(n or 0) + k}.eh_proj.weight" in names)
+        return super().from_pretrained(directory, overrides=overrides, **kw)
+
+    def pretrained_params(self, shardings=None, *, directory=None, dtype=None) -> nnx.State:
+        """As :meth:`.decoder.Decoder.pretrained_params`, each MTP layer's copies of the
+        embedding and head checked equal to the main ones (one copy is kept)."""
+        src = hf_io.sources(Path(directory or self.pretrained_from))
+        for name, key, tr in self.config.hf_copies():
+            main = {("embed",): "model.embed_tokens.weight", ("lm_head",): "lm_head.weight"}[key]
+            if name in src and not mtp.same(src[name], src[main]):
+                raise ValueError(f"{hf_io.where(src[name])} differs from {main}: the MTP "
+                                 "layers share the main model's embedding and head, so fiddlejax "
+                                 "keeps one; make the copies equal, or set overrides="
+                                 "{'num_nextn_predict_layers': 0}")
+        return super().pretrained_params(shardings, directory=directory, dtype=dtype)
 
     @classmethod
     def config_from_hf(cls, hf_config: dict, seq_len: int | None = None) -> DeepseekV3Config:

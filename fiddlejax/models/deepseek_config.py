@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, ClassVar
 
-from . import families, rope
+from . import families, mtp, rope
 from .decoder_config import DecoderConfig
 from .deepseek_moe import DeepseekMoEConfig
 
@@ -25,19 +26,18 @@ FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_si
           "max_position_embeddings", "tie_word_embeddings", "num_experts_per_tok",
           "norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
           "qk_nope_head_dim", "v_head_dim", "n_shared_experts", "n_group", "topk_group",
-          "routed_scaling_factor", "first_k_dense_replace", "rope_interleave")
+          "routed_scaling_factor", "first_k_dense_replace", "rope_interleave",
+          "num_nextn_predict_layers")
 # Keys that must hold the one value implemented (absent counts as that value).
 FIXED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
          "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
          "attention_dropout": 0.0, "pretraining_tp": 1}
 # No effect on the function computed: training options transformers ignores (aux_loss_alpha,
-# seq_aux, ep_size), the multi-token-prediction depth (its weights are refused at load),
-# derived widths (checked) and the usual metadata.
+# seq_aux, ep_size), derived widths (checked) and the usual metadata.
 METADATA = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
             "use_cache", "initializer_range", "_name_or_path", "auto_map", "return_dict",
             "output_attentions", "output_hidden_states", "output_router_logits",
-            "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers",
-            "num_mtp_layers", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
+            "aux_loss_alpha", "seq_aux", "ep_size", "num_mtp_layers", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
             "rope_parameters", "n_routed_experts", "num_local_experts", "id2label", "label2id",
             "tokenizer_class", "_attn_implementation_autoset"}
 # transformers' DeepseekV3Config defaults, for keys a config.json leaves out.
@@ -55,7 +55,10 @@ class DeepseekV3Config(DecoderConfig):
     ``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``. ``q_lora_rank`` None: queries by one
     projection. The first ``first_k_dense_replace`` layers are dense SwiGLU MLPs
     ``intermediate_size`` wide; the others MoE layers (``num_experts`` routed experts
-    ``moe_intermediate_size`` wide and ``n_shared_experts`` shared ones)."""
+    ``moe_intermediate_size`` wide and ``n_shared_experts`` shared ones).
+    ``num_nextn_predict_layers``: the multi-token-prediction depth ``D`` (:mod:`.mtp`; read
+    from the checkpoint: 0 when it holds no MTP weights), its loss weighted by
+    ``mtp_loss_weight`` (the paper's lambda: 0.3 early in pretraining, 0.1 after; 0.1 here)."""
 
     model_type: str = MODEL_TYPE
     num_key_value_heads: int = 4
@@ -74,6 +77,8 @@ class DeepseekV3Config(DecoderConfig):
     first_k_dense_replace: int = 1
     rope_interleave: bool = True
     bias_update_speed: float = 0.001  # loss-free balancing: the router bias' move per step
+    num_nextn_predict_layers: int = 0
+    mtp_loss_weight: float = 0.1
     rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3", "linear", "yarn")
 
     def __post_init__(self):
@@ -84,6 +89,7 @@ class DeepseekV3Config(DecoderConfig):
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
             if not ok and not (f == "q_lora_rank" and v is None):
                 raise ValueError(f"{me}.{f}={v!r} must be an int >= 0")
+        mtp.check(self.num_nextn_predict_layers, self.mtp_loss_weight, me)
         object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
         super().__post_init__()
         if self.num_key_value_heads != self.num_attention_heads:
@@ -122,7 +128,27 @@ class DeepseekV3Config(DecoderConfig):
         first ``first_k_dense_replace``), then ``blocks`` (the MoE layers)."""
         k, n = self.first_k_dense_replace, self.num_hidden_layers
         dense = [("dense", range(k), layer_rows(self, moe=False))] if k else []
-        return [*dense, ("blocks", range(k, n), layer_rows(self, moe=True))]
+        d = self.num_nextn_predict_layers
+        mtp_rows = [(("block", *ours), theirs, tr, f)
+                    for ours, theirs, tr, f in layer_rows(self, moe=True)] + MTP_ROWS
+        return [*dense, ("blocks", range(k, n), layer_rows(self, moe=True)),
+                *([("mtp", range(n, n + d), mtp_rows)] if d else [])]
+
+    def hf_copies(self) -> list[tuple[str, tuple[str, ...], bool]]:
+        """The Hub's copies of the shared embedding and head in each MTP layer: (name, our
+        leaf, transposed); loaded as checked equal to ours, written back from ours."""
+        n, d = self.num_hidden_layers, self.num_nextn_predict_layers
+        head = ("embed",) if self.tie_word_embeddings else ("lm_head",)
+        return [row for i in range(n, n + d)
+                for row in ((f"model.layers.{i}.embed_tokens.weight", ("embed",), False),
+                            (f"model.layers.{i}.shared_head.head.weight", head,
+                             not self.tie_word_embeddings))]
+
+    def hf_unused(self, name: str) -> bool:
+        """A tensor of an MTP layer past our depth (``num_nextn_predict_layers`` lowered)."""
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= self.num_hidden_layers + \
+            self.num_nextn_predict_layers
 
     def hf_dict(self) -> dict:
         """The ``config.json`` transformers' ``DeepseekV3ForCausalLM`` reads."""
@@ -136,6 +162,8 @@ class DeepseekV3Config(DecoderConfig):
                                    "rope_theta": self.rope_theta},
                "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
         out.update({k: getattr(self, k) for k in FIELDS})
+        if not self.num_nextn_predict_layers:  # none here: the source's value carries over
+            out.pop("num_nextn_predict_layers")
         out.update({k: list(v) if isinstance(v, tuple) else v for k, v in self.token_ids})
         return out
 
@@ -172,6 +200,14 @@ def read(hf: dict, seq_len: int | None = None) -> dict:
             raise ValueError(f"config.json has {key}={hf[key]!r}, but its widths give {ours} "
                              "(qk_nope_head_dim + qk_rope_head_dim; head_dim: qk_rope_head_dim)")
     return out
+
+
+# An MTP layer's own tensors (the Hub's names), beside its block's (:func:`layer_rows`).
+_ident = lambda w: w  # noqa: E731
+MTP_ROWS = [(("enorm", "weight"), "enorm.weight", False, _ident),
+            (("hnorm", "weight"), "hnorm.weight", False, _ident),
+            (("eh_proj",), "eh_proj.weight", True, lambda w: w.T),
+            (("head_norm", "weight"), "shared_head.norm.weight", False, _ident)]
 
 
 def layer_rows(c: DeepseekV3Config, moe: bool) -> list[tuple]:

@@ -64,8 +64,7 @@ def _layer_map(c: Any) -> list[tuple]:
     """Rows (ours, theirs, transposed, to theirs): ours is theirs with the last two axes swapped
     (``transposed``) and reshaped to our shape (heads split out)."""
     d, h, kv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    ident = lambda w: w
-    t = lambda w: w.T
+    ident, t = (lambda w: w), (lambda w: w.T)
     sandwich = getattr(c, "sandwich_norms", False)
     rows = [
         (("attn_norm", "weight"), "input_layernorm.weight", False, ident),
@@ -181,9 +180,8 @@ def hf_plan(config: Any, shapes: dict[tuple[str, ...], tuple[int, ...]]
     """Each Hugging Face tensor of canonical parameters with ``shapes`` (our leaf -> shape):
     (name, shape, the layers of our leaves it needs, a function of them giving it), grouped
     by our leaf (fused as the family stores them: Phi-3)."""
-    def abstract(key, i=None):
-        s = shapes[key]
-        return np.broadcast_to(np.empty((), np.int8), s[1:] if i is not None else s)  # no data
+    def abstract(key, i=None):  # no data
+        return np.broadcast_to(np.empty((), np.int8), shapes[key][1 if i is not None else 0:])
 
     plan = [("model.embed_tokens.weight", shapes[("embed",)], [(("embed",), None)],
              lambda xs: xs[0])]
@@ -200,9 +198,11 @@ def hf_plan(config: Any, shapes: dict[tuple[str, ...], tuple[int, ...]]
                                  lambda xs, f=to_hf: f(xs[0])))
     plan.append(("model.norm.weight", shapes[("norm", "weight")], [(("norm", "weight"), None)],
                  lambda xs: xs[0]))
-    if not config.tie_word_embeddings:
-        s = shapes[("lm_head",)]
-        plan.append(("lm_head.weight", (s[1], s[0]), [(("lm_head",), None)], lambda xs: xs[0].T))
+    copies = getattr(config, "hf_copies", list)()  # DeepSeek-V3's MTP layers
+    for name, key, tr in ([] if config.tie_word_embeddings else [("lm_head.weight",
+                          ("lm_head",), True)]) + copies:
+        s = shapes[key][::-1] if tr else shapes[key]
+        plan.append((name, s, [(key, None)], (lambda xs: xs[0].T) if tr else (lambda xs: xs[0])))
     return _fuse(plan) if getattr(config, "model_type", "") == "phi3" else plan
 
 
@@ -291,7 +291,9 @@ def _rows(tensors: dict, config: Any, what: str) -> dict:
         used.add("lm_head.weight")  # some writers store the tied copy; the embedding wins
     else:
         rows[("lm_head",)] = (take("lm_head.weight"), True, False)
-    extra = sorted(set(tensors) - used)
+    used.update(name for name, _, _ in getattr(config, "hf_copies", list)())  # checked apart
+    unused = getattr(config, "hf_unused", lambda name: False)
+    extra = sorted(k for k in set(tensors) - used if not unused(k))
     if extra:
         raise ValueError(f"the checkpoint has tensors this {what} does not use: {extra[:5]}"
                          f"{' ...' if len(extra) > 5 else ''}; is config.json the right one?")
