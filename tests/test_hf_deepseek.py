@@ -77,19 +77,24 @@ V3 = {"architectures": ["DeepseekV3ForCausalLM"], "aux_loss_alpha": 0.001, "bos_
       "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
       "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280}
 K2 = {**V3, "n_group": 1, "topk_group": 1, "n_routed_experts": 384, "num_attention_heads": 64,
+      "num_nextn_predict_layers": 0,
       "num_key_value_heads": 64, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
       "vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 131072,
       "rope_scaling": {**V3["rope_scaling"], "factor": 32.0}}
 
 
-@pytest.mark.parametrize("hf, billions", [(V3, 671.0), (K2, 1026.4)])
-def test_hub_configs_read_with_their_parameter_counts(hf, billions):
-    """The released configs read (abstract weights): DeepSeek-V3's 671B without its MTP
-    module, Kimi K2's 1.03T."""
+@pytest.mark.parametrize("hf, billions, mtp", [(V3, 671.0, 11.6), (K2, 1026.4, 0.0)])
+def test_hub_configs_read_with_their_parameter_counts(hf, billions, mtp):
+    """The released configs read (abstract weights): DeepSeek-V3's 671B plus its MTP module
+    (11.6B of its own; the Hub's 14B count its copies of the embedding and head), Kimi K2's
+    1.03T (no MTP)."""
     cfg = DeepseekV3.config_from_hf(hf)
     model = nnx.eval_shape(lambda: DeepseekV3(cfg, rngs=nnx.Rngs(0)))
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert round(n / 1e9, 1) == billions
+    count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+    params = nnx.state(model, nnx.Param)
+    own = count(params["mtp"]) if "mtp" in params else 0
+    assert round((count(params) - own) / 1e9, 1) == billions
+    assert round(own / 1e9, 1) == mtp
 
 
 def test_export_round_trip_is_bit_exact(tmp_path):

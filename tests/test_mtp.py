@@ -147,20 +147,19 @@ def test_loss_equals_per_document_reference(mtp_dir, packed):
     v = model.config.vocab_size
     batch = packed_batch(v) if packed else {
         "tokens": np.random.default_rng(1).integers(0, v, (2, 13)).astype(np.int32)}
-    ours = float(mean_loss(model.loss(model.head(scan_layers(
-        model.blocks, model.prologue(batch))), batch)))
-    want = reference_loss(model, batch)
+    reported = nnx.jit(lambda m, b: m.loss(m.head(scan_layers(m.blocks, m.prologue(b))), b))(
+        model, batch)
+    ours, want = float(mean_loss(reported)), reference_loss(model, batch)
     assert abs(ours - want) / abs(want) < 1e-5, (ours, want)
-    ce = model.loss(model.head(scan_layers(model.blocks, model.prologue(batch))), batch)
-    assert float(ce.means["mtp_loss"]) > 0.1
+    assert float(reported.means["mtp_loss"]) > 0.1
 
 
 @pytest.mark.slow  # two 8-device layouts
 def test_training_matches_one_device_with_mtp(mtp_dir):
     """Loss (main + MTP) and gradients, the MTP weights' and the shared embedding's and
     head's included, on expert=2 x data=2 x tensor=2 and data=2 x pipe=2 x tensor=2 (1F1B,
-    the MTP stack in the head's path), equal one device's (float32, per leaf rel < 1e-5);
-    context is refused by name."""
+    the MTP stack in the head's path), equal one device's (float32, per leaf rel < 1e-5;
+    measured: worst leaf 1.0e-6 and 1.2e-6)."""
     model = models.from_pretrained(mtp_dir, seq_len=12)
     batch = packed_batch(model.config.vocab_size)
     batch = {k: np.concatenate([v, v[::-1]]) for k, v in batch.items()}  # 4 rows
@@ -172,5 +171,10 @@ def test_training_matches_one_device_with_mtp(mtp_dir):
         trainer = fj.parallelize(model, optax.sgd(0.1), plan)
         assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch),
                               (ref_loss, ref_grads))
-    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=2, context=2)))
+
+
+def test_context_refused_before_compiling(mtp_dir):
+    """context > 1 would cut the tokens the MTP depths read ahead: refused by name."""
+    model = models.from_pretrained(mtp_dir, seq_len=12, abstract=True)
+    with pytest.raises(ValueError, match="context=2 .*num_nextn_predict_layers"):
+        fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=4, context=2)))

@@ -176,8 +176,9 @@ class DeepseekV3(Decoder):
         """As :meth:`.decoder.Decoder.pretrained_params`, each MTP layer's copies of the
         embedding and head checked equal to the main ones (one copy is kept)."""
         src = hf_io.sources(Path(directory or self.pretrained_from))
-        for name, key, tr in self.config.hf_copies():
-            main = {("embed",): "model.embed_tokens.weight", ("lm_head",): "lm_head.weight"}[key]
+        mains = {("embed",): "model.embed_tokens.weight", ("lm_head",): "lm_head.weight"}
+        for name, key, _ in self.config.hf_copies():
+            main = mains[key]
             if name in src and not mtp.same(src[name], src[main]):
                 raise ValueError(f"{hf_io.where(src[name])} differs from {main}: the MTP "
                                  "layers share the main model's embedding and head, so fiddlejax "

@@ -37,9 +37,10 @@ FIXED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
 METADATA = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
             "use_cache", "initializer_range", "_name_or_path", "auto_map", "return_dict",
             "output_attentions", "output_hidden_states", "output_router_logits",
-            "aux_loss_alpha", "seq_aux", "ep_size", "num_mtp_layers", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
-            "rope_parameters", "n_routed_experts", "num_local_experts", "id2label", "label2id",
-            "tokenizer_class", "_attn_implementation_autoset"}
+            "aux_loss_alpha", "seq_aux", "ep_size", "num_mtp_layers", "head_dim", "qk_head_dim",
+            "rope_theta", "rope_scaling", "rope_parameters", "n_routed_experts",
+            "num_local_experts", "id2label", "label2id", "tokenizer_class",
+            "_attn_implementation_autoset"}
 # transformers' DeepseekV3Config defaults, for keys a config.json leaves out.
 HF_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                "qk_nope_head_dim": 128, "v_head_dim": 128, "n_shared_experts": 1, "n_group": 8,

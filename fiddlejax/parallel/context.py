@@ -226,13 +226,21 @@ class ContextModel:
         return total / sums.weight
 
 
-def lay_out(staged, plan, example: dict | None, kernel: str | None = None) -> object:
+def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
+            canonical=None) -> object:
     """The ``context`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
     when ``context`` is 1, else a :class:`ContextModel` (checked against ``example``, the
-    model's ``batch_spec(1)``)."""
+    model's ``batch_spec(1)``; a model with DeepSeek-V3's MTP modules, ``mtp`` in its
+    ``canonical`` parameters, refused: they read tokens past a shard's chunk)."""
     size = axis_size(plan.mesh, "context")
     if size == 1:
         return staged
+    if canonical is not None and "mtp" in canonical:
+        raise ValueError(
+            f"context={size} splits each sequence, but this model's multi-token-prediction "
+            "modules (num_nextn_predict_layers > 0) read the tokens after a shard's chunk and "
+            "are not joined over context yet; use mesh context=1, or load the model with "
+            "overrides={'num_nextn_predict_layers': 0}")
     if example is None or "tokens" not in example or len(example["tokens"].shape) != 2:
         raise ValueError(
             f"context={size} splits token sequences: the model needs a batch_spec() with "
@@ -253,7 +261,8 @@ class ContextAxis:
 
     def apply(self, draft: Draft) -> Draft:
         return dataclasses.replace(draft, staged=lay_out(draft.staged, draft.plan,
-                                                         draft.example))
+                                                         draft.example,
+                                                         canonical=draft.canonical))
 
 
 __all__ = ["KERNELS", "ContextAxis", "ContextModel", "Joining", "Split", "attention", "check",
