@@ -74,6 +74,32 @@ def ce_sum(logits: np.ndarray, targets: np.ndarray, keep: np.ndarray) -> float:
     return float(np.sum((z - logits[np.arange(len(targets)), targets]) * keep))
 
 
+def pad(a, n: int = 12):
+    """``a`` padded after its last position (axis 1 of tokens, 0 of activations) to ``n``:
+    causal attention and per-token routing leave the earlier positions as they were, and
+    one compiled shape serves every document."""
+    a = np.asarray(a)
+    axis = 1 if a.ndim == 2 and a.dtype.kind == "i" else 0
+    width = [(0, 0)] * a.ndim
+    width[axis] = (0, n - a.shape[axis])
+    return jnp.asarray(np.pad(a, width))
+
+
+@nnx.jit
+def main_hidden(model, doc):
+    """The main model's last hidden state after its final norm."""
+    return model.norm(scan_layers(model.blocks, model.message(doc)).x)
+
+
+@nnx.jit
+def depth(one, e, h):
+    """One MTP depth by hand: ``[enorm(e); hnorm(h)] @ eh_proj``, its block, the head norm."""
+    x = jnp.concatenate([one.enorm(e), one.hnorm(h)], -1) @ one.eh_proj[...]
+    tally = jnp.zeros((1, x.shape[0], 2 * one.block.config.num_experts + 2))
+    x = one.block(Message(x[None], tally=tally)).x[0]
+    return x, one.head_norm(x)
+
+
 def reference_loss(model, batch: dict) -> float:
     """Each document alone, unpacked, through the main model and the MTP depths by hand:
     depth ``k`` reads the document's tokens ``k`` ahead and predicts ``k + 1`` ahead, only
@@ -90,8 +116,7 @@ def reference_loss(model, batch: dict) -> float:
             doc, kp, n = tokens[row, idx], keep[row, idx], len(idx)
             if n < 2:
                 continue
-            x = scan_layers(model.blocks, model.message(jnp.asarray(doc[None, :-1]))).x
-            h = model.norm(x)[0]  # [n - 1, d]
+            h = main_hidden(model, pad(doc[None, :-1]))[0, :n - 1]  # [n - 1, d]
             main += ce_sum(np.asarray(h) @ head, doc[1:], kp[1:])
             count += kp[1:].sum()
             for k in range(1, c.num_nextn_predict_layers + 1):
@@ -101,12 +126,8 @@ def reference_loss(model, batch: dict) -> float:
                 graphdef, state = nnx.split(model.mtp)
                 one = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], state))
                 e = np.asarray(model.embed[...])[doc[k:k + m]]
-                x = np.concatenate([one.enorm(e), one.hnorm(h[:m])], -1) @ one.eh_proj[...]
-                x = one.block(Message(jnp.asarray(x)[None], tally=jnp.zeros(
-                    (1, m, 2 * c.num_experts + 2)))).x[0]
-                h = x
-                depths[k - 1] += ce_sum(np.asarray(one.head_norm(h)) @ head, doc[k + 1:],
-                                        kp[k + 1:])
+                h, normed = (a[:m] for a in depth(one, pad(e), pad(h[:m])))
+                depths[k - 1] += ce_sum(np.asarray(normed) @ head, doc[k + 1:], kp[k + 1:])
     return (main + c.mtp_loss_weight * depths.mean()) / count
 
 
