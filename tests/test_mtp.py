@@ -180,7 +180,8 @@ def test_training_matches_one_device_with_mtp(mtp_dir):
     """Loss (main + MTP) and gradients, the MTP weights' and the shared embedding's and
     head's included, on expert=2 x data=2 x tensor=2 and data=2 x pipe=2 x tensor=2 (1F1B,
     the MTP stack in the head's path), equal one device's (float32, per leaf rel < 1e-5;
-    measured: worst leaf 1.0e-6 and 1.2e-6)."""
+    measured: worst leaf 1.0e-6 and 1.2e-6); a pipeline step moves the main router bias and
+    holds the MTP block's."""
     model = models.from_pretrained(mtp_dir, seq_len=12)
     batch = packed_batch(model.config.vocab_size)
     batch = {k: np.concatenate([v, v[::-1]]) for k, v in batch.items()}  # 4 rows
@@ -192,6 +193,14 @@ def test_training_matches_one_device_with_mtp(mtp_dir):
         trainer = fj.parallelize(model, optax.sgd(0.1), plan)
         assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch),
                               (ref_loss, ref_grads))
+    # a step: the main layers' router bias moves by the loads, the MTP block's is held
+    state, metrics = trainer.step(trainer.init(), batch)
+    assert float(metrics["mtp_loss"]) > 0.1
+    params = trainer.params(state)
+    assert np.any(np.asarray(params["blocks"]["moe"]["bias"][...])
+                  != np.asarray(model.blocks.moe.bias[...]))
+    np.testing.assert_array_equal(np.asarray(params["mtp"]["block"]["moe"]["bias"][...]),
+                                  np.asarray(model.mtp.block.moe.bias[...]))
 
 
 def test_context_refused_before_compiling(mtp_dir):

@@ -147,6 +147,8 @@ def line(step: int, r: dict) -> str:
     if "moe_aux_loss" in r:  # an MoE model's router: its balance and drops
         s += f"aux {r['moe_aux_loss']:.4f} | "
         s += f"dropped {r['moe_dropped']:.0f} | " if r.get("moe_dropped") else ""
+    if "mtp_loss" in r:  # DeepSeek-V3's multi-token prediction, before its weight
+        s += f"mtp {r['mtp_loss']:.4f} | "
     s += (f"{r['step_time_s'] * 1e3:7.1f} ms | {r[f'{unit}_per_s']:9.0f} {UNITS[unit]} | "
           f"{r['tflops_per_device']:.4f} TFLOP/s/dev")
     if "mfu" in r:

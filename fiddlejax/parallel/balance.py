@@ -54,18 +54,18 @@ def moves(loads: jax.Array) -> jax.Array:
 def steer(new, old, loads: jax.Array | None, rows: Callable = lambda a: a):
     """Parameters ``new`` (after the optimizer) with each :class:`RouterBias` set to its ``old``
     value moved by the step's ``loads`` (``[L, E]`` in layer order; ``rows`` maps them to the
-    bias' layout, e.g. a pipeline's stacked ``[pipe, virtual, layers, E]``); ``loads`` None:
-    the old value, unmoved."""
+    bias' layout, e.g. a pipeline's stacked ``[pipe, virtual, layers, E]``); ``loads`` None
+    or a bias of speed 0: the old value, unmoved."""
     def one(n, o):
         if not isinstance(n, RouterBias):
             return n
-        value = o[...]
-        if loads is not None:
+        value, speed = o[...], n.get_metadata().get("speed", 0.0)
+        if loads is not None and speed:  # speed 0 (an MTP block's): held, whatever its shape
             step = rows(moves(loads)).astype(value.dtype)
             if step.shape != value.shape:
                 raise ValueError(f"the reported {LOADS} map to {step.shape}, but the router "
                                  f"bias is {value.shape}: report one row per layer of the stack")
-            value = value + jnp.asarray(n.get_metadata().get("speed", 0.0), value.dtype) * step
+            value = value + jnp.asarray(speed, value.dtype) * step
         return n.replace(value)
 
     return jax.tree.map(one, new, old, is_leaf=_is_var)
