@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,22 @@ def stdlib_docs(n=60):
     for p in stdlib_files()[:40]:
         docs += [c for c in p.read_text(errors="replace").split("\n\n\n") if len(c) > 100]
     return docs[:n]
+
+
+def test_stdlib_files_are_sorted_and_skip_the_test_folders():
+    """The bundled corpus's files (a walk that never enters the skipped folders): sorted by
+    relative path, none under a test folder or site-packages, a fresh list each call."""
+    import sysconfig
+
+    from fiddlejax.data import builtin
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = builtin.stdlib_files()
+    rel = [p.relative_to(root).as_posix() for p in files]
+    assert rel == sorted(rel) and len(rel) > 300 and "json/decoder.py" in rel
+    assert not [r for r in rel if builtin._SKIP_DIRS & set(r.split("/"))]
+    files.clear()
+    assert len(builtin.stdlib_files()) == len(rel)
 
 
 @pytest.fixture(scope="module")
