@@ -235,10 +235,9 @@ REGISTRY: dict[str, ModelEntry] = {
     "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
 }
 # The other Hugging Face families: the same decoder, job and data (models/decoder.py).
-for _family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
-                "mixtral", "qwen3_moe"):
+for _family in (f for f in HF_FAMILIES if f != "llama"):  # model_names.FAMILIES: one list
     REGISTRY[_family] = ModelEntry(_family, _llama_build, _gpt_batches, _llama_flops,
-                                   MOE_MUON_AXES if _family in ("mixtral", "qwen3_moe")
+                                   MOE_MUON_AXES if _family in ("mixtral", "qwen3_moe", "gpt_oss")
                                    else LLAMA_MUON_AXES)
 
 
