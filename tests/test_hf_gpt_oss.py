@@ -93,6 +93,23 @@ def test_export_round_trip_is_bit_exact(tmp_path):
     assert again.config == model.config
 
 
+def test_generation_with_a_kv_cache_matches_transformers():
+    """Through the KV cache (sinks, output bias, windows of 4 past the window, the MoE): the
+    cache's logits are transformers', and greedy tokens equal re-running the sequence."""
+    from fiddlejax.models import generate
+
+    model = load()
+    ref = np.load(FIXTURE.with_suffix(".npz"))
+    logits, cache = generate._forward(model, ref["tokens"][:, :9],
+                                      generate.empty_cache(model, 2, 16), 0)
+    step, _ = generate._forward(model, ref["tokens"][:, 9:16], cache, 9)
+    full = np.concatenate([np.asarray(logits), np.asarray(step)], axis=1)
+    assert rel_err(full, ref["logits"]) < 1e-4
+    prompt = ref["tokens"][:, :5]
+    cached = models.generate_text(model, prompt, 6)
+    assert np.array_equal(cached, models.generate_text(model, prompt, 6, use_cache=False))
+
+
 def test_hub_config_reads_with_its_parameter_count():
     """gpt-oss-20b's config.json (less its MXFP4 quantization_config) reads: 20.9B."""
     hub = {"architectures": ["GptOssForCausalLM"], "attention_bias": True,

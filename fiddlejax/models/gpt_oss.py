@@ -7,7 +7,7 @@ Sliding-window and full layers alternate (``layer_types``: the shared decoder's 
 picks each layer's branch). :mod:`.gpt_oss_config` reads and writes ``config.json``.
 
 Not yet: MXFP4 experts at load (refused by name: dequantize first), context parallelism with
-sinks (refused), KV-cached generation with sinks.
+sinks (refused).
 """
 
 from __future__ import annotations
