@@ -110,8 +110,35 @@ def test_generation_with_a_kv_cache_matches_transformers():
     assert np.array_equal(cached, models.generate_text(model, prompt, 6, use_cache=False))
 
 
+def test_mxfp4_experts_dequantize_at_load(tmp_path):
+    """A checkpoint whose experts are MXFP4 (``*_blocks`` e2m1 codes, ``*_scales`` powers of
+    two, as the Hub's): dequantized as read, bit-equal to transformers' own dequantization,
+    logits and router logits equal transformers'; saved back dequantized (bf16, no
+    quantization_config), it reloads the same."""
+    path = FIXTURE.with_name("hf_gpt_oss_mxfp4")
+    ref = np.load(path.with_suffix(".npz"))
+    model = models.from_pretrained(path)
+    gate_up = ref["model_layers_0_mlp_experts_gate_up_proj"]  # [E, d, 2f], gate even
+    assert np.array_equal(np.asarray(model.blocks.moe.w_gate[...][0]), gate_up[..., ::2])
+    assert np.array_equal(np.asarray(model.blocks.moe.w_up[...][0]), gate_up[..., 1::2])
+    assert np.array_equal(np.asarray(model.blocks.moe.w_down[...][0]),
+                          ref["model_layers_0_mlp_experts_down_proj"])
+    run = nnx.jit(lambda m, t: m(t, output_router_logits=True))
+    logits, router = run(model, ref["tokens"])
+    assert rel_err(np.asarray(logits), ref["logits"]) < 1e-4  # measured 3.8e-7
+    assert rel_err(np.stack(router), ref["router_logits"]) < 1e-4  # measured 2.5e-7
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["torch_dtype"] == "bfloat16"
+    names = read_safetensors(tmp_path)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any(k.endswith(("_blocks", "_scales")) for k in names)
+    again = run(models.from_pretrained(tmp_path), ref["tokens"])[0]
+    assert np.array_equal(np.asarray(again), np.asarray(logits))  # MXFP4 values are bf16's
+
+
 def test_hub_config_reads_with_its_parameter_count():
-    """gpt-oss-20b's config.json (less its MXFP4 quantization_config) reads: 20.9B."""
+    """gpt-oss-20b's config.json (its MXFP4 quantization_config included) reads: 20.9B."""
     hub = {"architectures": ["GptOssForCausalLM"], "attention_bias": True,
            "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
            "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
@@ -125,7 +152,10 @@ def test_hub_config_reads_with_its_parameter_count():
                             "truncate": False},
            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
            "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
-           "vocab_size": 201088}
+           "vocab_size": 201088, "quantization_config": {
+               "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                          "model.embed_tokens", "lm_head"],
+               "quant_method": "mxfp4"}}
     cfg = GptOss.config_from_hf(hub)
     assert cfg.layer_types[:2] == ("sliding_attention", "full_attention")
     model = nnx.eval_shape(lambda: GptOss(cfg, rngs=nnx.Rngs(0)))
@@ -134,7 +164,7 @@ def test_hub_config_reads_with_its_parameter_count():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"quantization_config": {"quant_method": "mxfp4"}}, "dequantize them first"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "only MXFP4 experts"),
     ({"attention_bias": False}, "attention_bias=False"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"experts_per_token": 3}, "experts_per_token=3"),

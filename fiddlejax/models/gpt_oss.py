@@ -6,8 +6,8 @@ attention sinks (a learned logit per head joins the softmax: :func:`.common.atte
 Sliding-window and full layers alternate (``layer_types``: the shared decoder's layer index
 picks each layer's branch). :mod:`.gpt_oss_config` reads and writes ``config.json``.
 
-Not yet: MXFP4 experts at load (refused by name: dequantize first), context parallelism with
-sinks (refused).
+MXFP4 experts (the Hub's checkpoints) dequantize at load (:class:`.gpt_oss_config.Mxfp4`).
+Not yet: context parallelism with sinks (refused).
 """
 
 from __future__ import annotations

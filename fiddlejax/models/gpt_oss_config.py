@@ -4,8 +4,8 @@
 :class:`GptOssConfig` is the shared :class:`~.decoder_config.DecoderConfig` (attention biases,
 alternating ``sliding_attention`` / ``full_attention`` layers, YaRN) plus the clamped SwiGLU's
 ``swiglu_alpha`` and ``swiglu_limit``. Every ``config.json`` key is implemented, checked
-against the one value implemented, or metadata; any other is refused by name (MXFP4
-``quantization_config`` too: dequantize the experts first).
+against the one value implemented, or metadata; any other is refused by name. MXFP4 experts
+(``quantization_config`` ``mxfp4``: the Hub's checkpoints) dequantize as they are read.
 
 The checkpoint stores each layer's experts fused: ``gate_up_proj [E, d, 2f]`` with gate and up
 interleaved (gate the even columns) and ``gate_up_proj_bias [E, 2f]``; they read as strided
@@ -111,10 +111,15 @@ class GptOssConfig(DecoderConfig):
         return [("blocks", range(self.num_hidden_layers), layer_rows(self))]
 
     def hf_unfuse(self, tensors: dict) -> dict:
-        """The checkpoint's fused ``gate_up_proj`` (and bias) as strided gate and up views."""
+        """The checkpoint's fused ``gate_up_proj`` (and bias) as strided gate and up views;
+        MXFP4 experts (``*_blocks``, ``*_scales``) dequantized as read (:class:`Mxfp4`)."""
         out = dict(tensors)
         for i in range(self.num_hidden_layers):
             pre = f"model.layers.{i}.mlp.experts."
+            for w in ("gate_up_proj", "down_proj"):
+                if pre + w + "_blocks" in out:
+                    out[pre + w] = Mxfp4(out.pop(pre + w + "_blocks"),
+                                         out.pop(pre + w + "_scales"))
             for fused in ("gate_up_proj", "gate_up_proj_bias"):
                 if pre + fused in out:
                     w, tail = out.pop(pre + fused), fused[len("gate_up_proj"):]
@@ -159,6 +164,36 @@ def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return np.stack([gate, up], -1).reshape(*np.shape(gate)[:-1], -1)
 
 
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0,
+                       -3.0, -4.0, -6.0], np.float32)  # e2m1, by 4-bit code
+
+
+class Mxfp4:
+    """An MXFP4 expert tensor read dequantized, as transformers' ``convert_moe_packed_tensors``:
+    ``blocks [E, out, G, 16]`` uint8 (two e2m1 codes a byte, the low nibble first) and
+    ``scales [E, out, G]`` (a power of two ``2 ** (s - 127)`` per 32 values) give the weight
+    ``[E, in = 32 G, out]`` (in, out: transformers' layout), each read only over the groups it
+    needs."""
+
+    def __init__(self, blocks, scales):
+        e, rows, groups, width = blocks.shape
+        if width != 16 or tuple(scales.shape) != (e, rows, groups):
+            raise ValueError(f"{hf_io.where(blocks)}: MXFP4 blocks {tuple(blocks.shape)} and "
+                             f"scales {tuple(scales.shape)} do not pair ([E, out, G, 16] and "
+                             "[E, out, G])")
+        self.blocks, self.scales, self.shape = blocks, scales, (e, groups * 32, rows)
+
+    def read(self, index: hf_io.Index) -> np.ndarray:
+        ex, cols, rows = index
+        g0, g1 = cols.start // 32, -(-cols.stop // 32)
+        blk = self.blocks.read((ex, rows, slice(g0, g1), slice(0, 16)))
+        exp = self.scales.read((ex, rows, slice(g0, g1))).astype(np.int32) - 127
+        vals = np.stack([FP4_VALUES[blk & 0x0F], FP4_VALUES[blk >> 4]], -1)
+        vals = np.ldexp(vals.reshape(*blk.shape[:-1], 32), exp[..., None])
+        vals = vals.reshape(*vals.shape[:-2], -1)[..., cols.start - 32 * g0:cols.stop - 32 * g0]
+        return np.swapaxes(vals, -1, -2).astype(np.float32)
+
+
 class Strided(hf_io.Part):
     """Every other column of ``base``'s last axis from ``offset``: gate (0) or up (1) of
     transformers' interleaved ``gate_up_proj``."""
@@ -180,12 +215,14 @@ def read(hf: dict, seq_len: int | None = None) -> dict:
                          f"model_type={MODEL_TYPE!r} checkpoints")
     known = set(FIELDS) | set(FIXED) | METADATA
     unknown = sorted(k for k in hf if k not in known and not k.endswith("_token_id"))
+    quant = hf.get("quantization_config")
+    if quant is not None and not (isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"):
+        raise families.refuse("quantization_config", quant, MODEL_TYPE,
+                              " (only MXFP4 experts, dequantized at load)")
+    unknown = [k for k in unknown if k != "quantization_config"]
     if unknown:
-        fix = (" (MXFP4 experts: dequantize them first, e.g. transformers' "
-               "Mxfp4Config(dequantize=True), and save in bf16)"
-               if "quantization_config" in unknown else "")
         raise ValueError(f"config.json sets {unknown}, which fiddlejax's {MODEL_TYPE} does not "
-                         f"implement{fix}; remove the keys if they are metadata")
+                         "implement; remove the keys if they are metadata")
     for key, ok in FIXED.items():
         if hf.get(key) is not None and hf[key] != ok:
             raise families.refuse(key, hf[key], MODEL_TYPE, f"; it supports only {key}={ok!r}")
@@ -209,7 +246,8 @@ def read(hf: dict, seq_len: int | None = None) -> dict:
                checkpoint_dtype=families._dtype(hf),
                token_ids=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                       for k, v in hf.items() if k.endswith("_token_id"))),
-               source_config=json.dumps(hf, sort_keys=True))
+               source_config=json.dumps({k: v for k, v in hf.items()  # written dequantized
+                                         if k != "quantization_config"}, sort_keys=True))
     return out
 
 
