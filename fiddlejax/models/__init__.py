@@ -137,16 +137,13 @@ def _gpt_flops(model, batch_size: int) -> float:
 def _llama_build(mcfg: dict, seed: int):
     from flax import nnx
 
-    from .decoder import FAMILIES
     from .llama import Llama, LlamaConfig
 
-    cls = FAMILIES.get(mcfg["name"], Llama)  # model.name: the family (auto resolved to it)
+    cls = family_class(mcfg["name"]) or Llama  # model.name: the family (auto resolved to it)
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
         return cls.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"],
                                    abstract=True)  # the caller loads: shards, or restores
     if mcfg["name"] != "llama":  # another family from scratch: its config.json defaults
-        from .families import read
-
         hf = {"model_type": mcfg["name"], "vocab_size": vocab(mcfg),
               "hidden_size": mcfg["d_model"], "intermediate_size": mcfg["d_ff"],
               "num_hidden_layers": mcfg["n_layers"], "num_attention_heads": mcfg["n_heads"],
@@ -156,7 +153,9 @@ def _llama_build(mcfg: dict, seed: int):
               "max_position_embeddings": mcfg["seq_len"]}
         if mcfg["name"] == "qwen3_moe":  # Mixtral's 8 experts, top 2, model.d_ff wide
             hf.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=mcfg["d_ff"])
-        return cls(cls.config_class(**read(hf, mcfg["seq_len"])), rngs=nnx.Rngs(seed))
+        if mcfg["name"] == "gpt_oss":  # 8 experts, top 2 (transformers': 128, top 4)
+            hf.update(num_local_experts=8, num_experts_per_tok=2)
+        return cls(cls.config_from_hf(hf, mcfg["seq_len"]), rngs=nnx.Rngs(seed))
     return Llama(LlamaConfig(
         vocab_size=vocab(mcfg), hidden_size=mcfg["d_model"],
         intermediate_size=mcfg["d_ff"], num_hidden_layers=mcfg["n_layers"],
@@ -236,10 +235,9 @@ REGISTRY: dict[str, ModelEntry] = {
     "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
 }
 # The other Hugging Face families: the same decoder, job and data (models/decoder.py).
-for _family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
-                "mixtral", "qwen3_moe"):
+for _family in (f for f in HF_FAMILIES if f != "llama"):  # model_names.FAMILIES: one list
     REGISTRY[_family] = ModelEntry(_family, _llama_build, _gpt_batches, _llama_flops,
-                                   MOE_MUON_AXES if _family in ("mixtral", "qwen3_moe")
+                                   MOE_MUON_AXES if _family in ("mixtral", "qwen3_moe", "gpt_oss")
                                    else LLAMA_MUON_AXES)
 
 
@@ -278,7 +276,8 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
                     shardings=None, overrides: dict | None = None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s
     ``model_type``: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, mixtral,
-    qwen3_moe, deepseek_v3): a :class:`~.llama.Llama` or another :class:`~.decoder.Decoder`.
+    qwen3_moe, deepseek_v3, gpt_oss): a :class:`~.llama.Llama` or another
+    :class:`~.decoder.Decoder`.
     Weights load as float32 masters (or ``dtype``); ``seq_len``: the default batch length
     (any length up to ``max_position_embeddings`` is accepted). ``path`` may be a hub id in
     the local cache (``meta-llama/Llama-3.1-8B``; nothing downloads). Tensors are read by the
@@ -288,21 +287,29 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
     back."""
     from fiddlejax.models import hub
 
-    from .decoder import FAMILIES
     from .families import SUPPORTED
     from .hf import read_config
-    from .llama import Llama
 
     path = hub.local_dir(path)
     family = read_config(path).get("model_type", "llama")
-    from .deepseek import DeepseekV3
-
-    classes = {"llama": Llama, **FAMILIES, DeepseekV3.model_type: DeepseekV3}
-    if family not in classes:
+    cls = family_class(family)
+    if cls is None:
         raise ValueError(f"{path}/config.json has model_type={family!r}, which fiddlejax does "
-                         f"not implement; supported: {', '.join((*SUPPORTED, 'deepseek_v3'))}")
-    return classes[family].from_pretrained(path, seq_len=seq_len, dtype=dtype, abstract=abstract,
-                                           shardings=shardings, overrides=overrides)
+                         f"not implement; supported: "
+                         f"{', '.join((*SUPPORTED, 'deepseek_v3', 'gpt_oss'))}")
+    return cls.from_pretrained(path, seq_len=seq_len, dtype=dtype, abstract=abstract,
+                               shardings=shardings, overrides=overrides)
+
+
+def family_class(family: str):
+    """The model class of a Hugging Face ``model_type`` (None: not implemented)."""
+    from .decoder import FAMILIES
+    from .deepseek import DeepseekV3
+    from .gpt_oss import GptOss
+    from .llama import Llama
+
+    return {"llama": Llama, **FAMILIES, DeepseekV3.model_type: DeepseekV3,
+            GptOss.model_type: GptOss}.get(family)
 
 
 def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None,

@@ -210,7 +210,8 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
               segment_ids: jax.Array | None = None, as_bias: bool | None = None,
               window: int | None = None, softcap: float | None = None,
-              scale: float | None = None, ops: Ops | None = None) -> jax.Array:
+              scale: float | None = None, ops: Ops | None = None,
+              sinks: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T * scale) v for ``q[B, T, H, Dh]``, ``k, v[B, S, KV, Dh]``; tagged CONTEXT.
 
     One ``jax.nn.dot_product_attention`` call, so the backend picks the kernel: cuDNN's fused
@@ -222,20 +223,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     ``window``: a query sees itself and the ``window - 1`` keys before it (Hugging Face's
     ``sliding_window``; a local window of the fused call). ``scale`` defaults to ``Dh ** -0.5``.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2), which no fused
-    kernel offers: :func:`capped_attention` computes it with XLA.
+    kernel offers: :func:`capped_attention` computes it with XLA, as it does ``sinks[H]``
+    (GPT-OSS: a learned logit per head joins each query's softmax and takes its share).
     ``ops``: what the layout offers (a block passes on its own ``ops``; a user's block that
     takes none is reached through :mod:`fiddlejax.intercept`); with ``ops.context`` set the
     sequence is split over ``context`` and the shards' attention is joined.
     """
     ops = ops if ops is not None else intercept.current().ops
     if ops is not None and ops.context is not None:  # a sequence split over `context`
+        if sinks is not None:
+            raise NotImplementedError("attention sinks (GPT-OSS) under context parallelism "
+                                      "are not implemented; train with context=1")
         return checkpoint_name(ops.context.attention(q, k, v, causal=causal,
                                                      segment_ids=segment_ids, window=window,
                                                      softcap=softcap, scale=scale),
                                names.CONTEXT)
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         ctx = capped_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window,
-                               softcap=softcap, scale=scale)
+                               softcap=softcap, scale=scale, sinks=sinks)
         return checkpoint_name(ctx, names.CONTEXT)
     impl = None
     if q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
@@ -262,16 +267,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
 
 
 def capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
-                     segment_ids: jax.Array | None, window: int | None, softcap: float,
-                     scale: float | None) -> jax.Array:
+                     segment_ids: jax.Array | None, window: int | None,
+                     softcap: float | None, scale: float | None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it: scores in
-    float32, capped, masked, softmax, then the weighted values in the inputs' dtype."""
+    float32, capped, masked, softmax, then the weighted values in the inputs' dtype. With
+    ``sinks[H]`` each head's sink logit joins the softmax as one more column, then is dropped
+    (transformers' eager GPT-OSS)."""
     b, t, h, dh = q.shape
     s, kv = k.shape[1], k.shape[2]
     scale = dh ** -0.5 if scale is None else scale
     qg = q.reshape(b, t, kv, h // kv, dh)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = softcap * jnp.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     qi, ki = jnp.arange(t)[:, None] + (s - t), jnp.arange(s)[None, :]
     ok = jnp.ones((t, s), bool)
     if causal:
@@ -281,7 +290,11 @@ def capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     ok = ok[None, None, None]
     if segment_ids is not None:
         ok = ok & segment_mask(segment_ids)[:, :, None]
-    probs = jax.nn.softmax(jnp.where(ok, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    scores = jnp.where(ok, scores, -jnp.inf)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1)
+        scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
+    probs = jax.nn.softmax(scores, axis=-1)[..., :s].astype(v.dtype)
     ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
     return ctx.reshape(b, t, h, dh)
 

@@ -17,23 +17,30 @@ from flax import nnx
 from .decoder import DecoderBlock
 
 
-def _cached_context(q, k_cache, v_cache, start, window=None, softcap=None, scale=None):
+def _cached_context(q, k_cache, v_cache, start, window=None, softcap=None, scale=None,
+                    sinks=None):
     """Attention of queries ``q[B, T]`` at ``start`` over the cache (keys up to their own
-    position, within ``window``; scores soft-capped as the model does)."""
+    position, within ``window``; scores soft-capped, and ``sinks[H]`` in the softmax, as the
+    model does)."""
     b, t, h, dh = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     qpos, kpos = (start + jnp.arange(t))[:, None], jnp.arange(s)[None, :]
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
-    if softcap is None:
+    if softcap is None and sinks is None:
         return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None],
                                             scale=scale)
     qg = q.reshape(b, t, kv, h // kv, dh)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k_cache) * (dh ** -0.5 if scale is None
                                                              else scale)
-    scores = softcap * jnp.tanh(scores / softcap)
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v_cache.dtype)
+    scores = scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    if sinks is not None:  # GPT-OSS: one more column per head, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv, h // kv, 1, 1),
+                                (*scores.shape[:-1], 1))
+        scores = jnp.concatenate([scores, sink], -1)
+    probs = jax.nn.softmax(scores, axis=-1)[..., :s].astype(v_cache.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache).reshape(b, t, h, dh)
 
 
@@ -48,9 +55,11 @@ def _decoder_step(block, x, k_cache, v_cache, start, positions, layer):
     def attend(h, kc, vc, kind):
         q, k, v = block.qkv(h, positions, kind)
         kc, vc = _update(kc, k, start), _update(vc, v, start)
+        sinks = getattr(block, "sinks", None)  # GPT-OSS's, and its output bias
         ctx = _cached_context(q, kc, vc, start, c.window(kind), c.attn_logit_softcapping,
-                              c.attention_scale)
-        return jnp.einsum("bthk,hkd->btd", ctx, block.wo[...]), kc, vc
+                              c.attention_scale, None if sinks is None else sinks[...])
+        out = jnp.einsum("bthk,hkd->btd", ctx, block.wo[...])
+        return (out + block.bo[...] if hasattr(block, "bo") else out), kc, vc
 
     branches = [lambda h, kc, vc, kind=kind: attend(h, kc, vc, kind) for kind in c.kinds]
     table = jnp.asarray([c.kinds.index(t) for t in c.layer_types], jnp.int32)

@@ -5,12 +5,12 @@ Reading: :func:`read_config`, then :func:`load_params` maps the tensors (their h
 devices hold. Writing: :func:`hf_plan` names and shapes each tensor of the canonical
 parameters, and :func:`save_params` writes ``config.json`` and the files tensor by tensor, as
 transformers lays them out (:func:`hf_tensors`, :func:`read_safetensors`: whole dictionaries,
-for tests and small models). The layout
-matches transformers' exactly, so each tensor converts by a transpose and a reshape (Phi-3's
-fused projections by a split), never a permutation. A mixture of experts (Mixtral, Qwen3-MoE)
-stores each expert's matrices as tensors of their own, as the Hub's checkpoints and
-transformers' ``save_pretrained`` do; transformers' fused in-memory layout (``gate_up_proj``
-``[E, 2f, d]``) reads too.
+for tests and small models). The layout matches transformers' exactly, so each tensor
+converts by a transpose and a reshape (Phi-3's fused projections by a split; GPT-OSS's
+interleaved experts by its config's ``hf_unfuse``/``hf_fuse``), never a permutation. A mixture
+of experts (Mixtral, Qwen3-MoE) stores each expert's matrices as tensors of their own, as the
+Hub's checkpoints and transformers' ``save_pretrained`` do; transformers' fused in-memory
+layout (``gate_up_proj`` ``[E, 2f, d]``) reads too.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ def hf_plan(config: Any, shapes: dict[tuple[str, ...], tuple[int, ...]]
                           ("lm_head",), True)]) + copies:
         s = shapes[key][::-1] if tr else shapes[key]
         plan.append((name, s, [(key, None)], (lambda xs: xs[0].T) if tr else (lambda xs: xs[0])))
-    return _fuse(plan) if getattr(config, "model_type", "") == "phi3" else plan
+    own = getattr(config, "hf_fuse", None)  # a family's own fused tensors (GPT-OSS)
+    return own(plan) if own else _fuse(plan) if config.model_type == "phi3" else plan
 
 
 def _fuse(plan: list) -> list:
@@ -265,8 +266,8 @@ def _rows(tensors: dict, config: Any, what: str) -> dict:
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if getattr(config, "model_type", "") == "phi3":
         tensors = _split_fused(tensors, config)
-    if getattr(config, "num_experts", 0):
-        tensors = _unfuse_experts(tensors, config)
+    if getattr(config, "num_experts", 0):  # per-expert tensors (GPT-OSS: its own hf_unfuse)
+        tensors = getattr(config, "hf_unfuse", lambda t: _unfuse_experts(t, config))(tensors)
     used: set[str] = set()
     arch = what if what != "Llama" else "LlamaForCausalLM"
 

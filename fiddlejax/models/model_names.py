@@ -13,7 +13,7 @@ from pathlib import Path
 
 # Hugging Face model_type values the shared decoder reads (fiddlejax.models.families.SUPPORTED).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
-            "mixtral", "qwen3_moe")
+            "mixtral", "qwen3_moe", "gpt_oss")
 DECODERS = ("gpt", *FAMILIES)  # the next-token models: own data, generate, export
 NAMES = ("auto", "gpt", "bert", "cnn", *FAMILIES)
 
