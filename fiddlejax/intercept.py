@@ -30,7 +30,6 @@ class Interception:
     scan_calls: list | None = None    # [calls so far] of the stacked blocks' stand-in
     dropout: Any = None               # per-example dropout keys (adaptation.dropout.keys)
     ops: Any = None                   # the layout's Ops for blocks that do not take them
-    vocab: Any = None                 # zero=3's vocabulary slices (compute.vocab.VocabShards)
 
 
 _NOTHING = Interception()

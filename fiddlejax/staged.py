@@ -76,7 +76,11 @@ class Staged(Protocol):
     ``MoE``; one that does not still reaches them when it calls those functions."""
 
     def prologue(self, batch: dict) -> Any:
-        """What runs before the stack (embeddings): the message entering layer 0."""
+        """What runs before the stack (embeddings): the message entering layer 0. Like a
+        layer, the prologue, ``head`` and ``loss`` may declare an ``ops`` keyword: they then
+        get ``ops.vocab`` under zero=3 (the embedding and head split by vocabulary, for
+        ``fiddlejax.models.common.embedding``, ``vocab_rows`` and ``cross_entropy``; a model
+        opts in with ``vocab_services = True``)."""
         ...
 
     def head(self, x: Any) -> Any:
@@ -111,9 +115,10 @@ class StagedModel:
     def _bind(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest, copy=True)
 
-    def prologue(self, params: nnx.State, batch: dict) -> Any:
-        """Activations entering layer 0 (``params[stack]`` is not read)."""
-        return self._bind(params).prologue(batch)
+    def prologue(self, params: nnx.State, batch: dict, ops: Any = None) -> Any:
+        """Activations entering layer 0 (``params[stack]`` is not read); ``ops``: what the
+        layout offers the model's own prologue (given only when not None)."""
+        return _offering(self._bind(params).prologue, ops, batch)
 
     def layer(self, layer_params: nnx.State, x: Any, ops: Any = None) -> Any:
         """One layer of the stack, given that layer's (unstacked) parameters; ``ops``: what the
@@ -128,13 +133,16 @@ class StagedModel:
         with intercept.setting(ops=ops):
             return block(x)
 
-    def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
+    def weighted_loss(self, params: nnx.State, x: Any, batch: dict,
+                      ops: Any = None) -> tuple[jax.Array, Sums]:
         """Head and loss on the activations leaving the last layer, as float32
-        ``(sum, Sums)``: the loss is ``sum / Sums.weight`` (a mean loss has weight 1)."""
+        ``(sum, Sums)``: the loss is ``sum / Sums.weight`` (a mean loss has weight 1);
+        ``ops``: what the layout offers the model's own head and loss (not a user's loss)."""
         model = self._bind(params)
-        outputs = unpad_outputs(model.head(x), self.vocab_pads)
+        outputs = unpad_outputs(_offering(model.head, ops, x), self.vocab_pads)
         outputs, batch = self.lay_out_loss(outputs, batch, self.loss_fn or type(model).loss)
-        value = (self.loss_fn or model.loss)(outputs, batch)
+        value = (self.loss_fn(outputs, batch) if self.loss_fn is not None
+                 else _offering(model.loss, ops, outputs, batch))
         return as_sums(value, self.loss_fn or type(model).loss)
 
     def lay_out_loss(self, outputs: Any, batch: dict, fn: Loss) -> tuple[Any, dict]:
@@ -144,9 +152,9 @@ class StagedModel:
             return outputs, batch
         return self.loss_layout(outputs, batch)
 
-    def epilogue(self, params: nnx.State, x: Any, batch: dict) -> jax.Array:
+    def epilogue(self, params: nnx.State, x: Any, batch: dict, ops: Any = None) -> jax.Array:
         """Head and loss on the activations leaving the last layer (the scalar loss)."""
-        total, sums = self.weighted_loss(params, x, batch)
+        total, sums = self.weighted_loss(params, x, batch, ops)
         return total / sums.weight
 
     # The canonical tree (the model's own ``nnx.state(model, nnx.Param)``) and the staged tree
@@ -162,12 +170,25 @@ class StagedModel:
 
 
 @functools.cache
-def _takes_ops(cls: type) -> bool:
-    """Whether a block class's ``__call__`` declares the ``ops`` keyword."""
+def _takes_ops(cls: type, method: str = "__call__") -> bool:
+    """Whether a class's ``method`` (a block's ``__call__``) declares the ``ops`` keyword."""
     try:
-        return "ops" in inspect.signature(cls.__call__).parameters
-    except (TypeError, ValueError):
+        return "ops" in inspect.signature(getattr(cls, method)).parameters
+    except (TypeError, ValueError, AttributeError):
         return False
+
+
+def _offering(method: Callable, ops: Any, *args: Any) -> Any:
+    """``method(*args)``, given ``ops=ops`` when there are ops (the model's method must then
+    declare the keyword: a service it ignored would compute with the wrong slices)."""
+    if ops is None:
+        return method(*args)
+    owner, name = type(method.__self__), method.__name__
+    if not _takes_ops(owner, name):
+        raise TypeError(f"{owner.__name__}.{name} takes no `ops` keyword, yet the layout "
+                        f"offers it {ops}; declare `{name}(..., ops=None)` and pass ops.vocab "
+                        "on (fiddlejax.models.common), or set vocab_services = False")
+    return method(*args, ops=ops)
 
 
 def vocab_parallel(loss_fn: Loss) -> Loss:

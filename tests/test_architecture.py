@@ -182,3 +182,22 @@ def test_each_parallel_concern_is_one_typed_step_the_fold_holds_to_its_word():
     with pytest.raises(TypeError, match=r"Sneaky wrote \['specs'\] but declares"):
         concern.fold((Sneaky(),), draft)
     assert concern.fold((), draft) is draft
+
+
+def test_the_interception_serves_only_users_unmodified_models():
+    """The one interception carries what an unmodified user model cannot take as an argument
+    (stand-ins, the unrolled scan, dropout keys, ops for blocks without the keyword), nothing
+    for the bundled models: their prologue, head and loss take zero=3's vocabulary slices as
+    ``ops`` (``ops.vocab``), as their blocks take the layout's other services."""
+    import dataclasses
+    import inspect
+
+    from fiddlejax import intercept
+    from fiddlejax.models.decoder import Decoder
+    from fiddlejax.parallel.ops import Ops
+
+    fields = {f.name for f in dataclasses.fields(intercept.Interception)}
+    assert fields == {"standins", "unroll_scan", "scan_calls", "dropout", "ops"}, fields
+    assert "vocab" in {f.name for f in dataclasses.fields(Ops)}
+    for method in ("prologue", "head", "loss"):
+        assert "ops" in inspect.signature(getattr(Decoder, method)).parameters, method

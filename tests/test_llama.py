@@ -205,10 +205,11 @@ def test_export_refuses_a_run_without_a_hugging_face_twin(tmp_path):
         export(tmp_path / "missing", tmp_path / "out")
 
 
-def test_cli_fine_tunes_from_a_directory_and_exports(tmp_path):
-    """`fiddlejax train model.name=llama model.from_pretrained=DIR` on the default (2, 2, 2)
-    interleaved 1F1B layout: the dims come from DIR's config.json (not the YAML's); then
-    `fiddlejax export` writes the trained checkpoint as a Hugging Face directory."""
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory) -> tuple[Path, Path]:
+    """``(src, run_dir)``: a Hugging Face directory and a two-step `fiddlejax train` run of it
+    on the default (2, 2, 2) interleaved 1F1B layout, its checkpoint in ``run_dir/ckpt``."""
+    tmp_path = tmp_path_factory.mktemp("fine_tuned")
     src = tmp_path / "src"
     cfg = LlamaConfig(vocab_size=256, hidden_size=24, intermediate_size=40, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -222,6 +223,14 @@ def test_cli_fine_tunes_from_a_directory_and_exports(tmp_path):
          f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}"],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    return src, run_dir
+
+
+def test_cli_fine_tunes_from_a_directory_and_exports(fine_tuned, tmp_path):
+    """`fiddlejax train model.name=llama model.from_pretrained=DIR` on the default (2, 2, 2)
+    interleaved 1F1B layout: the dims come from DIR's config.json (not the YAML's); then
+    `fiddlejax export` writes the trained checkpoint as a Hugging Face directory."""
+    src, run_dir = fine_tuned
     out = tmp_path / "hf"
     r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "export", str(run_dir), str(out),
                         "--max-shard-size", "50KB"], capture_output=True, text=True, timeout=600)
@@ -234,3 +243,28 @@ def test_cli_fine_tunes_from_a_directory_and_exports(tmp_path):
     assert (out / "tokenizer.json").is_file()  # the job's tokenizer: bytes, byte-level
     change = rel_err(leaves(tuned), leaves(before))
     assert 1e-4 < change < 0.5  # trained two steps from the source weights, not from scratch
+
+
+@pytest.mark.slow
+def test_export_from_two_processes_writes_the_same_files(fine_tuned, tmp_path):
+    """`fiddlejax export` under launch/local.py (2 processes x 2 devices, gloo) joins the job:
+    each process restores its shards, process 0 writes, and the files equal one process's
+    export byte for byte."""
+    from test_distributed import LAUNCH, clean_env
+
+    from fiddlejax.app.export import export
+
+    _, run_dir = fine_tuned
+    one, two = tmp_path / "one", tmp_path / "two"
+    export(run_dir, one, max_shard_size="50KB")
+    r = subprocess.run([sys.executable, str(LAUNCH), "--nproc", "2", "--devices-per-process",
+                        "2", "--", sys.executable, "-m", "fiddlejax.cli", "export", str(run_dir),
+                        str(two), "--max-shard-size", "50KB"],
+                       env=clean_env(PYTHONPATH=":".join(sys.path)), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] exported step 2" in r.stdout and "[1] exported" not in r.stdout, r.stdout
+    names = sorted(p.name for p in one.iterdir() if not p.name.startswith("."))  # the record
+    assert names == sorted(p.name for p in two.iterdir() if not p.name.startswith("."))
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name

@@ -62,3 +62,18 @@ def test_no_device_holds_the_embedding_or_head_whole():
     gathered = trainer(model, fsdp_gather="step")  # the control: gathered whole
     assert gathered.layout.zero.vocab is None
     assert temp(split) < whole < temp(gathered)
+
+
+def test_a_service_offered_to_a_method_without_ops_is_refused():
+    """A model that says ``vocab_services = True`` but whose prologue takes no ``ops`` would
+    compute with the wrong slices: refused, naming the method and the fix."""
+    from fiddlejax.parallel.ops import Ops
+    from fiddlejax.staged import _offering
+
+    class Model:
+        def prologue(self, batch):
+            return batch
+
+    assert _offering(Model().prologue, None, 1) == 1
+    with pytest.raises(TypeError, match=r"Model.prologue takes no `ops`"):
+        _offering(Model().prologue, Ops(), 1)

@@ -11,6 +11,12 @@ about one leaf and one tensor), beside the job's tokenizer files and
 ``generation_config.json`` (:mod:`fiddlejax.data.tokenizer_files`). Everything is written
 into a temporary directory first and swapped into place when complete; the target's other
 files are kept (:mod:`fiddlejax.app.export_dir`).
+
+Launched as several processes (``launch/local.py``, SLURM, Kubernetes: as ``fiddlejax train``),
+the export joins the job (:func:`fiddlejax.distributed.initialize`) and stores the parameters
+split over every process's devices (zero=3 over ``data``): each process restores only its
+shards of each leaf, every one takes part in gathering one tensor at a time, and process 0
+writes the directory.
 """
 
 from __future__ import annotations
@@ -50,18 +56,33 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                          "writes a PEFT adapter of a plan.lora run: export without it")
     ckpt = runs.checkpoint_dir(cfg, run_dir, checkpoint_dir)
     export_dir.check_target(out_dir, overwrite)  # before anything is read
+    from fiddlejax.distributed import detect
+
+    if detect().is_multiprocess and (adapter or cfg["plan"].get("lora") is not None
+                                     or cfg["model"]["name"] == "gpt"):
+        raise ValueError(f"{run_dir}: a GPT run, a plan.lora run and --adapter export from one "
+                         "process (their leaves are merged or written whole on the host); "
+                         "run `fiddlejax export` without the launcher")
 
     from fiddlejax.app import build
 
     build.setup_devices(cfg)
+    from fiddlejax import distributed
+
+    try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
+        distributed.initialize()
+    except RuntimeError as e:  # start-up problems name their fix: bad input, exit 2
+        raise ValueError(str(e)) from e
     import fiddlejax as fj
     from fiddlejax.checkpoint import params as checkpoint_params
 
     model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False,  # restored
                               lora=cfg["plan"].get("lora"))
-    import jax  # one device: the checkpoint restores onto any layout, leaf by leaf
+    import jax  # one device (a job: each process its shards); a checkpoint restores onto any
 
-    one = fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
+    one = (fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
+           if jax.process_count() == 1 else
+           fj.Plan(mesh=fj.make_mesh(data=jax.device_count(), pipe=1, tensor=1), zero=3))
     trainer = fj.parallelize(model, build.make_optimizer(cfg), one)
     mgr = fj.CheckpointManager(ckpt, trainer, read_only=True)  # a reader: never deletes
     from fiddlejax.data import tokenizer, tokenizer_files
@@ -76,6 +97,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                          "export the merged model (without --adapter)")
     def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
         step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
+        if jax.process_index() != 0:  # takes part in the gathers; process 0 writes
+            take_part(model, shapes, leaf, dtype)
+            return step
         if adapter:
             with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()),
                                    step=step) as tmp:
@@ -97,6 +121,16 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         return beside_writer.read(mgr, step, write)
     finally:
         mgr.close()
+
+
+def take_part(model, shapes: dict, leaf, dtype: str | None) -> None:
+    """What a process other than 0 does in a multi-process export: restore its shards of each
+    leaf and take part in gathering them, tensor by tensor in process 0's order, writing
+    nothing (a decoder's ``save_pretrained`` writes on process 0 only)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:  # stays empty
+        models.save_hf(model, scratch, dtype=dtype, leaves=(shapes, leaf))
 
 
 def write_adapter(directory: Path, shapes: dict, leaf, cfg: dict) -> None:
@@ -139,6 +173,14 @@ def export_command(argv: list[str]) -> int:
                         "(adapter_model.safetensors + adapter_config.json) for its base, "
                         "instead of the merged model")
     args = p.parse_args(argv)
+    from fiddlejax import distributed
+
+    code = _export_command(args)
+    distributed.goodbye(code)  # a multi-process job: the others learn this one ends on purpose
+    return code
+
+
+def _export_command(args: argparse.Namespace) -> int:
     try:
         step = export(args.run_dir, args.out_dir, step=args.step,
                       checkpoint_dir=args.checkpoint_dir, max_shard_size=args.max_shard_size,
@@ -149,6 +191,10 @@ def export_command(argv: list[str]) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"fiddlejax export: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    if jax.process_index() != 0:  # process 0 wrote (and reports) the directory
+        return 0
     files = export_dir.recorded(args.out_dir)
     print(f"exported step {step} of {args.run_dir} to {args.out_dir}: {', '.join(files)}")
     return 0

@@ -23,7 +23,6 @@ size, once after the last (:func:`scatter_whole`): 1/m of the traffic for a whol
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -36,7 +35,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax import intercept
 from fiddlejax.memory.storage import from_storage, to_storage
 
 # Parameters this small with no dimension divisible by ``data`` stay replicated under zero=3
@@ -354,33 +352,30 @@ class ParamView:
 class ViewedModel:
     """A staged model whose prologue and epilogue see the outer parameters through a view.
 
-    ``vocab``: the embedding and head stay split by vocabulary over ``data`` (the view does
-    not gather them) and the model's vocabulary functions compute with the slices
-    (:mod:`fiddlejax.compute.vocab`). Everything else (``stack``, ``num_layers``,
-    ``layer``...) is the wrapped model's.
+    ``ops``: what the layout offers the model's own prologue, head and loss, passed as their
+    ``ops`` argument (``ops.vocab``: the embedding and head stay split by vocabulary over
+    ``data``, the view does not gather them, and the model computes with the slices:
+    :mod:`fiddlejax.compute.vocab`); ``None``: nothing. Everything else (``stack``,
+    ``num_layers``, ``layer``...) is the wrapped model's.
     """
 
-    def __init__(self, inner, view: Callable, vocab: Any = None):
-        self._inner, self._view, self._vocab = inner, view, vocab
+    def __init__(self, inner, view: Callable, ops: Any = None):
+        self._inner, self._view, self._ops = inner, view, ops
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _traced(self):
-        return intercept.setting(vocab=self._vocab) if self._vocab is not None else (
-            contextlib.nullcontext())
+    def _offered(self) -> tuple:  # the inner model's extra argument (none without ops)
+        return () if self._ops is None else (self._ops,)
 
     def prologue(self, params, batch):
-        with self._traced():
-            return self._inner.prologue(self._view(params), batch)
+        return self._inner.prologue(self._view(params), batch, *self._offered())
 
     def weighted_loss(self, params, x, batch):
-        with self._traced():
-            return self._inner.weighted_loss(self._view(params), x, batch)
+        return self._inner.weighted_loss(self._view(params), x, batch, *self._offered())
 
     def epilogue(self, params, x, batch):
-        with self._traced():
-            return self._inner.epilogue(self._view(params), x, batch)
+        return self._inner.epilogue(self._view(params), x, batch, *self._offered())
 
 
 __all__ = ["ParamView", "ViewedModel", "add_data_axis", "fsdp_dims", "gather_whole",

@@ -10,11 +10,11 @@ a max and a reduce-scatter of the sums, as Megatron's vocabulary-parallel loss d
 ``tensor``. The gradient of each slice is the sum over every replica's rows, as the gathered
 weight's reduce-scatter would give.
 
-A model opts in by routing its lookup, head input and cross-entropy through
-``fiddlejax.models.common`` (``embedding``, ``vocab_rows``, ``cross_entropy``), which read the
-:class:`VocabShards` service :mod:`fiddlejax.intercept` carries while its prologue and
-epilogue are traced (:class:`fiddlejax.compute.ViewedModel`); the model class says so with
-``vocab_services = True``.
+A model opts in with ``vocab_services = True``: its ``prologue``, ``head`` and ``loss`` take
+an ``ops`` argument (:class:`fiddlejax.parallel.ops.Ops`, whose ``vocab`` is a
+:class:`VocabShards` under this split, passed by :class:`fiddlejax.compute.ViewedModel`) and
+hand it to ``fiddlejax.models.common``'s ``embedding``, ``vocab_rows`` and ``cross_entropy``.
+No trace-time channel is involved: the bundled models get it as an argument.
 """
 
 from __future__ import annotations

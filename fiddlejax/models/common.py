@@ -180,13 +180,13 @@ def batch_sides(batch: dict) -> tuple:
     return (None if seg is None else seg[:, :-1]), (None if pos is None else pos[:, :-1])
 
 
-def next_token_loss(logits: jax.Array, batch: dict, vocab_size: int):
+def next_token_loss(logits: jax.Array, batch: dict, vocab_size: int, ops: Ops | None = None):
     """Next-token cross-entropy against ``tokens[:, 1:]``: the mean for plain windows; for a
     packed or padded batch (``segment_ids``) the pair ``(sum, count)`` over the targets that
     continue their input's document (not the token after an EOS, not padding), and with a
     ``loss_mask`` (chat data: 1 on the assistant's tokens) over those it marks; fiddlejax
     reduces the pair exactly over microbatches and replicas (the global batch's masked mean)."""
-    ce = cross_entropy(logits, batch["tokens"][:, 1:], vocab_size)
+    ce = cross_entropy(logits, batch["tokens"][:, 1:], vocab_size, ops)
     mask = target_mask(batch)
     if mask is None:
         return ce.mean()
@@ -320,26 +320,27 @@ def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
     return jax.lax.scan(body, x, state)[0]
 
 
-def embedding(table: jax.Array, tokens: jax.Array) -> jax.Array:
+def embedding(table: jax.Array, tokens: jax.Array, ops: Ops | None = None) -> jax.Array:
     """``take(table, tokens, axis=0)``; with the table split by vocabulary over ``data``
-    (zero=3, :mod:`fiddlejax.compute.vocab`), from this device's slice."""
-    shards = intercept.current().vocab
+    (zero=3 offers ``ops.vocab``, :mod:`fiddlejax.compute.vocab`), from this device's slice."""
+    shards = None if ops is None else ops.vocab
     return jnp.take(table, tokens, axis=0) if shards is None else shards.lookup(table, tokens)
 
 
-def vocab_rows(x: jax.Array) -> jax.Array:
-    """The rows the head projects: ``x``; with the head split by vocabulary over ``data``,
-    every replica's rows (onto this device's slice)."""
-    shards = intercept.current().vocab
+def vocab_rows(x: jax.Array, ops: Ops | None = None) -> jax.Array:
+    """The rows the head projects: ``x``; with the head split by vocabulary over ``data``
+    (``ops.vocab``), every replica's rows (onto this device's slice)."""
+    shards = None if ops is None else ops.vocab
     return x if shards is None else shards.rows(x)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int,
+                  ops: Ops | None = None) -> jax.Array:
     """Per-position cross-entropy; logits past ``vocab_size`` (sharding padding) are ignored.
-    Logits of every replica's rows over a vocabulary slice (:func:`vocab_rows`) give this
-    replica's rows' cross-entropy."""
-    if (shards := intercept.current().vocab) is not None:
-        return shards.cross_entropy(logits, targets, vocab_size)
+    Logits of every replica's rows over a vocabulary slice (:func:`vocab_rows`, the same
+    ``ops``) give this replica's rows' cross-entropy."""
+    if ops is not None and ops.vocab is not None:
+        return ops.vocab.cross_entropy(logits, targets, vocab_size)
     logits = logits.astype(jnp.float32)
     if logits.shape[-1] > vocab_size:
         valid = jnp.arange(logits.shape[-1]) < vocab_size

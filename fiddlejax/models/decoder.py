@@ -207,7 +207,7 @@ class Decoder(nnx.Module):
     """A decoder-only language model of any family :mod:`.families` reads."""
 
     stack = "blocks"  # the attribute holding the stacked layers
-    vocab_services = True  # through common.embedding/vocab_rows/cross_entropy: compute.vocab
+    vocab_services = True  # prologue/head/loss take ops (ops.vocab: compute.vocab's slices)
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = self.config = config
@@ -219,30 +219,30 @@ class Decoder(nnx.Module):
             self.lm_head = param(rngs, normal(0.02), (c.hidden_size, c.vocab_size),
                                  ("embed", "vocab"))
 
-    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens: jax.Array, ops: Ops | None = None) -> jax.Array:
         """Token embeddings (times sqrt(hidden) for Gemma)."""
-        x, c = embedding(self.embed[...], tokens), self.config
+        x, c = embedding(self.embed[...], tokens, ops), self.config
         return x * jnp.asarray(c.hidden_size ** 0.5, x.dtype) if c.scale_embeddings else x
 
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None) -> Message:
+                positions: jax.Array | None = None, ops: Ops | None = None) -> Message:
         """The message entering layer 0: the embeddings, the segment ids and positions of
         packed documents, layer 0's index (several layer types) and (MoE) an empty tally."""
         segment_ids, positions = side_inputs(tokens, segment_ids, positions)
         c = self.config
         return Message(
-            self.embed_tokens(tokens), segment_ids, positions,
+            self.embed_tokens(tokens, ops), segment_ids, positions,
             layer=jnp.zeros((), jnp.int32) if len(c.kinds) > 1 else None,
             tally=moe_loss.empty(tokens.shape, c.num_experts) if c.num_experts else None)
 
-    def prologue(self, batch: dict) -> Message:
-        return self.message(batch["tokens"][:, :-1], *batch_sides(batch))
+    def prologue(self, batch: dict, ops: Ops | None = None) -> Message:
+        return self.message(batch["tokens"][:, :-1], *batch_sides(batch), ops=ops)
 
-    def head(self, msg: Message | jax.Array):
-        """Final norm and vocabulary projection: the logits, or ``(logits, tally)`` when the
-        message carries an MoE model's router tally (the loss reads it)."""
+    def head(self, msg: Message | jax.Array, ops: Ops | None = None):
+        """Final norm and vocabulary projection (``ops.vocab``: onto this device's slice): the
+        logits, or ``(logits, tally)`` with an MoE model's router tally (the loss reads it)."""
         c, tally = self.config, getattr(msg, "tally", None)
-        x = vocab_rows(self.norm(activation(msg)))
+        x = vocab_rows(self.norm(activation(msg)), ops)
         tied = c.tie_word_embeddings  # the head is the embedding's transpose
         logits = jnp.einsum("btd,vd->btv", x, self.embed[...]) if tied else x @ self.lm_head[...]
         cap = c.final_logit_softcapping
@@ -250,15 +250,15 @@ class Decoder(nnx.Module):
         return logits if tally is None else (logits, tally)
 
     @vocab_parallel  # its one-hot cross-entropy takes the head's vocabulary-split logits
-    def loss(self, outputs, batch: dict):
+    def loss(self, outputs, batch: dict, ops: Ops | None = None):
         """Next-token cross-entropy; an MoE model's ``(logits, tally)`` adds the router losses
         of each sequence (a row; its padding left out), weighted as the row's targets, and
         reports them (``moe_aux_loss``, ``moe_dropped``: the step's metrics)."""
         if not isinstance(outputs, tuple):
-            return next_token_loss(outputs, batch, self.config.vocab_size)
+            return next_token_loss(outputs, batch, self.config.vocab_size, ops)
         logits, tally = outputs
         c, seg = self.config, batch.get("segment_ids")
-        value = next_token_loss(logits, batch, c.vocab_size)
+        value = next_token_loss(logits, batch, c.vocab_size, ops)
         mask = weights = None
         if seg is not None:
             mask = seg[:, :-1] > 0

@@ -116,10 +116,10 @@ class DeepseekV3(Decoder):
                                  ("embed", "vocab"))
 
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None) -> Message:
+                positions: jax.Array | None = None, ops: Ops | None = None) -> Message:
         """The message entering the first MoE layer: the dense layers run here."""
         c = self.config
-        msg = super().message(tokens, segment_ids, positions)
+        msg = super().message(tokens, segment_ids, positions, ops)
         msg = scan_layers(self.dense, msg) if c.first_k_dense_replace else msg
         if not c.bias_update_speed:
             return msg
@@ -127,11 +127,11 @@ class DeepseekV3(Decoder):
         return msg._replace(layer=jnp.zeros((), jnp.int32),
                             loads=jnp.zeros((moe_layers, c.num_experts), jnp.int32))
 
-    def head(self, msg: Message | jax.Array):
+    def head(self, msg: Message | jax.Array, ops: Ops | None = None):
         """As :meth:`.decoder.Decoder.head`, then the message's ``loads`` when it has them
         (the loss reports them), then with MTP an :class:`MTPInput`: the normed last hidden
         state the MTP modules start from."""
-        out = super().head(msg)
+        out = super().head(msg, ops)
         loads = getattr(msg, "loads", None)
         out = out if loads is None else (*out, loads)
         if not self.config.num_nextn_predict_layers:
@@ -139,22 +139,22 @@ class DeepseekV3(Decoder):
         return (*out, MTPInput(self.norm(activation(msg))))
 
     @vocab_parallel
-    def loss(self, outputs, batch: dict):
+    def loss(self, outputs, batch: dict, ops: Ops | None = None):
         """As :meth:`.decoder.Decoder.loss`; ``loads`` are reported as the sum
         :data:`fiddlejax.parallel.balance.LOADS`, which the step turns into the router bias'
         move; with MTP, its weighted loss added (:mod:`.mtp`) and reported (``mtp_loss``)."""
         if not isinstance(outputs, tuple):
-            return super().loss(outputs, batch)
+            return super().loss(outputs, batch, ops)
         extra = None
         if isinstance(outputs[-1], MTPInput):
             outputs, extra = outputs[:-1], outputs[-1].hidden
-        reported = super().loss(outputs[:2], batch)
+        reported = super().loss(outputs[:2], batch, ops)
         if len(outputs) == 3:
             reported = reported._replace(sums={**reported.sums, balance.LOADS: outputs[2]})
         if extra is None:
             return reported
         c = self.config
-        value, metric = mtp.add_to_loss(reported.value, mtp.depth_sums(self, extra, batch),
+        value, metric = mtp.add_to_loss(reported.value, mtp.depth_sums(self, extra, batch, ops),
                                         c.mtp_loss_weight, extra.shape[0] * extra.shape[1])
         return reported._replace(value=value, means={**reported.means, "mtp_loss": metric})
 

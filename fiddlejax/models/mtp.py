@@ -83,10 +83,11 @@ def targets(batch: dict, k: int, t: int) -> tuple[jax.Array, jax.Array]:
     return tgt, valid
 
 
-def depth_sums(model, hidden: jax.Array, batch: dict) -> jax.Array:
+def depth_sums(model, hidden: jax.Array, batch: dict, ops=None) -> jax.Array:
     """``[D]``: each depth's cross-entropy summed over its counted targets, from the main
     model's normed last hidden state ``hidden [B, T, d]`` (``model``: the DeepSeek-V3 holding
-    ``mtp``, ``embed_tokens`` and the head's projection)."""
+    ``mtp``, ``embed_tokens`` and the head's projection; ``ops``: its loss's, whose
+    ``vocab`` keeps zero=3's vocabulary slices split)."""
     c, t = model.config, hidden.shape[1]
     seg, pos = batch.get("segment_ids"), batch.get("positions")
     seg = None if seg is None else seg[:, :t]
@@ -99,11 +100,11 @@ def depth_sums(model, hidden: jax.Array, batch: dict) -> jax.Array:
     h = hidden
     for k in range(1, c.num_nextn_predict_layers + 1):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], state))
-        emb = model.embed_tokens(shifted(batch["tokens"], k, t))
+        emb = model.embed_tokens(shifted(batch["tokens"], k, t), ops)
         h = layer(h, emb, seg, pos)
-        logits = vocab_rows(layer.head_norm(h)) @ head
+        logits = vocab_rows(layer.head_norm(h), ops) @ head
         tgt, valid = targets(batch, k, t)
-        ce = cross_entropy(logits, tgt, c.vocab_size)
+        ce = cross_entropy(logits, tgt, c.vocab_size, ops)
         sums.append(jnp.sum(jnp.where(valid, ce, 0.0)))
     return jnp.stack(sums)
 

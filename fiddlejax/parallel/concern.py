@@ -9,7 +9,8 @@ does to a layout being built:
   ``zero`` and ``model`` (how the parameters are stored and seen), ``stepper`` (the state the
   gradient exchange adds to ``TrainState``);
 - ``offers``: the field of :class:`fiddlejax.parallel.ops.Ops` its wrapper hands to every layer
-  call (the collectives blocks may use), or None;
+  call (the collectives blocks may use; ``data``'s store hands ``vocab`` to the model's own
+  prologue, head and loss instead), or None;
 - ``apply(draft) -> draft``: the step itself, a pure function of the draft.
 
 :func:`fold` applies an ordered tuple of them (``fiddlejax.parallel.compose.CONCERNS``) and

@@ -7,8 +7,11 @@ devices (:class:`fiddlejax.parallel.expert.Split`). Each concern's wrapper adds 
 the :class:`Ops` it passes down with the layer call (``staged.layer(params, x, ops)``); a block
 whose ``__call__`` takes an ``ops`` keyword receives it and hands it to
 ``fiddlejax.models.common.attention`` and ``MoE``; ``None`` (every field unset) means the
-block runs whole, as on one device. Nothing reaches a block through a side channel: a
-newcomer adding a concern adds a field here and an argument where blocks use it.
+block runs whole, as on one device. ``vocab`` (zero=3's vocabulary slices,
+:class:`fiddlejax.compute.vocab.VocabShards`) is offered the same way to the model's own
+``prologue``, ``head`` and ``loss`` when they take an ``ops`` keyword. Nothing reaches a block
+through a side channel: a newcomer adding a concern adds a field here and an argument where
+blocks use it.
 """
 
 from __future__ import annotations
@@ -33,12 +36,25 @@ class ExpertService(Protocol):
     def local(self, num_experts: int) -> int: ...
 
 
+class VocabService(Protocol):
+    """zero=3's offer (:class:`fiddlejax.compute.vocab.VocabShards`): the embedding and head
+    kept split by vocabulary over ``data``, read by ``fiddlejax.models.common.embedding``,
+    ``vocab_rows`` and ``cross_entropy``."""
+
+    def lookup(self, table, tokens): ...
+
+    def rows(self, x): ...
+
+    def cross_entropy(self, logits, targets, vocab_size: int): ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The services a layer's blocks may call (None: that concern is not split)."""
 
     context: ContextService | None = None
     expert: ExpertService | None = None
+    vocab: VocabService | None = None  # for the prologue, head and loss (zero=3)
 
     def adding(self, **services: Any) -> Ops:
         """These ops with ``services`` added (a wrapper's step on the way down)."""

@@ -28,6 +28,7 @@ from fiddlejax import compute
 from fiddlejax.compute import vocab
 from fiddlejax.mesh import axis_size
 from fiddlejax.parallel.concern import Draft
+from fiddlejax.parallel.ops import Ops
 from fiddlejax.plan import Plan
 from fiddlejax.staged import StagedModel
 
@@ -121,19 +122,21 @@ class Store:
     """The ``data`` axis as a store: ZeRO's shards and FSDP's dimensions added to the specs,
     and the view through which the model sees its parameters (gathers, casts)."""
 
-    axis, sets, offers = "data", frozenset({"zero", "specs", "model"}), None
+    axis, sets, offers = "data", frozenset({"zero", "specs", "model"}), "vocab"
 
     def apply(self, draft: Draft) -> Draft:
         zero, specs, outer = lay_out(draft.internal, draft.specs, draft.plan, draft.staged.stack,
                                      draft.pipeline is not None, vocab_services(draft.staged))
-        model = None if outer is None else compute.ViewedModel(draft.staged, outer, zero.vocab)
+        offered = None if zero.vocab is None else Ops(vocab=zero.vocab)  # prologue, head, loss
+        model = None if outer is None else compute.ViewedModel(draft.staged, outer, offered)
         return dataclasses.replace(draft, zero=zero, specs=specs, model=model)
 
 
 def vocab_services(staged) -> bool:
     """Whether ``staged`` runs a model whose own embedding, head and loss compute with
-    vocabulary slices (``vocab_services``; :mod:`fiddlejax.compute.vocab`): not through a
-    layout's wrapper, a loss of the user's or logits cut back from padding."""
+    vocabulary slices (``vocab_services``; :mod:`fiddlejax.compute.vocab`), offered as
+    ``ops.vocab`` to their ``ops`` arguments: not through a layout's wrapper, a loss of the
+    user's or logits cut back from padding."""
     if type(staged) is not StagedModel or staged.loss_fn is not None:
         return False
     if staged.vocab_pads or staged.loss_layout is not None:
