@@ -172,32 +172,46 @@ def test_family_specific_refusals():
 
 def test_cli_fine_tunes_any_family_without_model_name_and_exports(tmp_path):
     """`fiddlejax train model.from_pretrained=DIR` with no model.name (the family comes from
-    config.json) on the default (2, 2, 2) interleaved 1F1B layout, 16-token sequences of a
-    64-position Gemma 2; then `fiddlejax export` writes the run as a gemma2 directory. (Every
-    family ran this way by hand: see the commit that added this test.)"""
+    config.json): a DeepSeek-V3 (latent attention, dense first layer, shared experts, grouped
+    routing) on data=2 x expert=2 x tensor=2, 16-token sequences, with the loss-free balancing
+    speed set by `model.bias_update_speed`; then `fiddlejax export` writes the run as a
+    deepseek_v3 directory that reloads equal to the run's checkpoint, the router bias moved
+    by the speed only (2 steps from 0: multiples of it, at most 2 of them). The job's path is
+    the same for every family: Llama on the default (2, 2, 2) interleaved 1F1B in
+    tests/test_llama.py; every other family ran this way by hand (see the commit that added
+    this test)."""
     import subprocess
     import sys
 
-    hf = json.loads((FIXTURES / "hf_gemma2" / "config.json").read_text())
-    cls = models.decoder.FAMILIES["gemma2"]
+    from fiddlejax.app import runs
+
+    hf = json.loads((FIXTURES / "hf_deepseek_v3" / "config.json").read_text())
+    cls = models.family_class("deepseek_v3")
     src = tmp_path / "src"  # the bundled byte corpus needs 256 ids
     cls(cls.config_from_hf({**hf, "vocab_size": 256}), rngs=nnx.Rngs(3)).save_pretrained(src)
-    run_dir = tmp_path / "run"
+    run_dir, speed = tmp_path / "run", 0.25
     r = subprocess.run(
         [sys.executable, "-m", "fiddlejax.cli", "train", f"model.from_pretrained={src}",
-         "model.seq_len=16", "data.batch_size=8", "plan.microbatches=2", "train.steps=2",
+         f"model.bias_update_speed={speed}", "mesh.pipe=1", "plan.schedule=null",
+         "mesh.expert=2", "plan.microbatches=1", "model.seq_len=16", "data.batch_size=8",
+         "train.steps=2",
          "train.eval_every=0", "train.eval_batches=0", "train.log_every=1",
          "run.progress=lines", "optimizer.warmup_steps=1", f"run.dir={run_dir}",
          f"checkpoint.dir={run_dir / 'ckpt'}"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "name: gemma2" in (run_dir / "config.yaml").read_text()
+    assert "name: deepseek_v3" in (run_dir / "config.yaml").read_text()
     out = tmp_path / "hf"
     r = subprocess.run([sys.executable, "-m", "fiddlejax.cli", "export", str(run_dir), str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     tuned, before = models.from_pretrained(out), models.from_pretrained(src)
-    assert type(tuned).__name__ == "Gemma2" and tuned.config == before.config
+    assert type(tuned).__name__ == "DeepseekV3" and tuned.config == before.config
     assert 1e-4 < rel_err(leaves(tuned), leaves(before)) < 0.5  # trained from the source
+    _, run, step = runs.restore(run_dir)
+    assert step == 2 and all(np.array_equal(a, b) for a, b in zip(leaves(tuned), leaves(run),
+                                                                     strict=True))
+    moves = np.asarray(tuned.blocks.moe.bias[...]) / speed  # from 0: two steps of +-speed
+    assert np.array_equal(moves, np.round(moves)) and np.abs(moves).max() == 2
 
 
 def test_auto_model_name_refuses_an_unknown_family(tmp_path):
@@ -228,6 +242,16 @@ def test_generation_with_a_kv_cache_matches_full_recompute():
     step, _ = generate._forward(model, ref["tokens"][:, 9:16], cache, 9)
     full = np.concatenate([np.asarray(logits), np.asarray(step)], axis=1)
     assert rel_err(full, ref["logits"]) < 1e-4
+
+
+def test_generation_without_a_kv_cache_runs_the_full_forward():
+    """DeepSeek-V3's latent attention has no K/V cache here: generation re-runs the whole
+    sequence per token, and its first greedy token is transformers' argmax."""
+    model = load("deepseek_v3")
+    ref = np.load(FIXTURES / "hf_deepseek_v3.npz")
+    out = models.generate_text(model, ref["tokens"][:, :5], 3)
+    assert out.shape == (2, 8) and np.array_equal(out[:, :5], ref["tokens"][:, :5])
+    assert np.array_equal(out[:, 5], ref["logits"][:, 4].argmax(-1))
 
 
 def test_dtype_asked_at_load():

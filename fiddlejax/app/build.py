@@ -170,12 +170,13 @@ def make_plan(cfg: dict):
 
 def model_layers(model) -> int | None:
     """How many layers the model stacks (GPT, BERT, CNN: ``n_layers``; Llama:
-    ``num_hidden_layers``, which a Hugging Face checkpoint sets)."""
+    ``num_hidden_layers``, which a Hugging Face checkpoint sets; DeepSeek-V3 less its
+    ``first_k_dense_replace`` dense layers, which run in the first stage's prologue)."""
     c = getattr(model, "config", None)
     for name in ("n_layers", "num_hidden_layers"):
         value = getattr(c, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return value - getattr(c, "first_k_dense_replace", 0)
     return None
 
 
@@ -190,8 +191,10 @@ def check_layout(cfg: dict, model, plan) -> None:
     if layers >= chunks:
         return
     p, source = cfg["plan"], cfg["model"].get("from_pretrained")
+    less = ", less first_k_dense_replace" if getattr(model.config, "first_k_dense_replace",
+                                                     0) else ""
     what = (f"the model of model.from_pretrained={source} has {layers} layers "
-            "(num_hidden_layers in its config.json), which" if source
+            f"(num_hidden_layers in its config.json{less}), which" if source
             else f"model.n_layers={layers}")
     auto = f" (automatic for {p['schedule']})" if p["virtual_stages"] is None else ""
     fixes = []
@@ -225,11 +228,13 @@ def explicit_keys(path: str | None, overrides: list[str]) -> set[str]:
 
 def config_layers(cfg: dict) -> int | None:
     """The layer count of the config's model, without building it (``model.from_pretrained``'s
-    ``num_hidden_layers``, else ``model.n_layers``)."""
+    ``num_hidden_layers`` less DeepSeek's dense ``first_k_dense_replace``, else
+    ``model.n_layers``)."""
     source = cfg["model"].get("from_pretrained")
     if source and cfg["model"]["name"] in models.HF_FAMILIES:
-        n = pretrained_config(source).get("num_hidden_layers")
-        return n if isinstance(n, int) else None
+        hf = pretrained_config(source)
+        n, dense = hf.get("num_hidden_layers"), hf.get("first_k_dense_replace") or 0
+        return n - dense if isinstance(n, int) and isinstance(dense, int) else None
     return cfg["model"].get("n_layers")
 
 

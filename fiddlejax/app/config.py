@@ -122,6 +122,7 @@ SPECS: dict[str, Spec] = {
     "model.n_layers": POSITIVE, "model.d_ff": POSITIVE, "model.channels": POSITIVE,
     "model.tie_embeddings": Spec(bool), "model.from_pretrained": Spec(str, null=True),
     "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
+    "model.bias_update_speed": Spec(float, lo=0),
     "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
     "mesh.context": MESH_AXIS, "mesh.expert": MESH_AXIS,
     "plan.schedule": Spec(str, null=True),  # choices: the schedule registry

@@ -1,6 +1,7 @@
-"""``fiddlejax export RUN_DIR OUT_DIR``: a decoder run's checkpoint (Llama, Mistral, Qwen2/3,
-Phi-3, Gemma 1/2/3) as a Hugging Face directory of its family (a GPT run's as a Hugging Face
-``gpt2`` one, :mod:`fiddlejax.models.gpt2_hf`).
+"""``fiddlejax export RUN_DIR OUT_DIR``: a decoder run's checkpoint (any family of
+``fiddlejax.models.HF_FAMILIES``: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Mixtral,
+Qwen3-MoE, DeepSeek-V3) as a Hugging Face directory of its family (a GPT run's as a Hugging
+Face ``gpt2`` one, :mod:`fiddlejax.models.gpt2_hf`).
 
 The run is rebuilt exactly as ``fiddlejax train`` built it (its ``config.yaml``: model, optimizer,
 plan and simulated devices), abstractly; its checkpoint's parameters (never the optimizer
@@ -48,9 +49,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     cfg = runs.run_config(run_dir)
     if cfg["model"]["name"] not in models.DECODERS:
         raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
-                         "Hugging Face twin here; export writes the decoder families (llama, "
-                         "mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text) as "
-                         "themselves and GPT runs as gpt2 directories")
+                         "Hugging Face twin here; export writes the decoder families "
+                         f"({', '.join(models.HF_FAMILIES)}) as themselves and GPT runs as "
+                         "gpt2 directories")
     if adapter and cfg["plan"].get("lora") is None:
         raise ValueError(f"{run_dir} trained no LoRA adapters (plan.lora was null); --adapter "
                          "writes a PEFT adapter of a plan.lora run: export without it")

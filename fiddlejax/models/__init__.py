@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .feed import Batches, own_batches, own_data, token_batches, vocab_fix  # noqa: F401
-from .model_names import DECODERS, NAMES  # noqa: F401
+from .model_names import DECODERS, MOES, NAMES, OVERRIDES  # noqa: F401
 from .model_names import FAMILIES as HF_FAMILIES  # noqa: F401
 from .model_names import resolve as resolve_name  # noqa: F401
 
@@ -30,6 +30,14 @@ LLAMA_MUON_AXES = {**TRANSFORMER_MUON_AXES, "w3": ((-2,), (-1,))}  # SwiGLU's up
 # the router stays AdamW, like the other small non-square leaves Muon's authors leave out.
 MOE_MUON_AXES = {**{k: v for k, v in TRANSFORMER_MUON_AXES.items() if k not in ("w1", "w2")},
                  **{f"moe.{k}": ((-2,), (-1,)) for k in ("w_gate", "w_up", "w_down")}}
+# DeepSeek-V3's MoE layers: latent attention's low-rank matrices, the experts and the shared
+# experts (its dense first layers stack apart, ``dense``, and stay AdamW, as does the full-rank
+# query ``wq`` of a checkpoint without q_lora_rank: no DeepSeek-V3 or Kimi K2 has one).
+MLA_MUON_AXES = {"attn.wq_a": ((-2,), (-1,)), "attn.wkv_a": ((-2,), (-1,)),
+                 **{f"attn.{k}": ((-3,), (-2, -1)) for k in ("wq_b", "wkv_b")},
+                 "attn.wo": ((-3, -2), (-1,)),
+                 **{f"moe.{k}": ((-2,), (-1,)) for k in ("w_gate", "w_up", "w_down", "w1",
+                                                         "w3", "w2")}}
 CNN_MUON_AXES = {"k1": ((-4, -3, -2), (-1,)), "k2": ((-4, -3, -2), (-1,))}
 
 
@@ -134,15 +142,33 @@ def _gpt_flops(model, batch_size: int) -> float:
                              tied="wte" if model.config.tie_embeddings else None)
 
 
+def family_class(name: str):
+    """The model class of a Hugging Face family (``config.json``'s ``model_type``)."""
+    from .decoder import FAMILIES
+    from .deepseek import DeepseekV3
+    from .gpt_oss import GptOss
+    from .llama import Llama
+
+    classes = {"llama": Llama, **FAMILIES, DeepseekV3.model_type: DeepseekV3,
+               GptOss.model_type: GptOss}
+    if name not in classes or name not in HF_FAMILIES:
+        raise ValueError(f"model_type={name!r}, which fiddlejax does not implement; supported: "
+                         f"{', '.join(HF_FAMILIES)}")
+    return classes[name]
+
+
 def _llama_build(mcfg: dict, seed: int):
     from flax import nnx
 
     from .llama import Llama, LlamaConfig
 
-    cls = family_class(mcfg["name"]) or Llama  # model.name: the family (auto resolved to it)
+    cls = family_class(mcfg["name"])  # model.name: the family (auto resolved to it)
     if mcfg.get("from_pretrained"):  # a Hugging Face directory: its config.json sets the dims
+        fields = {f.name for f in dataclasses.fields(cls.config_class)}
         return cls.from_pretrained(mcfg["from_pretrained"], seq_len=mcfg["seq_len"],
-                                   abstract=True)  # the caller loads: shards, or restores
+                                   abstract=True,  # the caller loads: shards, or restores
+                                   overrides={k: mcfg[k] for k in OVERRIDES
+                                              if k in fields and k in mcfg})
     if mcfg["name"] != "llama":  # another family from scratch: its config.json defaults
         hf = {"model_type": mcfg["name"], "vocab_size": vocab(mcfg),
               "hidden_size": mcfg["d_model"], "intermediate_size": mcfg["d_ff"],
@@ -155,13 +181,32 @@ def _llama_build(mcfg: dict, seed: int):
             hf.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=mcfg["d_ff"])
         if mcfg["name"] == "gpt_oss":  # 8 experts, top 2 (transformers': 128, top 4)
             hf.update(num_local_experts=8, num_experts_per_tok=2)
-        return cls(cls.config_from_hf(hf, mcfg["seq_len"]), rngs=nnx.Rngs(seed))
+        if mcfg["name"] == "deepseek_v3":
+            hf.update(_deepseek_dims(mcfg))
+        config = cls.config_from_hf(hf, mcfg["seq_len"])
+        fields = {f.name for f in dataclasses.fields(config)}
+        config = dataclasses.replace(config, **{k: mcfg[k] for k in OVERRIDES
+                                                if k in fields and k in mcfg})
+        return cls(config, rngs=nnx.Rngs(seed))
     return Llama(LlamaConfig(
         vocab_size=vocab(mcfg), hidden_size=mcfg["d_model"],
         intermediate_size=mcfg["d_ff"], num_hidden_layers=mcfg["n_layers"],
         num_attention_heads=mcfg["n_heads"], num_key_value_heads=mcfg["n_kv_heads"],
         rope_theta=float(mcfg["rope_theta"]), tie_word_embeddings=mcfg["tie_embeddings"],
         max_position_embeddings=mcfg["seq_len"], seq_len=mcfg["seq_len"]), rngs=nnx.Rngs(seed))
+
+
+def _deepseek_dims(mcfg: dict) -> dict:
+    """A DeepSeek-V3 from scratch: heads ``d_model / n_heads`` wide (the rotary part half of
+    it; keys and values per head, so ``n_kv_heads`` is ``n_heads``), latent ranks ``d_model / 2``,
+    8 routed experts (top 2, one group) and a shared one ``d_ff`` wide, the first layer dense
+    when there are several."""
+    d, h = mcfg["d_model"], mcfg["d_model"] // mcfg["n_heads"]
+    return dict(num_key_value_heads=mcfg["n_heads"], head_dim=h // 2, qk_rope_head_dim=h // 2,
+                qk_nope_head_dim=h, v_head_dim=h, q_lora_rank=d // 2, kv_lora_rank=d // 2,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                n_shared_experts=1, moe_intermediate_size=mcfg["d_ff"],
+                routed_scaling_factor=1.0, first_k_dense_replace=min(1, mcfg["n_layers"] - 1))
 
 
 def _llama_flops(model, batch_size: int) -> float:
@@ -178,8 +223,9 @@ def _llama_flops(model, batch_size: int) -> float:
         moe = params["blocks"]["moe"]
         experts = sum(jax.tree.leaves(moe[k])[0].size for k in ("w_gate", "w_up", "w_down"))
         n -= experts * (1 - c.num_experts_per_tok / c.num_experts)
-    tokens = batch_size * c.seq_len
-    attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_dim
+    tokens = batch_size * c.seq_len  # scores: q.k (qk width) and p.v (v width), 6 per pair
+    qk, v = getattr(c, "qk_head_dim", c.head_dim), getattr(c, "v_head_dim", c.head_dim)
+    attn = 6.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * (qk + v)
     return 6.0 * n * tokens + attn * tokens
 
 
@@ -235,10 +281,10 @@ REGISTRY: dict[str, ModelEntry] = {
     "llama": ModelEntry("llama", _llama_build, _gpt_batches, _llama_flops, LLAMA_MUON_AXES),
 }
 # The other Hugging Face families: the same decoder, job and data (models/decoder.py).
-for _family in (f for f in HF_FAMILIES if f != "llama"):  # model_names.FAMILIES: one list
+for _family in HF_FAMILIES[1:]:
     REGISTRY[_family] = ModelEntry(_family, _llama_build, _gpt_batches, _llama_flops,
-                                   MOE_MUON_AXES if _family in ("mixtral", "qwen3_moe", "gpt_oss")
-                                   else LLAMA_MUON_AXES)
+                                   MLA_MUON_AXES if _family == "deepseek_v3" else
+                                   MOE_MUON_AXES if _family in MOES else LLAMA_MUON_AXES)
 
 
 def get(name: str) -> ModelEntry:
@@ -287,29 +333,16 @@ def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: b
     back."""
     from fiddlejax.models import hub
 
-    from .families import SUPPORTED
     from .hf import read_config
 
     path = hub.local_dir(path)
     family = read_config(path).get("model_type", "llama")
-    cls = family_class(family)
-    if cls is None:
-        raise ValueError(f"{path}/config.json has model_type={family!r}, which fiddlejax does "
-                         f"not implement; supported: "
-                         f"{', '.join((*SUPPORTED, 'deepseek_v3', 'gpt_oss'))}")
+    try:
+        cls = family_class(family)
+    except ValueError as e:
+        raise ValueError(f"{path}/config.json has {e}") from None
     return cls.from_pretrained(path, seq_len=seq_len, dtype=dtype, abstract=abstract,
                                shardings=shardings, overrides=overrides)
-
-
-def family_class(family: str):
-    """The model class of a Hugging Face ``model_type`` (None: not implemented)."""
-    from .decoder import FAMILIES
-    from .deepseek import DeepseekV3
-    from .gpt_oss import GptOss
-    from .llama import Llama
-
-    return {"llama": Llama, **FAMILIES, DeepseekV3.model_type: DeepseekV3,
-            GptOss.model_type: GptOss}.get(family)
 
 
 def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None,

@@ -132,7 +132,9 @@ def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
              use_cache: bool = True) -> np.ndarray:
     """``prompt[B, P]`` (int) continued by up to ``max_new_tokens`` ids: ``[B, P + n]``
-    (stops early once every row has produced ``eos_id``)."""
+    (stops early once every row has produced ``eos_id``). A model without a K/V cache here
+    (DeepSeek-V3's latent attention) runs its full forward for every new token instead."""
+    use_cache = use_cache and hasattr(model.blocks, "wk")
     prompt = np.asarray(prompt, np.int32)
     b, p = prompt.shape
     total = p + max_new_tokens

@@ -11,9 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Hugging Face model_type values the shared decoder reads (fiddlejax.models.families.SUPPORTED).
+# Hugging Face model_type values the shared decoder reads: the one list of the families every
+# other place reads (fiddlejax.models.families.SUPPORTED are those its generic reader reads;
+# DeepSeek-V3 and GPT-OSS have their own: fiddlejax.models.deepseek_config, gpt_oss_config).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
-            "mixtral", "qwen3_moe", "gpt_oss")
+            "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+MOES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")  # mixtures of experts
+# model.* keys a family's config takes beside its config.json (models.from_pretrained's
+# overrides), e.g. DeepSeek-V3's loss-free balancing speed.
+OVERRIDES = ("bias_update_speed",)
 DECODERS = ("gpt", *FAMILIES)  # the next-token models: own data, generate, export
 NAMES = ("auto", "gpt", "bert", "cnn", *FAMILIES)
 
