@@ -147,6 +147,16 @@ def reference_train(model: nnx.Module, optimizer: optax.GradientTransformation, 
     return losses, params
 
 
+def with_config(model, **change):
+    """``model``'s weights under a changed config (a feature switched off, to show it matters)."""
+    import dataclasses
+
+    other = nnx.eval_shape(lambda: type(model)(dataclasses.replace(model.config, **change),
+                                               rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model, nnx.Param))
+    return other
+
+
 def tokens(seed: int, batch: int, seq_len: int, vocab: int) -> dict:
     t = jax.random.randint(jax.random.key(seed), (batch, seq_len + 1), 0, vocab, jnp.int32)
     return {"tokens": np.asarray(t)}

@@ -4,7 +4,6 @@ fixtures/make_hf_families.py), each DeepSeek feature shown to matter, the bit-ex
 trip, the refusals, and training on expert=2 x data=2 x tensor=2 and on data=2 x pipe=2 x tensor=2
 (1F1B) equal to one device."""
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_loss_and_grads, reference_loss_and_grads, rel_err, tokens
+from helpers import assert_loss_and_grads, reference_loss_and_grads, rel_err, tokens, with_config
 
 import fiddlejax as fj
 from fiddlejax import models
@@ -27,14 +26,6 @@ FIXTURE = Path(__file__).parent / "fixtures" / "hf_deepseek_v3"
 
 def load(**kw) -> DeepseekV3:
     return models.from_pretrained(FIXTURE, **kw)
-
-
-def with_config(model, **change):
-    """``model``'s weights under a changed config."""
-    other = nnx.eval_shape(lambda: type(model)(dataclasses.replace(model.config, **change),
-                                               rngs=nnx.Rngs(0)))
-    nnx.update(other, nnx.state(model, nnx.Param))
-    return other
 
 
 def test_logits_and_router_logits_match_transformers():
