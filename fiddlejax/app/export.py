@@ -47,24 +47,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         raise ValueError(f"OUT_DIR {out_dir} is a file; pass a directory to write")
     run_dir = Path(run_dir)
     cfg = runs.run_config(run_dir)
-    if cfg["model"]["name"] not in models.DECODERS:
-        raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
-                         "Hugging Face twin here; export writes the decoder families "
-                         f"({', '.join(models.HF_FAMILIES)}) as themselves and GPT runs as "
-                         "gpt2 directories")
-    if adapter and cfg["plan"].get("lora") is None:
-        raise ValueError(f"{run_dir} trained no LoRA adapters (plan.lora was null); --adapter "
-                         "writes a PEFT adapter of a plan.lora run: export without it")
-    ckpt = runs.checkpoint_dir(cfg, run_dir, checkpoint_dir)
-    export_dir.check_target(out_dir, overwrite)  # before anything is read
-    from fiddlejax.distributed import detect
-
-    if detect().is_multiprocess and (adapter or cfg["plan"].get("lora") is not None
-                                     or cfg["model"]["name"] == "gpt"):
-        raise ValueError(f"{run_dir}: a GPT run, a plan.lora run and --adapter export from one "
-                         "process (their leaves are merged or written whole on the host); "
-                         "run `fiddlejax export` without the launcher")
-
+    ckpt = _checked(cfg, run_dir, out_dir, checkpoint_dir, overwrite, adapter)
     from fiddlejax.app import build
 
     build.setup_devices(cfg)
@@ -79,12 +62,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
 
     model = build.build_model(cfg["model"], cfg["train"]["seed"], weights=False,  # restored
                               lora=cfg["plan"].get("lora"))
-    import jax  # one device (a job: each process its shards); a checkpoint restores onto any
+    import jax  # a checkpoint restores onto any layout (_reading_plan's)
 
-    one = (fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
-           if jax.process_count() == 1 else
-           fj.Plan(mesh=fj.make_mesh(data=jax.device_count(), pipe=1, tensor=1), zero=3))
-    trainer = fj.parallelize(model, build.make_optimizer(cfg), one)
+    trainer = fj.parallelize(model, build.make_optimizer(cfg), _reading_plan())
     mgr = fj.CheckpointManager(ckpt, trainer, read_only=True)  # a reader: never deletes
     from fiddlejax.data import tokenizer, tokenizer_files
 
@@ -122,6 +102,42 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         return beside_writer.read(mgr, step, write)
     finally:
         mgr.close()
+
+
+def _checked(cfg: dict, run_dir: Path, out_dir, checkpoint_dir, overwrite: bool,
+             adapter: bool) -> Path:
+    """The run's checkpoint directory, once the export's arguments are known to fit the run
+    (before anything is read: a restore takes a minute at size)."""
+    if cfg["model"]["name"] not in models.DECODERS:
+        raise ValueError(f"{run_dir} trained model.name={cfg['model']['name']!r}, which has no "
+                         "Hugging Face twin here; export writes the decoder families "
+                         f"({', '.join(models.HF_FAMILIES)}) as themselves and GPT runs as "
+                         "gpt2 directories")
+    if adapter and cfg["plan"].get("lora") is None:
+        raise ValueError(f"{run_dir} trained no LoRA adapters (plan.lora was null); --adapter "
+                         "writes a PEFT adapter of a plan.lora run: export without it")
+    ckpt = runs.checkpoint_dir(cfg, run_dir, checkpoint_dir)
+    export_dir.check_target(out_dir, overwrite)  # before anything is read
+    from fiddlejax.distributed import detect
+
+    if detect().is_multiprocess and (adapter or cfg["plan"].get("lora") is not None
+                                     or cfg["model"]["name"] == "gpt"):
+        raise ValueError(f"{run_dir}: a GPT run, a plan.lora run and --adapter export from one "
+                         "process (their leaves are merged or written whole on the host); "
+                         "run `fiddlejax export` without the launcher")
+    return ckpt
+
+
+def _reading_plan():
+    """One device restores the whole checkpoint; in a multi-process job each process restores
+    its shards (zero=3 over every device)."""
+    import jax
+
+    import fiddlejax as fj
+
+    if jax.process_count() == 1:
+        return fj.Plan(mesh=fj.make_mesh(data=1, pipe=1, tensor=1, devices=jax.devices()[:1]))
+    return fj.Plan(mesh=fj.make_mesh(data=jax.device_count(), pipe=1, tensor=1), zero=3)
 
 
 def take_part(model, shapes: dict, leaf, dtype: str | None) -> None:
