@@ -106,16 +106,18 @@ TINY_OSS = GptOssConfig(
 
 @pytest.mark.parametrize("family", ["deepseek", "gpt-oss"])
 def test_tiny_forward_flops_equal_the_program(family):
-    """Forward matmul FLOPs of one sample through the loss (the MTP module and its logits
-    included) equal the planner's, within 1e-9: the planner leaves out only elementwise work
-    (norms, RoPE, softmax, SiLU, the sinks' logits, the biases' adds, top-k), which XLA's
-    ``cost_analysis`` adds on top (and counts a loop body once: the jaxpr is counted). On the
-    CPU DeepSeek's experts run the blocked grouped matmul, whose padding rows are added to the
-    planner's real pairs here (GPT-OSS's ragged_dot runs the real rows). Windows: at ``sliding_window = seq`` no key is cut, so the
-    bound is the square here (its effect is checked by hand below)."""
+    """Forward matmul FLOPs of one sample through the loss (traced on abstract weights; the
+    MTP module and its logits included) equal the planner's, within 1e-9: the planner leaves
+    out only elementwise work (norms, RoPE, softmax, SiLU, the sinks' logits, the biases'
+    adds, top-k), which XLA's ``cost_analysis`` adds on top. The jaxpr is counted, not the
+    compiled program: ``cost_analysis`` counts a loop body once (the layer scan, the experts'
+    blocks). On the CPU DeepSeek's experts run the blocked grouped matmul, whose padding rows
+    are added to the planner's real pairs here (GPT-OSS's ragged_dot runs the real rows).
+    Windows: at ``sliding_window = seq`` no key is cut, so the bound is the square here (its
+    effect is checked by hand below)."""
     if family == "deepseek":
         c = TINY_DS
-        model = DeepseekV3(c, rngs=nnx.Rngs(0))
+        model = nnx.eval_shape(lambda: DeepseekV3(c, rngs=nnx.Rngs(0)))
         spec = families.deepseek_v3(
             c.num_hidden_layers, c.hidden_size, c.num_attention_heads, S, c.vocab_size,
             ffn=c.intermediate_size, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
@@ -125,7 +127,7 @@ def test_tiny_forward_flops_equal_the_program(family):
             nope_dim=c.qk_nope_head_dim, v_dim=c.v_head_dim, mtp=c.num_nextn_predict_layers)
     else:
         c = TINY_OSS
-        model = GptOss(c, rngs=nnx.Rngs(0))
+        model = nnx.eval_shape(lambda: GptOss(c, rngs=nnx.Rngs(0)))
         spec = families.gpt_oss(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
                                 c.num_key_value_heads, S, c.vocab_size,
                                 num_experts=c.num_experts, top_k=c.num_experts_per_tok,
@@ -142,8 +144,6 @@ def test_tiny_forward_flops_equal_the_program(family):
         moe_layers = spec.num_layers + spec.moe.outer_layers
         priced += moe_layers * (rows - pairs) * 2.0 * 3 * c.hidden_size * f
     assert priced == pytest.approx(measured, rel=1e-9)
-    compiled = jax.jit(loss).lower(params, batch).compile().cost_analysis()["flops"]
-    assert compiled > 0  # XLA's figure: loop bodies once, elementwise work in (not compared)
 
 
 def test_windows_bound_attention_and_latent_widths_by_hand():
