@@ -263,6 +263,9 @@ def test_lora_dropout_on_a_bundled_family_is_exact_on_every_layout():
         assert abs(float(trainer.loss(state, batch)) - float(evaluated)) < 1e-5 * float(loss)
         later = trainer.loss_and_grads(dataclasses.replace(state, step=state.step + 1), batch)
         assert abs(float(later[0]) - float(loss)) > 1e-4  # a new mask after a step
+    with pytest.raises(ValueError, match=r"context=1, or dropout 0 \(plan\.lora\.dropout=0\)"):
+        fj.parallelize(model, optax.sgd(0.1), fj.Plan(
+            mesh=fj.make_mesh(data=1, context=2, devices=jax.devices()[:2]), schedule=None))
     gpt = GPT(GPTConfig(vocab_size=32, d_model=16, n_heads=2, d_ff=32, n_layers=2, seq_len=8),
               rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"plan\.lora\.dropout=0"):
