@@ -24,6 +24,9 @@ its own shard's blocks; the only communication is what the kernel asks for:
 - :func:`gathered_attention`: K/V all-gathered over ``context``, each shard's queries over the
   whole sequence in one tiled block (``4 C`` blocks' worth of scores, one collective).
 
+Attention sinks (GPT-OSS: a logit per head in the softmax's denominator, in no block) join
+once, after either kernel, from its log-sum-exp per query (:func:`with_sinks`).
+
 Writing the ring with the partitioner's collectives rather than a nested ``shard_map`` keeps
 it composable with the step's own manual axes (``data``, ``pipe``): jax 0.10 cannot
 differentiate a ``shard_map`` nested in a manual region inside a layer scan (its hoisted
