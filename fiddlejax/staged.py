@@ -190,11 +190,16 @@ def _takes_ops(cls: type, method: str = "__call__") -> bool:
 
 
 def _offering(method: Callable, ops: Any, *args: Any) -> Any:
-    """``method(*args)``, given ``ops=ops`` when there are ops (the model's method must then
-    declare the keyword: a service it ignored would compute with the wrong slices)."""
+    """``method(*args)``, given ``ops=ops`` when there are ops. A method that does not declare
+    the keyword gets them as a layer's block does, through :mod:`fiddlejax.intercept` (for the
+    attention it computes), unless they split the vocabulary: a prologue or loss that ignored
+    that would compute with the wrong slices."""
     if ops is None:
         return method(*args)
     owner, name = type(method.__self__), method.__name__
+    if not _takes_ops(owner, name) and getattr(ops, "vocab", None) is None:
+        with intercept.setting(ops=ops):
+            return method(*args)
     if not _takes_ops(owner, name):
         raise TypeError(f"{owner.__name__}.{name} takes no `ops` keyword, yet the layout "
                         f"offers it {ops}; declare `{name}(..., ops=None)` and pass ops.vocab "

@@ -111,8 +111,8 @@ def test_gemma2_window_softcap_scale_matches_one_device(kernel, axes):
 def test_unknown_attention_option_is_refused_by_name():
     split = context.Split(size=2, seq=8, mesh=fj.make_mesh(data=4, context=2))
     x = np.zeros((8, 2, 2, 4), np.float32)
-    with pytest.raises(ValueError, match=r"sets \['sinks'\].*mesh context=1"):
-        context.Joining(split).attention(x, x, x, causal=True, window=3, sinks=1.0)
+    with pytest.raises(ValueError, match=r"sets \['bias'\].*mesh context=1"):
+        context.Joining(split).attention(x, x, x, causal=True, window=3, bias=1.0)
 
 
 def test_split_keeps_targets_and_balances_chunks():
@@ -390,3 +390,39 @@ def test_a_user_block_without_ops_joins_the_shards():
     taking ``ops`` (the one interception reaches them) is exact on data=2 x context=4."""
     model = _UserLM(nnx.Rngs(0))
     assert_exact(model, fj.Plan(mesh=fj.make_mesh(data=2, context=4)), tokens(3, 4, SEQ, 64))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_sinks_join_the_softmax_once(window):
+    """GPT-OSS's sinks on both kernels (one device, ``keep`` the identity): values and
+    gradients (the sinks' included) equal the single-device softmax with the sink column."""
+    from fiddlejax.models.common import capped_attention
+    from fiddlejax.parallel import ring
+
+    c, b, n, h, kv, dh = 2, 1, 2, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(c, b, 2, n, heads, dh)), jnp.float32)
+               for heads in (h, kv, kv))
+    sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    seg = jnp.ones((c, b, 2, n), jnp.int32)
+    chunk = np.stack([np.arange(c), 2 * c - 1 - np.arange(c)], 1)
+    order = np.argsort((chunk[:, :, None] * n + np.arange(n)).reshape(-1))
+
+    def whole(x):
+        return jnp.moveaxis(x, 1, 0).reshape(b, 2 * c * n, *x.shape[4:])[:, order]
+
+    def reference(q, k, v, s):
+        out = capped_attention(whole(q), whole(k), whole(v), causal=True, segment_ids=None,
+                               window=window, softcap=None, scale=None, sinks=s)
+        return out[:, np.argsort(order)].reshape(b, c, 2, n, h, dh).swapaxes(0, 1)
+
+    kernels = (lambda q, k, v, s: ring.ring_attention(q, k, v, seg, True, lambda x: x,
+                                                      window=window, sinks=s),
+               lambda q, k, v, s: ring.gathered_attention(q, k, v, seg, True, lambda x: x,
+                                                          lambda x: x, window=window, sinks=s))
+    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    want = jax.vjp(reference, q, k, v, sinks)
+    for kernel in kernels:
+        got = jax.vjp(kernel, q, k, v, sinks)
+        assert_close(got[0], want[0])
+        assert_close(got[1](cot), want[1](cot))

@@ -255,12 +255,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     """
     ops = ops if ops is not None else intercept.current().ops
     if ops is not None and ops.context is not None:  # a sequence split over `context`
-        if sinks is not None:
-            raise NotImplementedError("attention sinks (GPT-OSS) under context parallelism "
-                                      "are not implemented; train with context=1")
         return checkpoint_name(ops.context.attention(q, k, v, causal=causal,
                                                      segment_ids=segment_ids, window=window,
-                                                     softcap=softcap, scale=scale),
+                                                     softcap=softcap, scale=scale, sinks=sinks),
                                names.CONTEXT)
     if softcap is not None or sinks is not None:
         ctx = capped_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window,

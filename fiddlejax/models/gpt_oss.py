@@ -7,7 +7,8 @@ Sliding-window and full layers alternate (``layer_types``: the shared decoder's 
 picks each layer's branch). :mod:`.gpt_oss_config` reads and writes ``config.json``.
 
 MXFP4 experts (the Hub's checkpoints) dequantize at load (:class:`.gpt_oss_config.Mxfp4`).
-Not yet: context parallelism with sinks (refused).
+Under ``context`` each sink joins the shards' joined softmax once
+(:func:`fiddlejax.parallel.ring.with_sinks`).
 """
 
 from __future__ import annotations

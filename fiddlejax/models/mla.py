@@ -13,7 +13,8 @@ YaRN (``rope_scaling`` of type ``yarn``) scales cos/sin by its ``attention_facto
 softmax scale ``qk_head_dim ** -0.5`` by ``mscale(factor, mscale_all_dim) ** 2``.
 
 The attention call takes one head width: values narrower than queries are padded with zeros
-(the context's padding sliced off), so every kernel and the context-parallel path apply.
+(the context's padding sliced off), so every kernel and the context-parallel path apply:
+under ``context`` the expanded per-head keys and (padded) values travel, not the latent.
 Tensor parallelism splits ``heads`` (``wq``/``wq_b``, ``wkv_b``, ``wo``); the latent
 projections are replicated over ``tensor``.
 """

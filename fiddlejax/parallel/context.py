@@ -55,7 +55,7 @@ KERNELS = CONTEXT_KERNELS
 # shard), but the all-gather holds the whole sequence's K/V on every device.
 RING_FROM_TOKENS = 256
 SEQ_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
-OPTIONS = ("window", "softcap", "scale")  # the model attention's options the kernels take
+OPTIONS = ("window", "softcap", "scale", "sinks")  # the model attention options kernels take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +163,10 @@ def attention(split: Split, q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
               segment_ids: jax.Array | None = None, **options) -> jax.Array:
     """Attention of ``q[R, n, H, Dh]`` over the whole sequences of the split rows (``k, v``
     ``[R, n, KV, Dh]``; ``R = C * B * 2``, rows sharded over ``context``). ``options`` of the
-    model's attention: ``window``, ``softcap`` and ``scale`` (as
+    model's attention: ``window``, ``softcap``, ``scale`` and ``sinks`` (as
     :func:`fiddlejax.models.common.attention` takes them; the window counts places in the whole
-    sequence); any other is refused by name."""
+    sequence; each head's sink joins the softmax once, after the kernel:
+    :func:`.ring.with_sinks`); any other is refused by name."""
     used = sorted(name for name, value in options.items()
                   if value is not None and name not in OPTIONS)
     if used:
@@ -203,8 +204,11 @@ class ContextModel:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def prologue(self, params, batch):
-        return self._inner.prologue(params, split_batch(batch, self.split))
+    def prologue(self, params, batch, ops: Ops | None = None):
+        """The inner prologue on the split rows; attention it computes (DeepSeek-V3's dense
+        layers, which its prologue runs) joins the shards too, offered as to a layer."""
+        return self._inner.prologue(params, split_batch(batch, self.split),
+                                    extend(ops, context=Joining(self.split)))
 
     def layer(self, layer_params, x, ops: Ops | None = None):
         joining = Joining(self.split)
@@ -230,8 +234,9 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
             canonical=None) -> object:
     """The ``context`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
     when ``context`` is 1, else a :class:`ContextModel` (checked against ``example``, the
-    model's ``batch_spec(1)``; a model with DeepSeek-V3's MTP modules, ``mtp`` in its
-    ``canonical`` parameters, refused: they read tokens past a shard's chunk)."""
+    model's ``batch_spec(1)``; refused: a model with DeepSeek-V3's MTP modules, ``mtp`` in its
+    ``canonical`` parameters (they read tokens past a shard's chunk), and an MoE model with
+    per-sequence router losses on (:func:`per_sequence_losses`))."""
     size = axis_size(plan.mesh, "context")
     if size == 1:
         return staged
@@ -246,6 +251,12 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
             f"context={size} cuts each row along the sequence, but this model draws dropout "
             "masks per example (a dropout rate above 0, plan.lora.dropout too); use mesh "
             "context=1, or dropout 0 (plan.lora.dropout=0)")
+    if getattr(staged, "loss_fn", None) is None and (losses := per_sequence_losses(staged)):
+        raise ValueError(
+            f"context={size} splits each sequence into chunk rows, but this mixture of experts "
+            f"adds router losses per sequence ({', '.join(losses)}), which no chunk row can "
+            "compute; load it with overrides={" + ", ".join(
+                f"'{k.split('=')[0]}': 0.0" for k in losses) + "}, or use mesh context=1")
     if example is None or "tokens" not in example or len(example["tokens"].shape) != 2:
         raise ValueError(
             f"context={size} splits token sequences: the model needs a batch_spec() with "
@@ -256,6 +267,21 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
     if kernel not in KERNELS:
         raise ValueError(f"context kernel {kernel!r} is unknown; use one of {KERNELS}")
     return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None))
+
+
+def per_sequence_losses(staged) -> list[str]:
+    """The router losses (``key=value``) an MoE model's config turns on: each is computed per
+    sequence (:mod:`fiddlejax.models.moe_loss`), over rows that a split cuts into chunks. The
+    config is the first in the model's graph (its own, the blocks' follow)."""
+    for _, attr in getattr(getattr(staged, "graphdef", None), "attributes", ()):
+        cfg = getattr(attr, "value", None)
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+            if not getattr(cfg, "num_experts", 0):
+                return []
+            return [f"{k}={getattr(cfg, k)}" for k in ("router_aux_loss_coef",
+                                                        "router_z_loss_coef")
+                    if getattr(cfg, k, 0)]
+    return []
 
 
 class ContextAxis:
@@ -271,4 +297,4 @@ class ContextAxis:
 
 
 __all__ = ["KERNELS", "ContextAxis", "ContextModel", "Joining", "Split", "attention", "check",
-           "lay_out", "pick", "split_batch"]
+           "lay_out", "per_sequence_losses", "pick", "split_batch"]

@@ -24,6 +24,9 @@ its own shard's blocks; the only communication is what the kernel asks for:
 - :func:`gathered_attention`: K/V all-gathered over ``context``, each shard's queries over the
   whole sequence in one tiled block (``4 C`` blocks' worth of scores, one collective).
 
+Attention sinks (GPT-OSS: a logit per head in the softmax's denominator, in no block) join
+once, after either kernel, from its log-sum-exp per query (:func:`with_sinks`).
+
 Writing the ring with the partitioner's collectives rather than a nested ``shard_map`` keeps
 it composable with the step's own manual axes (``data``, ``pipe``): jax 0.10 cannot
 differentiate a ``shard_map`` nested in a manual region inside a layer scan (its hoisted
@@ -123,12 +126,35 @@ def _steps(c: int, n: int, mode: flash.Mode) -> list[tuple[int, list]]:
 
 
 def ring_attention(q, k, v, seg, causal: bool, keep: Callable, *, window: int | None = None,
-                   softcap: float | None = None, scale: float | None = None) -> jax.Array:
+                   softcap: float | None = None, scale: float | None = None,
+                   sinks: jax.Array | None = None) -> jax.Array:
     """Ring attention (see the module docstring); ``keep`` pins an array's leading axis to
-    ``context``; ``window``, ``softcap`` and ``scale`` as :class:`flash.Mode` says. Its backward
-    (a ring of its own) keeps only the inputs, the output and the log-sum-exp per query:
-    nothing per block or per step."""
-    return _ring(flash.Mode(causal, window, softcap, scale), keep, q, k, v, seg)
+    ``context``; ``window``, ``softcap`` and ``scale`` as :class:`flash.Mode` says; ``sinks[H]``
+    as :func:`with_sinks`. Its backward (a ring of its own) keeps only the inputs, the output
+    and the log-sum-exp per query: nothing per block or per step."""
+    out, lse = _ring(flash.Mode(causal, window, softcap, scale), keep, q, k, v, seg)
+    return out if sinks is None else with_sinks(out, lse, sinks)
+
+
+def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
+    """``out [..., H, Dh]`` of a softmax over the keys alone (log-sum-exp ``lse [..., H]``) as
+    if each head's sink logit ``sinks[H]`` had joined its denominator once (GPT-OSS):
+    ``sum_j e^s_j v_j / (e^lse + e^sink) = out * sigmoid(lse - sink)``. Applied after the
+    ring's last step (the sink is in no block), differentiable through ``lse``; a query that
+    sees no key (``lse = -inf``) gets zeros, as the single-device softmax gives it."""
+    keep = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))[..., None]
+    return (out.astype(jnp.float32) * keep).astype(out.dtype)
+
+
+def _heads_last(lse: jax.Array) -> jax.Array:
+    """A block's log-sum-exp ``[C, B, KV, G, n]`` as ``[C, B, n, KV * G]`` (q's head order)."""
+    lse = jnp.moveaxis(lse, -1, 2)
+    return lse.reshape(*lse.shape[:3], -1)
+
+
+def _heads_grouped(x: jax.Array, kv: int) -> jax.Array:
+    """The inverse of :func:`_heads_last`."""
+    return jnp.moveaxis(x.reshape(*x.shape[:3], kv, -1), 2, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -160,17 +186,20 @@ def _ring_fwd(mode, keep, q, k, v, seg):
         accs = [jax.tree.map(keep, a) for a in accs]
         held = nxt
     out = jnp.stack([accs[0][0], accs[1][0]], axis=2).reshape(q.shape).astype(q.dtype)
-    return out, (q, k, v, seg, *accs)
+    lse = jnp.stack([_heads_last(accs[0][1]), _heads_last(accs[1][1])], axis=2)
+    return (out, lse), (q, k, v, seg, *accs)
 
 
-def _ring_bwd(mode, keep, res, dout):
+def _ring_bwd(mode, keep, res, cotangents):
     """The same blocks again; each shard's queries gather their gradient in place, while the
     gradients of the keys and values travel around the ring with them and arrive home after
-    one more pass."""
+    one more pass. The log-sum-exp's cotangent (sinks) joins each block's as flash's ``dlse``."""
     q, k, v, seg, acc0, acc1 = res
+    dout, dlse = cotangents
     c, n = q.shape[0], q.shape[3]
     qs, ss = _halves(_grouped(q, k.shape[4])), _halves(seg)
     dos = _halves(_grouped(dout, k.shape[4]).astype(jnp.float32))
+    dls = tuple(_heads_grouped(x, k.shape[4]) for x in _halves(dlse.astype(jnp.float32)))
     outs, lses = (acc0[0], acc1[0]), (acc0[1], acc1[1])
     places = keep(global_index(c, n))
     ps = (places[:, :n], places[:, n:])
@@ -188,7 +217,7 @@ def _ring_bwd(mode, keep, res, dout):
             g_q, g_k, g_v = flash.backward(
                 _sel(qi, qs), _sel(ki, ks), _sel(ki, vs), _sel(qi, ps), _sel(ki, kps),
                 _sel(qi, ss), _sel(ki, ts), _sel(qi, outs), _sel(qi, lses), _sel(qi, dos),
-                keep=keep, **mode._asdict())
+                _sel(qi, dls), keep=keep, **mode._asdict())
             _add(dq, qi, g_q)
             _add(dk, ki, g_k)
             _add(dv, ki, g_v)
@@ -211,7 +240,7 @@ def global_index(c: int, n: int) -> jax.Array:
 
 def gathered_attention(q, k, v, seg, causal: bool, keep: Callable, whole: Callable, *,
                        window: int | None = None, softcap: float | None = None,
-                       scale: float | None = None) -> jax.Array:
+                       scale: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """All-gathered K/V attention (see the module docstring); ``whole`` replicates an array
     over ``context`` (the all-gather); the options as for :func:`ring_attention`."""
     c, b, _, n = q.shape[:4]
@@ -224,7 +253,9 @@ def gathered_attention(q, k, v, seg, causal: bool, keep: Callable, whole: Callab
     places = global_index(c, n)
     kpos = keep(jnp.broadcast_to(places.reshape(1, -1), (c, c * 2 * n)))
     ql = _grouped(q.reshape(c, b, 2 * n, *q.shape[4:]), k.shape[4])
-    out, _ = flash.attend(ql, kw, vw, keep(places), kpos, seg.reshape(c, b, 2 * n), sw,
-                          causal=causal, keep=keep, window=window, softcap=softcap,
-                          scale=scale)
-    return out.reshape(q.shape).astype(q.dtype)
+    out, lse = flash.attend(ql, kw, vw, keep(places), kpos, seg.reshape(c, b, 2 * n), sw,
+                            causal=causal, keep=keep, window=window, softcap=softcap,
+                            scale=scale)
+    out = out.reshape(q.shape).astype(q.dtype)
+    return out if sinks is None else with_sinks(out, _heads_last(lse).reshape(
+        *q.shape[:-1]), sinks)
