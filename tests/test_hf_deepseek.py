@@ -244,3 +244,12 @@ def test_training_matches_one_device_on_fsdp_sp_context_and_interleaved_layouts(
                          schedule="interleaved-1f1b", microbatches=2, virtual_stages=2)):
         trainer = fj.parallelize(model, optax.sgd(0.1), plan)
         assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch), ref)
+
+
+def test_lora_dropout_is_refused_by_name():
+    """DeepSeek-V3's layers count only its MoE layers, so no per-layer dropout keys: LoRA
+    dropout is refused before anything is traced, naming the key."""
+    from fiddlejax.finetune import lora
+
+    with pytest.raises(ValueError, match=r"DeepseekV3.*plan\.lora\.dropout=0"):
+        lora.add(load(), lora.LoRA(rank=2, dropout=0.1))

@@ -66,7 +66,8 @@ def test_no_device_holds_the_embedding_or_head_whole():
 
 def test_a_service_offered_to_a_method_without_ops_is_refused():
     """A model that says ``vocab_services = True`` but whose prologue takes no ``ops`` would
-    compute with the wrong slices: refused, naming the method and the fix."""
+    compute with the wrong slices: refused, naming the method and the fix. Other services
+    (the context join) reach such a method through the interception, as a layer's block."""
     from fiddlejax.parallel.ops import Ops
     from fiddlejax.staged import _offering
 
@@ -74,6 +75,15 @@ def test_a_service_offered_to_a_method_without_ops_is_refused():
         def prologue(self, batch):
             return batch
 
+    from fiddlejax import intercept
+
+    class Reading:
+        def prologue(self, batch):
+            return batch, intercept.current().ops
+
     assert _offering(Model().prologue, None, 1) == 1
     with pytest.raises(TypeError, match=r"Model.prologue takes no `ops`"):
-        _offering(Model().prologue, Ops(), 1)
+        _offering(Model().prologue, Ops(vocab=object()), 1)
+    # other services reach it as they reach a layer's block that takes no ops
+    context = Ops(context=object())
+    assert _offering(Reading().prologue, context, 1) == (1, context)

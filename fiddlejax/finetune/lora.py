@@ -182,7 +182,7 @@ def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
     key, found = jax.random.key(seed), []
     bundled = any(getattr(type(m), "lora_targets", {}) for _, m in nnx.iter_modules(model))
     if bundled and lora.dropout:
-        if not hasattr(type(model), "dropout_seed"):
+        if not getattr(type(model), "dropout_keys", False):
             raise ValueError(f"LoRA dropout={lora.dropout} on {type(model).__name__}: its "
                              "layers take no per-example dropout keys (the decoder families "
                              "do); use dropout=0 (plan.lora.dropout=0)")

@@ -331,12 +331,14 @@ def stacked(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> n
     return build(rngs)
 
 
-def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
-    """Apply stacked layers in order with a ``lax.scan`` (one compiled layer body)."""
+def scan_layers(layers: nnx.Module, x: jax.Array, ops: Ops | None = None) -> jax.Array:
+    """Apply stacked layers in order with a ``lax.scan`` (one compiled layer body); ``ops``
+    (the layout's services, e.g. the context join) passed to each when given."""
     graphdef, state = nnx.split(layers)
 
     def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h), None
+        block = nnx.merge(graphdef, layer_state)
+        return (block(h) if ops is None else block(h, ops=ops)), None
 
     return jax.lax.scan(body, x, state)[0]
 

@@ -199,6 +199,7 @@ class Decoder(nnx.Module):
     stack = "blocks"  # the attribute holding the stacked layers
     vocab_services = True  # prologue/head/loss take ops (ops.vocab: compute.vocab's slices)
     dropout_seed: int | None = None  # LoRA dropout's seed (finetune.lora.add sets it)
+    dropout_keys = True  # its layers take per-example dropout keys (LoRA dropout)
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = self.config = config

@@ -95,6 +95,7 @@ class DeepseekV3(Decoder):
 
     config_class = DeepseekV3Config
     model_type = deepseek_config.MODEL_TYPE
+    dropout_keys = False  # LoRA dropout refused: its layer counter counts the MoE layers
 
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs):
         c = self.config = config
@@ -116,11 +117,13 @@ class DeepseekV3(Decoder):
                                  ("embed", "vocab"))
 
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None, ops: Ops | None = None) -> Message:
-        """The message entering the first MoE layer: the dense layers run here."""
+                positions: jax.Array | None = None, ops: Ops | None = None,
+                keys: jax.Array | None = None) -> Message:
+        """The message entering the first MoE layer: the dense layers run here. (No LoRA
+        dropout keys: ``dropout_keys`` is off, the layer counter counts MoE layers only.)"""
         c = self.config
-        msg = super().message(tokens, segment_ids, positions, ops)
-        msg = scan_layers(self.dense, msg) if c.first_k_dense_replace else msg
+        msg = super().message(tokens, segment_ids, positions, ops, keys)
+        msg = scan_layers(self.dense, msg, ops) if c.first_k_dense_replace else msg
         if not c.bias_update_speed:
             return msg
         moe_layers = c.num_hidden_layers - c.first_k_dense_replace
