@@ -135,8 +135,9 @@ class AdaptedModel(StagedModel):
         keys = dropout.example_keys(self.dropout_base, batch) if self.dropout else None
         with dropout.keys(keys, -1):  # the prologue's dropouts are "layer" -1
             args, kwargs = self._first_call(self._outer(params), batch)
-        return pack(args[0], args[1:], kwargs, self.sides, self.callsite,
-                    self.checked[_shape_key(batch)][1], keys, counter=self._frozen)
+        _, consts, learned = self.checked[_shape_key(batch)]
+        return pack(args[0], args[1:], kwargs, self.sides, self.callsite, consts, keys,
+                    counter=self._frozen, learned=learned)
 
     @property
     def _frozen(self) -> bool:
@@ -234,13 +235,11 @@ class AdaptedModel(StagedModel):
         with dropout.keys(None, 0):
             closed = jax.make_jaxpr(side_inputs)(outer, b)
         consts = constant_leaves(closed)  # rotary tables, causal masks: handed over whole
-        if any(depends(closed.jaxpr, len(jax.tree.leaves(outer)))):
-            raise ValueError(
-                f"{self.callsite}: a side input the blocks receive is computed from the "
-                "parameters (an encoder output for cross-attention?); fiddlejax carries side "
-                "inputs without gradients, so it must depend on the batch only. Name the "
-                "blocks whose extra inputs come from the batch")
-        self.checked[_shape_key(batch)] = (info["out"], consts)
+        learned = frozenset(  # an encoder's output: carried with its gradient
+            k for k, (dep, a) in enumerate(zip(depends(closed.jaxpr, len(jax.tree.leaves(outer))),
+                                               closed.out_avals, strict=True))
+            if dep and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact))
+        self.checked[_shape_key(batch)] = (info["out"], consts, learned)
 
     def _check_extras_unused(self, out: Any, outer: nnx.State, batch: dict) -> None:
         """Refuse a loss that uses what blocks return besides the activation (training drops
