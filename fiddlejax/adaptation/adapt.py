@@ -14,7 +14,8 @@ repeated blocks live: a Python list or tuple, an ``nnx.List``, or numbered attri
 - side inputs the blocks receive (masks, positions, segment ids, rotary tables: whatever
   arrays ``__call__`` passes besides the activation) travel with the activation: the message
   between layers and stages is a dict of the activation and the side inputs, each in its own
-  dtype, which each layer unpacks (side inputs get no gradient);
+  dtype, which each layer unpacks (those computed from the parameters, an encoder's output,
+  with their gradient; the others with none);
 - blocks that differ in static attributes (local and global attention...) are grouped into the
   shortest repeating unit (5 local + 1 global: units of 6 blocks), or refused with an error that
   names the differing attribute.
@@ -25,7 +26,7 @@ next-token model or loss declares shifted, :func:`~fiddlejax.staged.next_token`,
 parameter typed optional that the batch lacks (``cache: Cache | None``: a training forward has no
 KV cache); the loss gets its outputs and the whole batch. One shapes-only trace per batch shape
 checks that the split is faithful: each block called once, in order, back to back, every block
-given the same side inputs, and no side input computed from the parameters. Anything else is an
+given the same side inputs; side inputs computed from the parameters are noted. Anything else is an
 error naming the model, the blocks and the fix, never a traceback from inside tracing.
 """
 
@@ -135,8 +136,9 @@ class AdaptedModel(StagedModel):
         keys = dropout.example_keys(self.dropout_base, batch) if self.dropout else None
         with dropout.keys(keys, -1):  # the prologue's dropouts are "layer" -1
             args, kwargs = self._first_call(self._outer(params), batch)
-        return pack(args[0], args[1:], kwargs, self.sides, self.callsite,
-                    self.checked[_shape_key(batch)][1], keys, counter=self._frozen)
+        _, consts, learned = self.checked[_shape_key(batch)]
+        return pack(args[0], args[1:], kwargs, self.sides, self.callsite, consts, keys,
+                    counter=self._frozen, learned=learned)
 
     @property
     def _frozen(self) -> bool:
@@ -196,8 +198,8 @@ class AdaptedModel(StagedModel):
     # -- checks, once per batch shape: the forward splits as assumed --------------------------
     def _check_split(self, params: nnx.State, batch: dict) -> None:
         """Trace the whole forward once (shapes only) with the real blocks and check that it
-        calls them once each, in order, back to back, with the same side inputs, and that the
-        side inputs do not depend on the parameters (they get no gradient)."""
+        calls them once each, in order, back to back, with the same side inputs, and note the
+        side inputs that depend on the parameters (carried with their gradient)."""
         outer = _abstract(nnx.State({k: v for k, v in params.items() if k != self.stack}))
         flat = dict(nnx.to_flat_state(self.template))
         blocks = [nnx.from_flat_state([(p[len(key):], _abstract(v)) for p, v in flat.items()
@@ -234,13 +236,11 @@ class AdaptedModel(StagedModel):
         with dropout.keys(None, 0):
             closed = jax.make_jaxpr(side_inputs)(outer, b)
         consts = constant_leaves(closed)  # rotary tables, causal masks: handed over whole
-        if any(depends(closed.jaxpr, len(jax.tree.leaves(outer)))):
-            raise ValueError(
-                f"{self.callsite}: a side input the blocks receive is computed from the "
-                "parameters (an encoder output for cross-attention?); fiddlejax carries side "
-                "inputs without gradients, so it must depend on the batch only. Name the "
-                "blocks whose extra inputs come from the batch")
-        self.checked[_shape_key(batch)] = (info["out"], consts)
+        learned = frozenset(  # an encoder's output: carried with its gradient
+            k for k, (dep, a) in enumerate(zip(depends(closed.jaxpr, len(jax.tree.leaves(outer))),
+                                               closed.out_avals, strict=True))
+            if dep and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact))
+        self.checked[_shape_key(batch)] = (info["out"], consts, learned)
 
     def _check_extras_unused(self, out: Any, outer: nnx.State, batch: dict) -> None:
         """Refuse a loss that uses what blocks return besides the activation (training drops

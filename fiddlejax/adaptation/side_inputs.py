@@ -16,6 +16,14 @@ Side inputs come in three kinds, each rebuilt as the blocks got it:
   causal mask ``(1, 1, S, S)``, positions from ``arange``): not carried at all, but handed to
   every block whole, as values (``consts``, found by :func:`constant_leaves`);
 - computed from the batch without a batch axis: carried once per example row, rebuilt whole.
+
+A side input computed from the parameters (an encoder's output, which a decoder's blocks
+cross-attend to) is ``learned``: carried like the others but differentiated. Every layer passes
+it on unchanged and also reads it, so its cotangent at a layer's input is the one at its output
+plus what that layer's blocks add: the backward through the stack (and through the pipeline's
+stages, microbatch by microbatch) sums every block's share into the message entering the stack,
+whose cotangent the prologue's backward takes to the encoder's parameters. The others stay
+behind ``stop_gradient`` (a mask's gradient is never computed).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class Side:
     statics: tuple               # the non-array leaves, in order (None where an array goes)
     dtypes: tuple                # each carried array's own dtype (booleans travel as int8)
     whole: tuple = ()            # per carried array: True when it has no batch axis
+    learned: tuple = ()          # per carried array: True when computed from the parameters
 
 
 class _Const:
@@ -56,18 +65,20 @@ class _Const:
 
 def pack(x: jax.Array, args: tuple, kwargs: dict, sides: dict, where: str,
          consts: dict | None = None, keys: jax.Array | None = None,
-         counter: bool = False) -> dict:
+         counter: bool = False, learned: frozenset = frozenset()) -> dict:
     """The message for activation ``x`` and side inputs ``(args, kwargs)``; records its
     :class:`Side` in ``sides`` under the message's :func:`key`. ``consts``: the array leaves
     (by their index among the arrays) that are constants, with their values: they are not
     carried. ``keys``: per-example dropout key data ``[B, 2]`` uint32, carried with a counter
     of the blocks run (see :func:`keys_of`); ``counter``: the counter without keys (blocks
-    that pick their own constants by it). ``where`` names the blocks in errors."""
+    that pick their own constants by it); ``learned``: the array leaves (by index) computed
+    from the parameters, carried with their gradient. ``where`` names the blocks in errors."""
     b = x.shape[0]
     consts = consts or {}
     leaves, treedef = jax.tree.flatten((args, kwargs))
     arrays = [a for a in leaves if isinstance(a, jax.Array)]
     carried = [a for k, a in enumerate(arrays) if k not in consts]
+    grads = tuple(k in learned for k in range(len(arrays)) if k not in consts)
     for a in carried:
         _check_travels(a, where)
     whole = tuple(not (a.ndim and a.shape[0] == b) for a in carried)
@@ -79,18 +90,23 @@ def pack(x: jax.Array, args: tuple, kwargs: dict, sides: dict, where: str,
             k += 1
         else:
             statics.append(a)
-    msg = {"x": x, "side": tuple(jax.lax.stop_gradient(a.astype(jnp.int8) if a.dtype == jnp.bool_
-                                                       else a) for a in per)}
+    msg = {"x": x, "side": tuple(_held(a.astype(jnp.int8) if a.dtype == jnp.bool_ else a, g)
+                                 for a, g in zip(per, grads, strict=True))}
     if keys is not None:
         msg["keys"] = keys.astype(jnp.uint32)
     if keys is not None or counter:
         msg["count"] = jnp.zeros((b,), jnp.int32)
-    side = Side(treedef, tuple(statics), tuple(a.dtype for a in per), whole)
+    side = Side(treedef, tuple(statics), tuple(a.dtype for a in per), whole, grads)
     known = sides.setdefault(key(msg), side)
-    if known.treedef != side.treedef or known.dtypes != side.dtypes:
+    if (known.treedef, known.dtypes, known.learned) != (side.treedef, side.dtypes, grads):
         raise ValueError(f"{where}: two batch shapes give the same message; use one batch "
                          "shape per trainer")
     return msg
+
+
+def _held(a: jax.Array, learned: bool) -> jax.Array:
+    """A side input as the message carries it: with its gradient only when ``learned``."""
+    return a if learned else jax.lax.stop_gradient(a)
 
 
 def key(msg: dict) -> tuple:
@@ -110,8 +126,9 @@ def _check_travels(a: jax.Array, where: str) -> None:
 def unpack(msg: dict, side: Side) -> tuple[jax.Array, tuple, dict]:
     """The activation and the side inputs ``(args, kwargs)`` carried in ``msg``."""
     whole = side.whole or (False,) * len(side.dtypes)
-    arrays = [jax.lax.stop_gradient(a[0] if w else a).astype(dtype)  # whole: every row holds it
-              for a, dtype, w in zip(msg["side"], side.dtypes, whole, strict=True)]
+    learned = side.learned or (False,) * len(side.dtypes)
+    arrays = [_held(a[0] if w else a, g).astype(dtype)  # whole: every row holds it
+              for a, dtype, w, g in zip(msg["side"], side.dtypes, whole, learned, strict=True)]
     it = iter(arrays)
     leaves = [next(it) if s is None else jnp.asarray(s.value) if isinstance(s, _Const) else s
               for s in side.statics]

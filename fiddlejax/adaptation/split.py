@@ -23,6 +23,8 @@ def split_model(model: nnx.Module, loss_fn: Loss | None = None, layers: str | No
     ``block_output(out)``: the activation among what such a block returns (default: the first
     array).
     """
+    if layers is not None and not isinstance(layers, str):
+        raise _one_stack(model, layers)
     explicit = all(hasattr(model, a) for a in ("stack", "prologue", "head"))
     if layers is not None and not (explicit and layers == model.stack):
         return adapt.adapt(model, loss_fn, layers, block_output)
@@ -57,3 +59,20 @@ def split_model(model: nnx.Module, loss_fn: Loss | None = None, layers: str | No
     return StagedModel(graphdef, rest, model.stack, layer_graphdef, num_layers, loss_fn,
                        layer_rest=layer_rest,
                        dropout=getattr(model, "dropout_seed", None) is not None), params
+
+
+def _one_stack(model: nnx.Module, layers) -> Exception:
+    """The error for a ``layers=`` that is no path; naming several (an encoder's and a
+    decoder's blocks): one stack is pipelined and the other runs before or after it."""
+    name = type(model).__name__
+    if not (isinstance(layers, list | tuple) and layers
+            and all(isinstance(p, str) for p in layers)):
+        return TypeError(f"layers={layers!r} must be the path of {name}'s repeated blocks, "
+                         "a string such as 'decoder.blocks'")
+    first, last = layers[0], layers[-1]
+    return ValueError(
+        f"layers={layers!r}: fiddlejax pipelines one stack of blocks, named by one path. For "
+        f"an encoder-decoder name one of them: layers='{last}' runs {name}'s code before "
+        "it (the encoder) in the prologue, its output reaching every block with its gradient; "
+        f"layers='{first}' runs the code after it (the decoder) in the epilogue (docs/byom.md, "
+        "'Encoder-decoders'). Both stacks in one pipeline is not supported yet")
