@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from fiddlejax import batches, canonical, checks, staged
-from fiddlejax.adaptation import dropout, hetero
+from fiddlejax.adaptation import dropout
 from fiddlejax.adaptation.split import split_model
 from fiddlejax.finetune import lora
 from fiddlejax.memory import remat
@@ -45,8 +45,6 @@ class Trainer:
         source, self._init_params = split_model(model, loss, layers, block_output)
         self._batch_spec = getattr(model, "batch_spec", None)
         example = self._batch_spec(1) if self._batch_spec is not None else None
-        if isinstance(source, hetero.HeteroModel):  # unequal blocks: one group per stage
-            source = hetero.for_plan(source, self._init_params, plan, example)
         self.layout = compose.lay_out(source, self._init_params, plan, optimizer,
                                       self.model_name, example)
         lay = self.layout

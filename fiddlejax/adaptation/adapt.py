@@ -346,7 +346,6 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str,
     sharding.check_ranks(canonical, name)
     unit, ignored = (repeating_unit(model, layers, blocks, unequal=True) if stack is None
                      else (1, ()))
-    unequal = stack is None and unit == len(blocks) > 1
     unit_graphdefs, unit_rest = [], []
     for b in blocks[:unit]:
         gd, _, rest = nnx.split(b, nnx.Param, nnx.RngState, ...)[:3]
@@ -359,12 +358,7 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str,
     graphdef, _, rest = nnx.split(copy, nnx.Param, ...)
     n_layers = len(blocks) // unit if stack is None else stack[1]
     bkeys = (tuple(layers.split(".")),) if stack else block_keys(layers, attr, keys)
-    kind = AdaptedModel
-    if unequal:  # blocks that differ: grouped per pipeline chunk (one group until regrouped)
-        from fiddlejax.adaptation.hetero import HeteroModel
-
-        kind, n_layers = HeteroModel, 1
-    staged = kind(
+    staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=n_layers, loss_fn=loss_fn, unit=unit, scanned=stack is not None,
         ignored=ignored, block_output=block_output,
