@@ -8,6 +8,7 @@ of its repeated blocks.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 from flax import nnx
@@ -29,6 +30,11 @@ def split_model(model: nnx.Module, loss_fn: Loss | None = None, layers: str | No
     if layers is not None and not (explicit and layers == model.stack):
         staged, params = adapt.adapt(model, loss_fn, layers, block_output)
         if staged.unit > 1 and staged.num_layers == 1:  # blocks that repeat in no pattern
+            warnings.warn(
+                f"{staged.callsite}: the {staged.unit} blocks repeat in no pattern; they run as "
+                "unequal blocks, one group per pipeline stage (docs/byom.md, 'Blocks that "
+                "differ'): tensor splits nothing inside them. Make them identical to stack "
+                "them", stacklevel=sharding.user_stacklevel())
             staged = hetero.HeteroModel(**{f.name: getattr(staged, f.name)
                                            for f in dataclasses.fields(staged)})
         return staged, params
