@@ -111,6 +111,10 @@ class StagedModel:
     # a layout's hook on what reaches the loss: (outputs, batch) -> (outputs, batch), same
     # values, other shardings (``parallel.expert.loss_inputs``); None: as the head left them
     loss_layout: Callable | None = None
+    # the model draws dropout masks per example: the step puts each row's step and example
+    # index in its batch (``fiddlejax.adaptation.dropout.with_indices``; a staged-protocol
+    # model: one that sets ``dropout_seed``, LoRA dropout)
+    dropout: bool = False
 
     def _bind(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest, copy=True)
@@ -139,11 +143,18 @@ class StagedModel:
         ``(sum, Sums)``: the loss is ``sum / Sums.weight`` (a mean loss has weight 1);
         ``ops``: what the layout offers the model's own head and loss (not a user's loss)."""
         model = self._bind(params)
-        outputs = unpad_outputs(_offering(model.head, ops, x), self.vocab_pads)
-        outputs, batch = self.lay_out_loss(outputs, batch, self.loss_fn or type(model).loss)
+        outputs, batch = self.outputs(params, x, batch, ops)
         value = (self.loss_fn(outputs, batch) if self.loss_fn is not None
                  else _offering(model.loss, ops, outputs, batch))
         return as_sums(value, self.loss_fn or type(model).loss)
+
+    def outputs(self, params: nnx.State, x: Any, batch: dict, ops: Any = None
+                ) -> tuple[Any, dict]:
+        """The head's outputs on the last layer's activations, and the batch, as the loss
+        gets them (what DPO's in-step reference scores: :mod:`fiddlejax.finetune.dpo`)."""
+        model = self._bind(params)
+        outputs = unpad_outputs(_offering(model.head, ops, x), self.vocab_pads)
+        return self.lay_out_loss(outputs, batch, self.loss_fn or type(model).loss)
 
     def lay_out_loss(self, outputs: Any, batch: dict, fn: Loss) -> tuple[Any, dict]:
         """``outputs`` and ``batch`` as the loss ``fn`` gets them (:attr:`loss_layout`;

@@ -104,18 +104,24 @@ def batch_and_model(with_lora: bool):
     return model, b
 
 
-@pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("with_lora", [False, True, "in_step"], ids=["full", "lora", "in-step"])
 @pytest.mark.parametrize("layout", ["data-tensor", "1f1b"])
 def test_dpo_exact_across_layouts(layout, with_lora):
-    model, batch = batch_and_model(with_lora)
+    """in-step: the reference scored by the step on the layout (the base with its adapters off,
+    no ``ref_*`` keys in the batch) equals the one-device reference scored beforehand."""
+    model, batch = batch_and_model(bool(with_lora))
     loss_fn = dpo.loss(BETA, model.config.vocab_size)
+    fed = batch
+    if with_lora == "in_step":
+        fed = {k: v for k, v in batch.items() if k not in dpo.REF_KEYS}
     if layout == "data-tensor":
         plan = fj.Plan(mesh=fj.make_mesh(data=4, tensor=2), schedule=None)
     else:
         plan = fj.Plan(mesh=fj.make_mesh(data=2, pipe=2, tensor=2), schedule="1f1b",
                        microbatches=2)
-    trainer = fj.parallelize(model, optax.sgd(0.1), plan, loss=loss_fn)
-    got = trainer.loss_and_grads(trainer.init(), batch)
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan, loss=dpo.loss(
+        BETA, model.config.vocab_size, in_step=with_lora == "in_step"))
+    got = trainer.loss_and_grads(trainer.init(), fed)
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 

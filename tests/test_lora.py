@@ -3,6 +3,8 @@ tensor, zero=3 and 1F1B; the base stays frozen and holds no optimizer state."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +21,10 @@ TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidd
                    num_attention_heads=4, num_key_value_heads=2, seq_len=16)
 
 
-def adapted(rank: int = 4) -> Llama:
+def adapted(rank: int = 4, dropout: float = 0.0) -> Llama:
     """The tiny Llama with adapters whose B is not zero (so A's gradients are not zero)."""
-    model = lora.add(Llama(TINY, rngs=nnx.Rngs(0)), lora.LoRA(rank=rank, alpha=2.0 * rank))
+    model = lora.add(Llama(TINY, rngs=nnx.Rngs(0)),
+                     lora.LoRA(rank=rank, alpha=2.0 * rank, dropout=dropout), seed=3)
     key, flat = jax.random.key(1), nnx.to_flat_state(nnx.state(model, nnx.Param))
     for path, var in flat:
         if path[-1].endswith("lora_b"):
@@ -207,9 +210,7 @@ def test_a_users_own_model_gets_adapters_and_trains_only_them(layout):
 def test_lora_dropout_on_a_users_model_is_layout_independent():
     """LoRA dropout (on the adapters' input) through layers=: deterministic from one key,
     off in eval, new after a step, and the same loss and gradients on data x tensor and on
-    1F1B with 4 microbatches; refused on a bundled family, naming the key."""
-    import dataclasses
-
+    1F1B with 4 microbatches."""
     from helpers import assert_loss_and_grads
 
     model = lora.add(UserLM(rngs=nnx.Rngs(0)), lora.LoRA(rank=4, dropout=0.3,
@@ -234,5 +235,38 @@ def test_lora_dropout_on_a_users_model_is_layout_independent():
         assert abs(float(later[0]) - float(loss)) > 1e-4  # a new mask after a step
         results.append((loss, grads))
     assert_loss_and_grads(results[1], results[0])
+
+
+def test_lora_dropout_on_a_bundled_family_is_exact_on_every_layout():
+    """LoRA dropout on the decoder families (peft's lora_dropout on the adapters' input): the
+    masks come from per-example keys in the message (the batch's step and example index), so
+    the loss and every adapter's gradient equal one device's with the same keys on data x
+    tensor and on 1F1B with 4 microbatches; deterministic, off in eval, new after a step. A
+    family whose layers take no keys (GPT) is refused, naming the key."""
+    from fiddlejax.adaptation import dropout
+    from fiddlejax.models.gpt import GPT, GPTConfig
+
+    model, batch = adapted(dropout=0.3), tokens(0, 8, 16, TINY.vocab_size)
+    want = reference_loss_and_grads(model, dropout.with_indices(batch, jnp.int32(0)))
+    evaluated = reference_loss_and_grads(model, batch)[0]  # no keys: no dropout
+    assert abs(float(want[0]) - float(evaluated)) > 1e-4
+    for layout in [dict(shape=(2, 1, 2), microbatches=2),
+                   dict(shape=(2, 2, 1), schedule="1f1b", microbatches=4)]:
+        kw = dict(layout)
+        trainer = fj.parallelize(model, optax.sgd(0.1), mesh_plan(*kw.pop("shape"), **kw))
+        state = trainer.init()
+        loss, grads = trainer.loss_and_grads(state, batch)
+        assert abs(float(loss) - float(want[0])) / float(want[0]) < 1e-5
+        for (k, g), (_, w) in zip(adapters(grads), adapters(want[1]), strict=True):
+            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-5, k
+        assert float(trainer.loss_and_grads(state, batch)[0]) == float(loss)
+        assert abs(float(trainer.loss(state, batch)) - float(evaluated)) < 1e-5 * float(loss)
+        later = trainer.loss_and_grads(dataclasses.replace(state, step=state.step + 1), batch)
+        assert abs(float(later[0]) - float(loss)) > 1e-4  # a new mask after a step
+    with pytest.raises(ValueError, match=r"context=1, or dropout 0 \(plan\.lora\.dropout=0\)"):
+        fj.parallelize(model, optax.sgd(0.1), fj.Plan(
+            mesh=fj.make_mesh(data=1, context=2, devices=jax.devices()[:2]), schedule=None))
+    gpt = GPT(GPTConfig(vocab_size=32, d_model=16, n_heads=2, d_ff=32, n_layers=2, seq_len=8),
+              rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"plan\.lora\.dropout=0"):
-        lora.add(Llama(TINY, rngs=nnx.Rngs(0)), lora.LoRA(rank=4, dropout=0.1))
+        lora.add(gpt, lora.LoRA(rank=4, dropout=0.1))

@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -246,3 +247,34 @@ def test_remat_auto_picks_a_fitting_policy(gpt_reference):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
     with pytest.raises(ValueError, match="needs Plan\\(memory_budget"):
         fj.parallelize(model, OPT, fj.Plan(mesh=mesh(1, 1), remat="auto"))
+
+
+def test_the_jobs_gradient_clip_is_optaxs_without_a_copy_of_the_gradients():
+    """The job's ``optimizer.clip`` (app.build.clip_by_global_norm) equals optax's below and
+    within float32 rounding above the norm, and AdamW after it holds no copy of the gradients
+    (optax's select holds one: the whole float32 parameters), compiled, nothing allocated."""
+    from fiddlejax.app.build import clip_by_global_norm
+
+    grads = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.full(4, -0.5)}
+    for max_norm in (100.0, 1.0):  # below the norm (8.5) is the identity; above, a scale
+        ours, _ = clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        for k in grads:
+            np.testing.assert_allclose(ours[k], theirs[k], rtol=2e-7, atol=0)
+    assert float(optax.tree.norm(ours)) == pytest.approx(1.0, rel=1e-6)
+
+    params = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 4
+    temps = {}
+    for name, clip in (("ours", clip_by_global_norm(1.0)),
+                       ("optax", optax.clip_by_global_norm(1.0))):
+        opt = optax.chain(clip, optax.adamw(1e-3))
+
+        def step(p, s, g, opt=opt):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+            params, jax.eval_shape(opt.init, params), params).compile()
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    whole = 4 * 256 * 256 * 4
+    assert temps["ours"] < 0.1 * whole <= whole <= temps["optax"], temps

@@ -85,7 +85,6 @@ class AdaptedModel(StagedModel):
     call_names: tuple = ()             # parameter names of the model's __call__, in order
     call_nones: frozenset = frozenset()  # required ones typed optional: None if not given
     shift: tuple = ()                  # batch keys the model gets as x[:, :-1] (next token)
-    dropout: bool = False              # a dropout rate above 0: keys per (step, example, layer)
     dropout_base: Any = None           # key data every dropout key is folded from
     scanned: bool = False              # the blocks are one nnx.vmap stack applied by a scan
     ignored: tuple = ()                # attributes that differ between blocks, presumed unread
@@ -196,14 +195,19 @@ class AdaptedModel(StagedModel):
 
     def weighted_loss(self, params: nnx.State, x: Any, batch: dict) -> tuple[jax.Array, Sums]:
         """Runs the model's ``__call__`` after its blocks on the stack's output, then the loss."""
+        outputs, batch = self.outputs(params, x, batch)
+        return as_sums(self.loss_fn(outputs, batch), self.loss_fn)
+
+    def outputs(self, params: nnx.State, x: Any, batch: dict) -> tuple[Any, dict]:
+        """The model's outputs (its ``__call__`` after the blocks) and the batch, as the loss
+        gets them."""
         h, _, _ = unpack(x, self.sides[key(x)])
         keys = keys_of(x)[0]
         with (acting("epilogue", h, self.checked[_shape_key(batch)][0]),
               dropout.keys(keys, -2), self._tracing()):
             outputs = self._call(self._outer(params), dropout.without_indices(batch))
         outputs = unpad_outputs(outputs, self.vocab_pads)
-        outputs, batch = self.lay_out_loss(outputs, dropout.without_indices(batch), self.loss_fn)
-        return as_sums(self.loss_fn(outputs, batch), self.loss_fn)
+        return self.lay_out_loss(outputs, dropout.without_indices(batch), self.loss_fn)
 
     # -- checks, once per batch shape: the forward splits as assumed --------------------------
     def _check_split(self, params: nnx.State, batch: dict) -> None:

@@ -14,11 +14,18 @@ The step and each row's global example index enter the batch inside the step
 (:func:`with_indices`, keys :data:`STEP` and :data:`EXAMPLE`), so they travel with their rows
 through every split of the batch; the per-example keys then travel in the activation message
 (:mod:`fiddlejax.adaptation.side_inputs`), with a counter of the blocks run so far.
+
+The bundled models (LoRA dropout, :mod:`fiddlejax.finetune.lora`) take the same keys
+explicitly, no context: their prologue folds :func:`example_keys` from the batch's indices
+into their message (``Message.keys``), and each layer hands its :class:`LayerKeys` to its
+projections as an argument.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,10 +50,13 @@ def without_indices(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in (STEP, EXAMPLE)}
 
 
-def example_keys(base: jax.Array, batch: dict) -> jax.Array | None:
-    """Per-example key data ``[B, 2]`` uint32 for the rows of ``batch`` (None: eval mode)."""
+def example_keys(base: jax.Array | int, batch: dict) -> jax.Array | None:
+    """Per-example key data ``[B, 2]`` uint32 for the rows of ``batch`` (None: eval mode);
+    ``base``: key data, or an int seed (``key(seed)``'s)."""
     if STEP not in batch:
         return None
+    if isinstance(base, int):
+        base = jax.random.key_data(jax.random.key(base))
 
     def one(s, e):
         return jax.random.key_data(jax.random.fold_in(jax.random.fold_in(
@@ -95,14 +105,48 @@ def _call(self, inputs, *, deterministic: bool | None = None, rngs=None):
             f"a dropout on an array shaped {tuple(inputs.shape)} inside a fiddlejax layer: "
             f"fiddlejax draws dropout masks per example and needs the batch ({ctx.data.shape[0]}"
             " rows) on the leading axis")
-    keep = 1.0 - self.rate
+    return _masked(inputs, ctx.next(), self.rate, self.broadcast_dims)
+
+
+def _masked(inputs: jax.Array, keys: jax.Array, rate: float, broadcast_dims=()) -> jax.Array:
+    """``inputs`` with row ``e`` masked by a draw from ``keys[e]`` (kept values scaled by
+    ``1 / (1 - rate)``)."""
+    keep = 1.0 - rate
     shape = list(inputs.shape[1:])
-    for d in self.broadcast_dims:  # the batch axis (0) is never shared: masks are per example
+    for d in broadcast_dims:  # the batch axis (0) is never shared: masks are per example
         if d % inputs.ndim:
             shape[d % inputs.ndim - 1] = 1
-    mask = jax.vmap(lambda k: jax.random.bernoulli(k, keep, tuple(shape)))(ctx.next())
+    mask = jax.vmap(lambda k: jax.random.bernoulli(k, keep, tuple(shape)))(keys)
     mask = jnp.broadcast_to(mask, inputs.shape)
     return jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerKeys:
+    """A bundled model's layer's dropout keys: its message's per-example key
+    data ``data [B, 2]`` (:func:`example_keys`) and the layer's index ``layer`` (int32, counted
+    by the message). A site (a kernel's name) draws row ``e``'s mask from
+    ``fold_in(fold_in(data[e], layer), crc32(site))``: the same on every layout and schedule."""
+
+    data: jax.Array
+    layer: jax.Array
+
+    def drop(self, x: jax.Array, site: str, rate: float) -> jax.Array:
+        """``x`` (rows first) with this layer's mask of ``site`` at ``rate``."""
+        if not rate:
+            return x
+        if x.ndim == 0 or x.shape[0] != self.data.shape[0]:
+            raise ValueError(f"a dropout on an array shaped {tuple(x.shape)}: fiddlejax draws "
+                             f"masks per example and needs the batch ({self.data.shape[0]} rows)"
+                             " on the leading axis")
+        layer = jnp.asarray(self.layer, jnp.int32).astype(jnp.uint32)
+        site_id = zlib.crc32(site.encode())
+
+        def one(k):
+            key = jax.random.fold_in(jax.random.wrap_key_data(k), layer)
+            return jax.random.fold_in(key, site_id)
+
+        return _masked(x, jax.vmap(one)(self.data), rate)
 
 
 nnx.Dropout.__call__ = _call  # delegates to Flax's own outside a fiddlejax forward piece
@@ -129,5 +173,5 @@ def rates(model: nnx.Module) -> list[tuple[str, float]]:
     return out
 
 
-__all__ = ["EXAMPLE", "STEP", "base_key", "example_keys", "keys", "rates", "with_indices",
-           "without_indices"]
+__all__ = ["EXAMPLE", "STEP", "LayerKeys", "base_key", "example_keys", "keys", "rates",
+           "with_indices", "without_indices"]

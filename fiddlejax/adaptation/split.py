@@ -67,4 +67,5 @@ def split_model(model: nnx.Module, loss_fn: Loss | None = None, layers: str | No
     # A rate-0 dropout's RNG streams in the layers: layer 0's serve every layer (never drawn).
     layer_rest = jax.tree.map(lambda a: a[0], nnx.state(layers, nnx.Not(nnx.Param)))
     return StagedModel(graphdef, rest, model.stack, layer_graphdef, num_layers, loss_fn,
-                       layer_rest=layer_rest), params
+                       layer_rest=layer_rest,
+                       dropout=getattr(model, "dropout_seed", None) is not None), params

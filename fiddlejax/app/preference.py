@@ -1,6 +1,8 @@
 """The job's DPO: preference data (``data.format=preference``, or detected from ``prompt``,
 ``chosen``, ``rejected``) trains with :func:`fiddlejax.finetune.dpo.loss` (``train.dpo_beta``), each
-batch scored first by the frozen starting model (:func:`fiddlejax.finetune.dpo.reference`)."""
+batch scored first by the frozen starting model (:func:`fiddlejax.finetune.dpo.reference`), or
+with ``plan.lora`` in the step by the base with its adapters off
+(:class:`~fiddlejax.finetune.dpo.InStep`)."""
 
 from __future__ import annotations
 
@@ -24,14 +26,16 @@ def wanted(cfg: dict) -> bool:
 
 
 def loss(cfg: dict, model, plan) -> Any:
-    """The DPO loss of ``train.dpo_beta``, the layout checked."""
+    """The DPO loss of ``train.dpo_beta``, the layout checked; with ``plan.lora`` the step
+    scores the reference itself (the base with its adapters off, on the training layout)."""
     from fiddlejax.finetune import dpo
 
     beta = float(cfg["train"]["dpo_beta"])
     if not beta > 0:
         raise config_lib.ConfigError(f"train.dpo_beta={beta} must be positive, e.g. 0.1")
     dpo.check_layout(int(dict(plan.mesh.shape).get("context", 1)))
-    return dpo.loss(beta, getattr(getattr(model, "config", None), "vocab_size", None))
+    return dpo.loss(beta, getattr(getattr(model, "config", None), "vocab_size", None),
+                    in_step=cfg["plan"].get("lora") is not None)
 
 
 class _Scored:
@@ -53,9 +57,12 @@ class _Scored:
 
 def with_reference(cfg: dict, data, plan):
     """``data`` (models.Batches) with each batch scored by the starting model: the model of
-    ``model:`` (its pretrained weights, or ``init_from``'s) without adapters, which with
-    ``plan.lora`` is the base with its adapters off (B = 0 at the start)."""
+    ``model:`` (its pretrained weights, or ``init_from``'s), a second copy on the default
+    device. With ``plan.lora`` nothing: the step scores the reference on its own layout."""
     import dataclasses
+
+    if cfg["plan"].get("lora") is not None:
+        return data
 
     from fiddlejax.app import build, runs
     from fiddlejax.finetune import dpo

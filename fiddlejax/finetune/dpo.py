@@ -56,11 +56,13 @@ def sequence_logps(logits: jax.Array, batch: dict, vocab_size: int | None = None
             jnp.sum(jnp.where(keep == REJECTED, logp, 0.0), -1))
 
 
-def loss(beta: float = 0.1, vocab_size: int | None = None) -> Callable:
+def loss(beta: float = 0.1, vocab_size: int | None = None, in_step: bool = False) -> Callable:
     """The DPO loss for ``parallelize(loss=)``: ``(outputs, batch) ->`` the pair (sum of the
     examples' losses, their count), reporting ``reward_accuracy`` (the share of examples whose
     implicit reward prefers the chosen completion) and ``reward_margin`` (the mean of
-    ``(pi_c - ref_c) - (pi_r - ref_r)``)."""
+    ``(pi_c - ref_c) - (pi_r - ref_r)``). ``in_step=True`` (a model with LoRA adapters): the
+    step scores the reference itself, the base with its adapters off (:class:`InStep`), and
+    the batch needs no ``ref_*`` keys."""
     if not beta > 0:
         raise ValueError(f"DPO beta={beta!r} must be positive, e.g. 0.1")
 
@@ -83,7 +85,67 @@ def loss(beta: float = 0.1, vocab_size: int | None = None) -> Callable:
                  "reward_margin": jnp.sum(jnp.where(real, margin, 0.0))}
         return Reported(value, means=jax.lax.stop_gradient(means))
 
+    if in_step:
+        dpo_loss.reference_scores = lambda outputs, batch: sequence_logps(
+            outputs[0] if isinstance(outputs, tuple) else outputs, batch, vocab_size)
     return dpo_loss
+
+
+class InStep:
+    """A staged model (with LoRA adapters) whose step scores DPO's reference itself: the
+    frozen base with the adapters off (every ``lora_b`` zero) is the starting model, so no
+    second copy exists. The message is a pair, the policy's and the reference's (under
+    ``stop_gradient``); each layer runs both, so the reference goes through the same layout
+    as the policy (the same shardings, pipeline stages and microbatches); before the loss its
+    outputs become each row's ``ref_chosen`` / ``ref_rejected``."""
+
+    def __init__(self, inner, scores: Callable):
+        self._inner, self._scores = inner, scores
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @staticmethod
+    def _base(params):
+        from fiddlejax.finetune import lora
+
+        return jax.lax.stop_gradient(lora.adapters_off(params))
+
+    def prologue(self, params, batch, *ops):
+        return (self._inner.prologue(params, batch, *ops),
+                jax.lax.stop_gradient(self._inner.prologue(self._base(params), batch, *ops)))
+
+    def layer(self, layer_params, x, *ops):
+        policy, ref = x
+        return (self._inner.layer(layer_params, policy, *ops),
+                self._inner.layer(self._base(layer_params), jax.lax.stop_gradient(ref), *ops))
+
+    def weighted_loss(self, params, x, batch, *ops):
+        policy, ref = x
+        outputs, scored = self._inner.outputs(self._base(params), jax.lax.stop_gradient(ref),
+                                              batch, *ops)
+        chosen, rejected = jax.lax.stop_gradient(self._scores(outputs, scored))
+        batch = {**batch, REF_KEYS[0]: chosen, REF_KEYS[1]: rejected}
+        return self._inner.weighted_loss(params, policy, batch, *ops)
+
+    def epilogue(self, params, x, batch, *ops):
+        total, sums = self.weighted_loss(params, x, batch, *ops)
+        return total / sums.weight
+
+
+def lay_out(staged, canonical):
+    """DPO's step of :func:`fiddlejax.parallel.compose.lay_out`: :class:`InStep` for a loss
+    made with ``in_step=True`` (refused without adapters), else ``staged`` itself."""
+    from fiddlejax.finetune import lora
+
+    scores = getattr(getattr(staged, "loss_fn", None), "reference_scores", None)
+    if scores is None:
+        return staged
+    if not lora.has_adapters(canonical):
+        raise ValueError("dpo.loss(in_step=True) scores the reference as the base with its "
+                         "LoRA adapters off; this model has no adapters: add them "
+                         "(plan.lora) or score the reference beforehand (dpo.reference)")
+    return InStep(staged, scores)
 
 
 def reference(model) -> Callable[[dict], dict]:

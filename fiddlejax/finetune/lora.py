@@ -47,8 +47,8 @@ DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and ML
 @dataclasses.dataclass(frozen=True)
 class LoRA:
     """What :func:`add` puts on a model: ``rank``, ``alpha`` (the update is scaled by
-    ``alpha / rank``), ``dropout`` (on the adapters' input: a user's own model, not yet the
-    bundled families) and the
+    ``alpha / rank``), ``dropout`` (peft's ``lora_dropout``, on the adapters' input; masks
+    per example, the same on every layout: :mod:`fiddlejax.adaptation.dropout`) and the
     ``targets``, kernels by attribute name (Meta's: ``wq wk wv wo`` attention, ``w1 w3 w2``
     gate, up, down; Hugging Face's ``q_proj`` ... ``down_proj`` are accepted too)."""
 
@@ -154,6 +154,16 @@ class Frozen:
     def epilogue(self, params, x, batch):
         return self._inner.epilogue(freeze(params), x, batch)
 
+    def outputs(self, params, x, batch):
+        return self._inner.outputs(freeze(params), x, batch)
+
+
+def adapters_off(tree):
+    """``tree`` with every ``lora_b`` zero: the frozen base (``x @ W + scale * (x A) 0``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if any(_key(e).endswith("lora_b") for e in p) else x,
+        tree)
+
 
 def lay_out(staged, canonical):
     """The freezing step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself for
@@ -172,9 +182,11 @@ def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
     key, found = jax.random.key(seed), []
     bundled = any(getattr(type(m), "lora_targets", {}) for _, m in nnx.iter_modules(model))
     if bundled and lora.dropout:
-        raise ValueError(f"LoRA dropout={lora.dropout} on {type(model).__name__}: a bundled "
-                         "family's layers get no per-example dropout keys yet; use dropout=0 "
-                         "(plan.lora.dropout=0), or your own NNX model through layers=")
+        if not hasattr(type(model), "dropout_seed"):
+            raise ValueError(f"LoRA dropout={lora.dropout} on {type(model).__name__}: its "
+                             "layers take no per-example dropout keys (the decoder families "
+                             "do); use dropout=0 (plan.lora.dropout=0)")
+        model.dropout_seed = seed  # its prologue folds per-example keys from it
     for path, module in nnx.iter_modules(model):
         table = getattr(type(module), "lora_targets", {})
         for name in lora.targets:
@@ -184,7 +196,7 @@ def add(model: nnx.Module, lora: LoRA, seed: int = 0) -> nnx.Module:
             _adapt(module, name, table[name][0], lora.rank, sub)
             found.append(".".join(map(str, (*path, name))))
         if any(n in table for n in lora.targets):
-            module.lora_scale = lora.scale
+            module.lora_scale, module.lora_dropout = lora.scale, lora.dropout
     have = sorted({n for _, m in nnx.iter_modules(model)
                    for n in getattr(type(m), "lora_targets", {})})
     if not have:  # a user's own model: its nnx.Linear layers named like the targets

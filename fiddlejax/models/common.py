@@ -32,14 +32,19 @@ def param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | 
     return annotated(init(rngs.params(), shape, jnp.float32), axes)
 
 
-def project(module: nnx.Module, name: str, x: jax.Array, spec: str) -> jax.Array:
+def project(module: nnx.Module, name: str, x: jax.Array, spec: str, drop=None) -> jax.Array:
     """``einsum(spec, x, module.<name>)``, plus its LoRA update ``scale * (x @ A) @ B`` when the
     kernel carries adapters (``<name>_lora_a``, ``<name>_lora_b``:
-    :mod:`fiddlejax.finetune.lora`)."""
+    :mod:`fiddlejax.finetune.lora`); with ``module.lora_dropout`` and a training step's keys
+    (``drop``: the layer's :class:`fiddlejax.adaptation.dropout.LayerKeys`, from its message)
+    the adapters' input is ``dropout(x)``, as peft's ``lora_dropout``."""
     y = jnp.einsum(spec, x, getattr(module, name)[...])
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return y
+    rate = getattr(module, "lora_dropout", 0.0)
+    if rate and drop is not None:  # none in eval: no keys
+        x = drop.drop(x, name, rate)
     a, b = a[...], getattr(module, f"{name}_lora_b")[...]
     xa = jnp.tensordot(x, a.astype(x.dtype), a.ndim - 1)  # [..., rank]: O(T d r)
     return y + (module.lora_scale * jnp.tensordot(xa, b.astype(x.dtype), 1)).astype(y.dtype)
@@ -62,6 +67,24 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return layer_norm(x, self.scale[...], self.bias[...])
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with float32 statistics; ``plus_one``: Gemma's ``x * (1 + w)`` in float32, its
+    weights starting at zero (Llama: ``w * x`` in the input's dtype)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False,
+                 axis: str | None = "embed"):
+        self.weight = annotated(jnp.zeros((dim,)) if plus_one else jnp.ones((dim,)), (axis,))
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return self.weight[...] * x32.astype(x.dtype)
 
 
 class Block(nnx.Module):
@@ -145,6 +168,7 @@ class Message(NamedTuple):
     layer: jax.Array | None = None          # int32 []: the next layer's index (layer types)
     tally: jax.Array | None = None          # float32 [B, T, 2E + 2]: MoE router tally
     loads: jax.Array | None = None          # int32 [L, E]: each MoE layer's expert loads
+    keys: jax.Array | None = None           # uint32 [B, 2]: per-example dropout keys (training)
 
 
 def activation(msg) -> jax.Array:

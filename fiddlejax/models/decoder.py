@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fiddlejax.adaptation import dropout
 from fiddlejax.memory import names
 from fiddlejax.parallel.ops import Ops
 from fiddlejax.staged import vocab_parallel
@@ -47,6 +48,7 @@ from fiddlejax.staged import vocab_parallel
 from . import families, hf, hf_io, moe_loss, rope
 from .common import (
     Message,
+    RMSNorm,
     activation,
     annotated,
     attention,
@@ -63,24 +65,6 @@ from .common import (
 )
 from .decoder_config import ACTIVATIONS, LAYER_TYPES, DecoderConfig  # noqa: F401 - re-exported
 from .moe import MoE, MoEOutput
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm with float32 statistics; ``plus_one``: Gemma's ``x * (1 + w)`` in float32, its
-    weights starting at zero (Llama: ``w * x`` in the input's dtype)."""
-
-    def __init__(self, dim: int, eps: float, plus_one: bool = False,
-                 axis: str | None = "embed"):
-        self.weight = annotated(jnp.zeros((dim,)) if plus_one else jnp.ones((dim,)), (axis,))
-        self.eps = eps
-        self.plus_one = plus_one
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
-        if self.plus_one:
-            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-        return self.weight[...] * x32.astype(x.dtype)
 
 
 class DecoderBlock(nnx.Module):
@@ -124,12 +108,13 @@ class DecoderBlock(nnx.Module):
         if c.sandwich_norms:
             self.mlp_post_norm = norm()
 
-    def qkv(self, x: jax.Array, positions: jax.Array | None, kind: str):
-        """Queries, keys and values of ``x[B, T, d]``: biases, norms and rotary applied."""
+    def qkv(self, x: jax.Array, positions: jax.Array | None, kind: str, drop=None):
+        """Queries, keys and values of ``x[B, T, d]``: biases, norms and rotary applied;
+        ``drop``: the layer's dropout keys (LoRA dropout, :func:`.common.project`)."""
         c = self.config
-        q = checkpoint_name(project(self, "wq", x, "btd,dhk->bthk"), names.QUERY)
-        k = checkpoint_name(project(self, "wk", x, "btd,dhk->bthk"), names.KEY)
-        v = checkpoint_name(project(self, "wv", x, "btd,dhk->bthk"), names.VALUE)
+        q = checkpoint_name(project(self, "wq", x, "btd,dhk->bthk", drop), names.QUERY)
+        k = checkpoint_name(project(self, "wk", x, "btd,dhk->bthk", drop), names.KEY)
+        v = checkpoint_name(project(self, "wv", x, "btd,dhk->bthk", drop), names.VALUE)
         if c.attention_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if c.qk_norm:
@@ -138,53 +123,55 @@ class DecoderBlock(nnx.Module):
         return rope.apply_rope(q, inv, positions), rope.apply_rope(k, inv, positions), v
 
     def attend(self, x: jax.Array, segment_ids, positions, kind: str,
-               ops: Ops | None = None) -> jax.Array:
+               ops: Ops | None = None, drop=None) -> jax.Array:
         """The attention sub-layer of a layer of type ``kind`` (before the output norm)."""
         c = self.config
-        q, k, v = self.qkv(x, positions, kind)
+        q, k, v = self.qkv(x, positions, kind, drop)
         ctx = attention(q, k, v, causal=True, segment_ids=segment_ids, window=c.window(kind),
                         softcap=c.attn_logit_softcapping, scale=c.attention_scale, ops=ops)
-        return checkpoint_name(project(self, "wo", ctx, "bthk,hkd->btd"), names.ATTN_OUT)
+        return checkpoint_name(project(self, "wo", ctx, "bthk,hkd->btd", drop), names.ATTN_OUT)
 
     def attention(self, x: jax.Array, segment_ids: jax.Array | None = None,
                   positions: jax.Array | None = None, layer: jax.Array | None = None,
-                  ops: Ops | None = None) -> jax.Array:
+                  ops: Ops | None = None, drop=None) -> jax.Array:
         """Attention of the layer ``layer`` (its index: picks its type), or of the one type."""
         kinds = self.config.kinds
         if len(kinds) == 1 or layer is None:  # one type (or a probe of layer 0 alone)
-            return self.attend(x, segment_ids, positions, self.config.layer_types[0], ops)
+            return self.attend(x, segment_ids, positions, self.config.layer_types[0], ops, drop)
         table = jnp.asarray([kinds.index(t) for t in self.config.layer_types], jnp.int32)
-        branches = [lambda x, s, p, kind=kind: self.attend(x, s, p, kind, ops) for kind in kinds]
+        branches = [lambda x, s, p, kind=kind: self.attend(x, s, p, kind, ops, drop)
+                    for kind in kinds]
         return jax.lax.switch(table[jnp.clip(layer, 0, len(table) - 1)], branches, x,
                               segment_ids, positions)
 
     def mlp(self, x: jax.Array) -> jax.Array:
         return self.routed_mlp(x)[0]
 
-    def routed_mlp(self, x: jax.Array, ops: Ops | None = None
+    def routed_mlp(self, x: jax.Array, ops: Ops | None = None, drop=None
                    ) -> tuple[jax.Array, MoEOutput | None]:
         """The MLP's output, and the MoE layer's routing (None for a dense MLP)."""
         if hasattr(self, "moe"):  # a layer has a MoE only if its MLP is one (DeepSeek's dense)
             out = self.moe(x, ops=ops)
             return out.output, out
         act = ACTIVATIONS[self.config.hidden_act]
-        gate = checkpoint_name(project(self, "w1", x, "...d,df->...f"), names.MLP_HIDDEN)
-        up = checkpoint_name(project(self, "w3", x, "...d,df->...f"), names.MLP_HIDDEN)
-        return checkpoint_name(project(self, "w2", act(gate) * up, "...f,fd->...d"),
+        gate = checkpoint_name(project(self, "w1", x, "...d,df->...f", drop), names.MLP_HIDDEN)
+        up = checkpoint_name(project(self, "w3", x, "...d,df->...f", drop), names.MLP_HIDDEN)
+        return checkpoint_name(project(self, "w2", act(gate) * up, "...f,fd->...d", drop),
                                names.MLP_OUT), None
 
     def residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         """The rest of the layer once its attention output ``attn`` is known."""
         return self.routed_residual(x, attn)[0]
 
-    def routed_residual(self, x: jax.Array, attn: jax.Array, ops: Ops | None = None):
+    def routed_residual(self, x: jax.Array, attn: jax.Array, ops: Ops | None = None,
+                        drop=None):
         """:meth:`residual` and the MLP's routing (None for a dense MLP)."""
         if self.config.sandwich_norms:
             x = x + self.attn_post_norm(attn)
-            y, routed = self.routed_mlp(self.mlp_norm(x), ops)
+            y, routed = self.routed_mlp(self.mlp_norm(x), ops, drop)
             return x + self.mlp_post_norm(y), routed
         x = x + attn
-        y, routed = self.routed_mlp(self.mlp_norm(x), ops)
+        y, routed = self.routed_mlp(self.mlp_norm(x), ops, drop)
         return x + y, routed
 
     def __call__(self, msg: Message, ops: Ops | None = None) -> Message:
@@ -192,11 +179,14 @@ class DecoderBlock(nnx.Module):
 
     def routed(self, msg: Message, ops: Ops | None = None) -> tuple[Message, jax.Array | None]:
         """The layer on a message, and its router logits ``[B, T, E]`` (None if dense);
-        ``ops``: what the layout offers (:class:`fiddlejax.parallel.ops.Ops`)."""
+        ``ops``: what the layout offers (:class:`fiddlejax.parallel.ops.Ops`); a message
+        carrying dropout ``keys`` (a training step with LoRA dropout) gives this layer's
+        (:class:`fiddlejax.adaptation.dropout.LayerKeys`) to its projections."""
         x, layer = msg.x, msg.layer
+        drop = None if msg.keys is None else dropout.LayerKeys(msg.keys, layer)
         x, routed = self.routed_residual(
-            x, self.attention(self.attn_norm(x), msg.segment_ids, msg.positions, layer, ops),
-            ops)
+            x, self.attention(self.attn_norm(x), msg.segment_ids, msg.positions, layer, ops,
+                              drop), ops, drop)
         msg = msg._replace(x=x, layer=None if layer is None else layer + 1)
         if routed is None:
             return msg, None
@@ -208,6 +198,7 @@ class Decoder(nnx.Module):
 
     stack = "blocks"  # the attribute holding the stacked layers
     vocab_services = True  # prologue/head/loss take ops (ops.vocab: compute.vocab's slices)
+    dropout_seed: int | None = None  # LoRA dropout's seed (finetune.lora.add sets it)
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = self.config = config
@@ -225,18 +216,26 @@ class Decoder(nnx.Module):
         return x * jnp.asarray(c.hidden_size ** 0.5, x.dtype) if c.scale_embeddings else x
 
     def message(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None, ops: Ops | None = None) -> Message:
+                positions: jax.Array | None = None, ops: Ops | None = None,
+                keys: jax.Array | None = None) -> Message:
         """The message entering layer 0: the embeddings, the segment ids and positions of
-        packed documents, layer 0's index (several layer types) and (MoE) an empty tally."""
+        packed documents, layer 0's index (several layer types, or dropout ``keys``), (MoE) an
+        empty tally and the per-example dropout ``keys`` (``[B, 2]``, a training step's)."""
         segment_ids, positions = side_inputs(tokens, segment_ids, positions)
         c = self.config
         return Message(
             self.embed_tokens(tokens, ops), segment_ids, positions,
-            layer=jnp.zeros((), jnp.int32) if len(c.kinds) > 1 else None,
-            tally=moe_loss.empty(tokens.shape, c.num_experts) if c.num_experts else None)
+            layer=jnp.zeros((), jnp.int32) if len(c.kinds) > 1 or keys is not None else None,
+            tally=moe_loss.empty(tokens.shape, c.num_experts) if c.num_experts else None,
+            keys=keys)
 
     def prologue(self, batch: dict, ops: Ops | None = None) -> Message:
-        return self.message(batch["tokens"][:, :-1], *batch_sides(batch), ops=ops)
+        """The message of ``batch``; a training step of a model with LoRA dropout
+        (``dropout_seed`` set) carries each row's step and example index in the batch
+        (:mod:`fiddlejax.adaptation.dropout`), folded here into per-example keys."""
+        keys = (None if self.dropout_seed is None
+                else dropout.example_keys(self.dropout_seed, batch))
+        return self.message(batch["tokens"][:, :-1], *batch_sides(batch), ops=ops, keys=keys)
 
     def head(self, msg: Message | jax.Array, ops: Ops | None = None):
         """Final norm and vocabulary projection (``ops.vocab``: onto this device's slice): the

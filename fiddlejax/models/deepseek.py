@@ -81,12 +81,12 @@ class DeepseekBlock(DecoderBlock):
         per_expert = jnp.sum(counts.reshape(-1, e), axis=0).astype(jnp.int32)
         return out._replace(loads=msg.loads.at[msg.layer].add(per_expert)), logits
 
-    def qkv(self, x, positions, kind):
+    def qkv(self, x, positions, kind, drop=None):
         raise NotImplementedError("DeepSeek-V3's latent attention has no K/V cache yet: "
                                   "generate with transformers, or train and export")
 
     def attend(self, x: jax.Array, segment_ids, positions, kind: str,
-               ops: Ops | None = None) -> jax.Array:
+               ops: Ops | None = None, drop=None) -> jax.Array:
         return self.attn(x, segment_ids, positions, ops)
 
 

@@ -106,21 +106,21 @@ class GptOssBlock(DecoderBlock):
         out_std = 0.02 / (2 * c.num_hidden_layers) ** 0.5
         self.moe = GptOssMoE(c.moe, rngs=rngs, out_std=out_std)
 
-    def qkv(self, x: jax.Array, positions: jax.Array | None, kind: str):
+    def qkv(self, x: jax.Array, positions: jax.Array | None, kind: str, drop=None):
         """As :meth:`.decoder.DecoderBlock.qkv`, queries and keys times YaRN's cos/sin
         factor (transformers scales cos and sin by it)."""
-        q, k, v = super().qkv(x, positions, kind)
+        q, k, v = super().qkv(x, positions, kind, drop)
         f = self.config.rope_factor
         return (q, k, v) if f == 1.0 else (q * jnp.asarray(f, q.dtype), k * jnp.asarray(f, k.dtype),
                                            v)
 
     def attend(self, x: jax.Array, segment_ids, positions, kind: str,
-               ops: Ops | None = None) -> jax.Array:
+               ops: Ops | None = None, drop=None) -> jax.Array:
         c = self.config
-        q, k, v = self.qkv(x, positions, kind)
+        q, k, v = self.qkv(x, positions, kind, drop)
         ctx = attention(q, k, v, causal=True, segment_ids=segment_ids, window=c.window(kind),
                         ops=ops, sinks=self.sinks[...])
-        out = project(self, "wo", ctx, "bthk,hkd->btd") + self.bo[...].astype(ctx.dtype)
+        out = project(self, "wo", ctx, "bthk,hkd->btd", drop) + self.bo[...].astype(ctx.dtype)
         return checkpoint_name(out, names.ATTN_OUT)
 
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from fiddlejax import layout
 from fiddlejax.adaptation import grouping, hetero
-from fiddlejax.finetune import lora
+from fiddlejax.finetune import dpo, lora
 from fiddlejax.parallel import context, exchange, expert, sequence, tensor, zero
 from fiddlejax.parallel.concern import Draft, fold
 from fiddlejax.parallel.layout import Layout, to_internal
@@ -51,6 +51,16 @@ class Freezing:
 
     def apply(self, draft: Draft) -> Draft:
         return dataclasses.replace(draft, staged=lora.lay_out(draft.staged, draft.canonical))
+
+
+class Referencing:
+    """DPO with LoRA: the reference scored in the step by the base with its adapters off
+    (:class:`fiddlejax.finetune.dpo.InStep`), through every concern the policy goes through."""
+
+    axis, sets, offers = "", frozenset({"staged"}), None
+
+    def apply(self, draft: Draft) -> Draft:
+        return dataclasses.replace(draft, staged=dpo.lay_out(draft.staged, draft.canonical))
 
 
 class Pipe:
@@ -71,7 +81,7 @@ class Pipe:
 
 
 CONCERNS = (tensor.VocabPads(), context.ContextAxis(), sequence.SequenceSplit(),
-            expert.ExpertAxis(), Freezing(), Pipe(), tensor.Specs(), zero.Store(),
+            expert.ExpertAxis(), Freezing(), Referencing(), Pipe(), tensor.Specs(), zero.Store(),
             exchange.Replicas())
 
 

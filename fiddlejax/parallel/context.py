@@ -241,6 +241,11 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
             "modules (num_nextn_predict_layers > 0) read the tokens after a shard's chunk and "
             "are not joined over context yet; use mesh context=1, or load the model with "
             "overrides={'num_nextn_predict_layers': 0}")
+    if getattr(staged, "dropout", False):  # masks per example: a row must stay whole
+        raise ValueError(
+            f"context={size} cuts each row along the sequence, but this model draws dropout "
+            "masks per example (a dropout rate above 0, plan.lora.dropout too); use mesh "
+            "context=1, or dropout 0 (plan.lora.dropout=0)")
     if example is None or "tokens" not in example or len(example["tokens"].shape) != 2:
         raise ValueError(
             f"context={size} splits token sequences: the model needs a batch_spec() with "

@@ -264,6 +264,11 @@ class ExpertModel:
             x = head_input(x, self.split)
         return self._inner.weighted_loss(params, x, self._rows(batch))
 
+    def outputs(self, params, x, batch):
+        if getattr(self._inner, "loss_layout", None) is not None:
+            x = head_input(x, self.split)
+        return self._inner.outputs(params, x, self._rows(batch))
+
     def epilogue(self, params, x, batch):
         total, sums = self.weighted_loss(params, x, batch)
         return total / sums.weight

@@ -10,7 +10,8 @@ Pure Python except ``from_flax`` (which measures a Flax model with JAX).
 """
 
 from fiddlejax.planner.cluster import ClusterSpec, GPUSpec, cluster
-from fiddlejax.planner.experts import MoESpec, moe_llama, preset
+from fiddlejax.planner.experts import MoESpec, moe_llama
+from fiddlejax.planner.families import deepseek_v3, gpt_oss, preset
 from fiddlejax.planner.predict import Memory, Prediction, StepTime, memory, predict
 from fiddlejax.planner.search import search
 from fiddlejax.planner.space import Layout, validate
@@ -18,6 +19,6 @@ from fiddlejax.planner.workload import ModelSpec, from_flax, gpt, llama
 
 __all__ = [
     "ClusterSpec", "GPUSpec", "Layout", "Memory", "MoESpec", "ModelSpec", "Prediction",
-    "StepTime", "cluster", "from_flax", "gpt", "llama", "memory", "moe_llama", "predict",
-    "preset", "search", "validate",
+    "StepTime", "cluster", "deepseek_v3", "from_flax", "gpt", "gpt_oss", "llama", "memory",
+    "moe_llama", "predict", "preset", "search", "validate",
 ]

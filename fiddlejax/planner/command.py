@@ -21,12 +21,11 @@ import argparse
 import json
 import sys
 
-from fiddlejax.planner import experts, workload
+from fiddlejax.planner import families, workload
 from fiddlejax.planner.attention import ATTENTIONS
 from fiddlejax.planner.attention import kind as attention_kind
 from fiddlejax.planner.cluster import PRESETS as CLUSTERS
 from fiddlejax.planner.cluster import cluster
-from fiddlejax.planner.experts import MOE_PRESETS
 from fiddlejax.planner.predict import Prediction, predict
 from fiddlejax.planner.search import DEFAULT_SCHEDULES, search
 from fiddlejax.planner.space import (
@@ -50,7 +49,7 @@ GIB = 2**30
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    presets = ", ".join([*workload.PRESETS, *workload.LLAMA_PRESETS, *MOE_PRESETS])
+    presets = ", ".join(families.names())
     g.add_argument("--model", default="gpt",
                    help=f"'gpt' or 'llama' (with the flags below) or a preset: {presets}")
     for f in ("layers", "hidden", "heads", "kv-heads", "seq", "vocab", "ffn"):
@@ -76,7 +75,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _model(a: argparse.Namespace) -> workload.ModelSpec:
     if a.model not in ("gpt", "llama"):
-        return experts.preset(a.model, seq=a.seq)
+        return families.preset(a.model, seq=a.seq)
     need = ("layers", "hidden", "heads", "seq", "vocab") + (
         ("kv_heads", "ffn") if a.model == "llama" else ())
     missing = [f"--{f.replace('_', '-')}" for f in need if getattr(a, f) is None]

@@ -35,14 +35,36 @@ class MoESpec:
     top_k: int
     expert_ffn: int
     capacity_factor: float | None = None
+    biases: bool = False  # each expert's gate, up and down biases (GPT-OSS)
+    outer_layers: int = 0  # MoE layers outside the stack (DeepSeek-V3's MTP modules)
+
+    def one_expert(self, hidden: int) -> int:
+        """Parameters of one expert: gate, up and down (and their biases)."""
+        f = self.expert_ffn
+        return 3 * hidden * f + ((2 * f + hidden) if self.biases else 0)
 
     def expert_params(self, hidden: int) -> int:
         """Parameters of one layer's experts (gate, up, down of each)."""
-        return 3 * hidden * self.expert_ffn * self.num_experts
+        return self.one_expert(hidden) * self.num_experts
+
+    def outer_params(self, hidden: int) -> int:
+        """Expert parameters of the MoE layers outside the stack (``outer_layers``): held
+        like a stack layer's, split over ``expert`` x ``tensor``."""
+        return self.outer_layers * self.expert_params(hidden)
 
     def active_params(self, hidden: int) -> int:
         """Parameters one token multiplies in one layer's MoE: ``k`` experts and the router."""
         return 3 * hidden * self.expert_ffn * self.top_k + hidden * self.num_experts
+
+
+def active_params(model: ModelSpec) -> int:
+    """Parameters one token uses: every parameter but the ``E - k`` experts it skips in each
+    MoE layer (the stack's and ``MoESpec.outer_layers``); ``model.params`` for a dense one."""
+    m = model.moe
+    if m is None:
+        return model.params
+    skipped = (m.num_experts - m.top_k) * m.one_expert(model.hidden)
+    return model.params - (model.num_layers + m.outer_layers) * skipped
 
 
 def moe_llama(layers: int, hidden: int, heads: int, kv_heads: int, seq: int, vocab: int, *,
@@ -193,5 +215,5 @@ def expert_sizes(model: ModelSpec, gpus: int) -> list[int]:
     return [x for x in range(1, e + 1) if e % x == 0 and gpus % x == 0]
 
 
-__all__ = ["MOE_PRESETS", "MoESpec", "alltoall_bytes", "alltoall_seconds", "expert_sizes",
-           "moe_llama", "padded_activations", "padded_flops", "padding", "preset"]
+__all__ = ["MOE_PRESETS", "MoESpec", "active_params", "alltoall_bytes", "alltoall_seconds",
+           "expert_sizes", "moe_llama", "padded_activations", "padded_flops", "padding", "preset"]

@@ -205,11 +205,20 @@ def outer_params(model: ModelSpec, layout: Layout) -> float:
     over ``pipe`` x ``tensor``, on every stage, because its prologue and head run
     vocabulary-parallel over all of them; smaller leaves (final norm) keep their tensor split
     or stay whole. ``head="last-stage"``: the first stage's embedding or the last stage's head,
-    whichever is larger."""
+    whichever is larger. Experts outside the stack (DeepSeek-V3's MTP modules,
+    ``MoESpec.outer_layers``) split over ``expert`` x ``tensor`` on every GPU."""
+    ex = _outer_experts(model, layout)
     if layout.pipe > 1 and layout.head == "last-stage":
         t = layout.tensor
-        return max(s / t + r for s, r in (model.prologue_params, model.epilogue_params))
-    return sum(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
+        return ex + max(s / t + r for s, r in (model.prologue_params, model.epilogue_params))
+    return ex + sum(_outer_leaf(n, split, layout) for n, split in model.outer_param_leaves())
+
+
+def _outer_experts(model: ModelSpec, layout: Layout) -> float:
+    """One GPU's share of the experts outside the stack (``MoESpec.outer_layers``)."""
+    if model.moe is None:
+        return 0.0
+    return model.moe.outer_params(model.hidden) / (layout.tensor * layout.expert)
 
 
 def stage_params(model: ModelSpec, layout: Layout) -> float:
@@ -233,7 +242,8 @@ def stage_expert_params(model: ModelSpec, layout: Layout) -> float:
         return 0.0
     layers = (layout.virtual_stages * chunk_layers(model, layout) if layout.pipe > 1
               else model.num_layers)
-    return layers * model.moe.expert_params(model.hidden) / (layout.tensor * layout.expert)
+    return (layers * model.moe.expert_params(model.hidden) / (layout.tensor * layout.expert)
+            + _outer_experts(model, layout))
 
 
 # ----------------------------------------------------------------------------- memory

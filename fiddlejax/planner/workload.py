@@ -84,8 +84,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers} must be >= 1")
-        missing = [p for p in ("none", "full") if p not in self.act]
-        if missing:
+        if missing := [p for p in ("none", "full") if p not in self.act]:
             raise ValueError(f"ModelSpec.act needs entries for {missing}")
         if self.layer_costs is not None and len(self.layer_costs) != self.num_layers:
             raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for "
@@ -93,10 +92,11 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Total parameters (every expert's)."""
+        """Total parameters (every expert's, those outside the stack too)."""
         experts = self.moe.expert_params(self.hidden) if self.moe else 0
-        return (self.num_layers * (sum(self.layer_params) + experts)
-                + sum(self.prologue_params) + sum(self.epilogue_params))
+        return (self.num_layers * (sum(self.layer_params) + experts) + sum(self.prologue_params)
+                + sum(self.epilogue_params) + (self.moe.outer_params(self.hidden) if self.moe
+                                               else 0))
 
     def layer_share(self, tensor: int, expert: int = 1) -> float:
         """Parameters of one layer on one rank: split ones over ``tensor``, experts over
