@@ -277,11 +277,14 @@ def test_required_optional_parameter_is_called_with_none():
     staged.prologue(staged.to_staged(canonical), {"tokens": jnp.zeros((2, 9), jnp.int32)})
 
 
-def test_blocks_without_a_pattern_are_refused_naming_the_attribute():
+def test_blocks_without_a_pattern_run_as_unequal_blocks():
+    """No repeating unit: the blocks run as unequal ones (fiddlejax.adaptation.hetero), with a
+    warning that says so (tests/test_hetero.py checks them exact)."""
     model = Local(pattern=(4, 4, None), repeats=1, rngs=nnx.Rngs(0))
     model.blocks.append(Attn(16, 8, nnx.Rngs(1)))
-    with pytest.raises(ValueError, match=r"block 2 differs from block 0 in window = 4 vs None"):
-        fj.split_model(model, next_token, layers="blocks")
+    with pytest.warns(UserWarning, match=r"repeat in no pattern; they run as unequal blocks"):
+        staged, _ = fj.split_model(model, next_token, layers="blocks")
+    assert staged.unit == 4 and staged.num_blocks == 4
 
 
 # -- the bundled models through the new form and through the explicit protocol ---------------

@@ -136,9 +136,25 @@ class AdaptedModel(StagedModel):
         keys = dropout.example_keys(self.dropout_base, batch) if self.dropout else None
         with dropout.keys(keys, -1):  # the prologue's dropouts are "layer" -1
             args, kwargs = self._first_call(self._outer(params), batch)
-        _, consts, learned = self.checked[_shape_key(batch)]
+        _, consts, learned, _ = self.checked[_shape_key(batch)]
         return pack(args[0], args[1:], kwargs, self.sides, self.callsite, consts, keys,
-                    counter=self._frozen, learned=learned)
+                    counter=self._counted, learned=learned)
+
+    @property
+    def num_blocks(self) -> int:
+        """The blocks at ``layers`` (units x blocks per unit)."""
+        return self.num_layers * self.unit
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether a block may return an activation shaped unlike its input (unequal blocks:
+        :mod:`fiddlejax.adaptation.hetero`)."""
+        return False
+
+    @property
+    def _counted(self) -> bool:
+        """Whether the message counts the blocks run (blocks pick their constants by it)."""
+        return self._frozen
 
     @property
     def _frozen(self) -> bool:
@@ -204,7 +220,7 @@ class AdaptedModel(StagedModel):
         flat = dict(nnx.to_flat_state(self.template))
         blocks = [nnx.from_flat_state([(p[len(key):], _abstract(v)) for p, v in flat.items()
                                        if p[: len(key)] == key]) for key in self.block_keys]
-        n = self.num_layers * self.unit
+        n = self.num_blocks
         if self.scanned:  # one stacked module: its layers, one by one
             blocks = [scanned.per_layer(blocks[0], i) for i in range(n)]
         b = _abstract(dropout.without_indices(batch))
@@ -220,7 +236,9 @@ class AdaptedModel(StagedModel):
             log = []
             with acting("record", real, log), dropout.keys(None, 0), self._tracing():
                 self._call_checked(model, bt)  # eval mode: shapes only
-            info["out"] = check_log(log, n, self.callsite, self.block_output)
+            info["out"] = check_log(log, n, self.callsite, self.block_output, self.reshapes)
+            info["io"] = tuple(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
+                args[0], activation(out, self.block_output))) for _, args, _, out in log)
             check_unwritten(self.callsite, frozen, [jax.tree.leaves(nnx.state(r, FROZEN))
                                                     for r in real])
 
@@ -240,7 +258,7 @@ class AdaptedModel(StagedModel):
             k for k, (dep, a) in enumerate(zip(depends(closed.jaxpr, len(jax.tree.leaves(outer))),
                                                closed.out_avals, strict=True))
             if dep and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact))
-        self.checked[_shape_key(batch)] = (info["out"], consts, learned)
+        self.checked[_shape_key(batch)] = (info["out"], consts, learned, info["io"])
 
     def _check_extras_unused(self, out: Any, outer: nnx.State, batch: dict) -> None:
         """Refuse a loss that uses what blocks return besides the activation (training drops
@@ -330,7 +348,8 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str,
         scanned.name_layers(stack[0])
     canonical = nnx.state(model, nnx.Param)
     sharding.check_ranks(canonical, name)
-    unit, ignored = repeating_unit(model, layers, blocks) if stack is None else (1, ())
+    unit, ignored = (repeating_unit(model, layers, blocks, unequal=True) if stack is None
+                     else (1, ()))
     unit_graphdefs, unit_rest = [], []
     for b in blocks[:unit]:
         gd, _, rest = nnx.split(b, nnx.Param, nnx.RngState, ...)[:3]

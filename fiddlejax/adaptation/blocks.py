@@ -205,11 +205,14 @@ def _variable_diff(va: Any, vb: Any, where: str) -> str | None:
     return None
 
 
-def repeating_unit(model: nnx.Module, layers: str, blocks: list) -> tuple[int, tuple]:
+def repeating_unit(model: nnx.Module, layers: str, blocks: list,
+                   unequal: bool = False) -> tuple[int, tuple]:
     """The shortest period ``k`` (dividing the block count) after which blocks repeat, and the
     attributes (paths below a block) ignored in that comparison: plain values that differ
     between blocks but that no method besides ``__init__`` names (Mamba2's ``layer_idx``).
-    Each block then runs with its unit's first value; the first trace checks none is read."""
+    Each block then runs with its unit's first value; the first trace checks none is read.
+    ``unequal``: blocks that repeat in no pattern give ``k`` = their count (each its own kind:
+    :mod:`fiddlejax.adaptation.hetero`) instead of an error."""
     defs = [nnx.split(b)[0] for b in blocks]
     n = len(blocks)
     ignored: dict[tuple, str] = {}
@@ -231,6 +234,8 @@ def repeating_unit(model: nnx.Module, layers: str, blocks: list) -> tuple[int, t
     if k > 1:
         j = next(i for i in range(1, n) if defs[i] != defs[0])
         diff = static_diff(blocks[0], blocks[j]) or "their structure"
+        if k == n and unequal:
+            return n, ()
         if k == n:
             raise ValueError(
                 f"{name}: block {j} differs from block 0 in {diff}, and the {n} blocks repeat "

@@ -7,11 +7,14 @@ of its repeated blocks.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import jax
 from flax import nnx
 
 from fiddlejax import sharding
-from fiddlejax.adaptation import adapt
+from fiddlejax.adaptation import adapt, hetero
 from fiddlejax.staged import Loss, StagedModel, check_dropout
 
 
@@ -27,7 +30,16 @@ def split_model(model: nnx.Module, loss_fn: Loss | None = None, layers: str | No
         raise _one_stack(model, layers)
     explicit = all(hasattr(model, a) for a in ("stack", "prologue", "head"))
     if layers is not None and not (explicit and layers == model.stack):
-        return adapt.adapt(model, loss_fn, layers, block_output)
+        staged, params = adapt.adapt(model, loss_fn, layers, block_output)
+        if staged.unit > 1 and staged.num_layers == 1:  # blocks that repeat in no pattern
+            warnings.warn(
+                f"{staged.callsite}: the {staged.unit} blocks repeat in no pattern; they run as "
+                "unequal blocks, one group per pipeline stage (docs/byom.md, 'Blocks that "
+                "differ'): tensor splits nothing inside them. Make them identical to stack "
+                "them", stacklevel=sharding.user_stacklevel())
+            staged = hetero.HeteroModel(**{f.name: getattr(staged, f.name)
+                                           for f in dataclasses.fields(staged)})
+        return staged, params
     if block_output is not None:
         raise TypeError(f"block_output= picks the activation of the blocks at layers=; "
                         f"{type(model).__name__} declares the staged protocol, whose layers "

@@ -123,11 +123,11 @@ def _output(out: Any, select=None) -> Output | None:
                                      if isinstance(a, jax.Array) else a for a in leaves))
 
 
-def check_log(log: list, n: int, where: str, select=None) -> Output:
+def check_log(log: list, n: int, where: str, select=None, reshapes: bool = False) -> Output:
     """Check a recorded forward: each of the ``n`` blocks called once, in order, back to back,
     with the same side inputs, returning an activation (the first array, or what ``select``
-    picks, shaped like the block's input) and maybe more that no later block receives; returns
-    a block's output."""
+    picks, shaped like the block's input unless ``reshapes``: unequal blocks) and maybe more
+    that no later block receives; returns a block's output (the last one's if ``reshapes``)."""
     order = [i for i, *_ in log]
     if order != list(range(n)):
         raise ValueError(f"{where}: __call__ runs the blocks in the order {order[:8]}; "
@@ -138,13 +138,14 @@ def check_log(log: list, n: int, where: str, select=None) -> Output:
             raise TypeError(f"{where}: block {i} gets no array as its first argument; "
                             "fiddlejax passes the activation first")
         output = _output(out, select)
-        if output is None or output.leaves[output.index].shape != args[0].shape:
+        if output is None or (not reshapes
+                              and output.leaves[output.index].shape != args[0].shape):
             raise TypeError(
                 f"{where}: block {i} returns {describe(out)}; fiddlejax carries one "
                 f"activation between blocks: the first array a block returns (or the one "
                 f"parallelize(block_output=) picks), shaped like its input "
                 f"{tuple(args[0].shape)}; training drops the other outputs")
-        out_def = out_def or output
+        out_def = output if reshapes else out_def or output
         if i == 0:
             continue
         prev = log[i - 1][3]

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fiddlejax import layout
+from fiddlejax.adaptation import grouping, hetero
 from fiddlejax.finetune import dpo, lora
 from fiddlejax.parallel import context, exchange, expert, sequence, tensor, zero
 from fiddlejax.parallel.concern import Draft, fold
@@ -87,7 +88,10 @@ CONCERNS = (tensor.VocabPads(), context.ContextAxis(), sequence.SequenceSplit(),
 def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
             optimizer: optax.GradientTransformation, name: str,
             example: dict | None = None) -> Layout:
-    """Apply the parallel concerns to ``staged`` in the documented order."""
+    """Apply the parallel concerns to ``staged`` in the documented order (unequal blocks
+    first grouped one group per pipeline chunk: :mod:`fiddlejax.adaptation.grouping`)."""
+    if isinstance(staged, hetero.HeteroModel):
+        staged = grouping.for_plan(staged, canonical, plan, example)
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
     return assemble(fold(CONCERNS, Draft(plan, name, canonical, template, example, optimizer,
                                          staged)))

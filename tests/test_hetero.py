@@ -1,0 +1,161 @@
+"""Pipelines over unequal blocks (issue 50): an MLP whose widths change and a small CNN whose
+blocks downsample, grouped one group per pipeline chunk (:mod:`fiddlejax.adaptation.hetero`),
+exact against one device on data x pipe and pipe=4, under GPipe and 1F1B."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_close, assert_loss_and_grads
+from test_any_model import plan_for
+
+import fiddlejax as fj
+from fiddlejax.adaptation import grouping
+from fiddlejax.pipeline.partition import balanced, chunk_costs
+
+
+def check_exact(model, call, loss_fn, batch, layers, layout_, partition="uniform"):
+    """Loss and every gradient leaf equal one device's ``jax.value_and_grad``."""
+    plan = dataclasses.replace(plan_for(layout_), partition=partition)
+    trainer = fj.parallelize(model, optax.sgd(0.1), plan, loss=loss_fn, layers=layers)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def ref(p):
+        return loss_fn(call(nnx.merge(graphdef, p, rest, copy=True)), batch)
+
+    want = jax.jit(jax.value_and_grad(ref))(params)
+    state = trainer.init()
+    assert_loss_and_grads(trainer.loss_and_grads(state, batch), want)
+    assert_close(trainer.params(state), params, 1e-7)
+    return trainer
+
+
+class Dense(nnx.Module):
+    def __init__(self, i: int, o: int, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(i, o, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x))
+
+
+class MLP(nnx.Module):
+    """Blocks of widths 6 -> 12 -> 4 -> 16 -> 8 -> 10 -> 6 -> 5: no two alike."""
+
+    def __init__(self, widths=(6, 12, 4, 16, 8, 10, 6, 5), rngs=None):
+        self.blocks = nnx.List([Dense(a, b, rngs) for a, b in zip(widths, widths[1:])])
+        self.head = nnx.Linear(widths[-1], 3, rngs=rngs)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def mse(out, batch):
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+BATCH = {"x": jax.random.normal(jax.random.key(0), (8, 6)),
+         "y": jax.random.normal(jax.random.key(1), (8, 3))}
+
+
+@pytest.mark.parametrize("layout_", [(2, 2, 2, "gpipe", 4, 1), (2, 4, 1, "1f1b", 4, 1)],
+                         ids=["gpipe-2x2x2", "1f1b-pipe4"])
+def test_unequal_mlp_exact(layout_):
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = check_exact(model, lambda m: m(BATCH["x"]), mse, BATCH, "blocks", layout_)
+    assert trainer.staged.num_layers == layout_[1]
+
+
+class Conv(nnx.Module):
+    """A CNN block: a 3x3 convolution (strided and widening where it downsamples), relu, and a
+    residual connection where the shape allows it."""
+
+    def __init__(self, cin: int, cout: int, stride: int, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(cin, cout, (3, 3), strides=stride, rngs=rngs)
+        self.norm = nnx.GroupNorm(cout, num_groups=2, rngs=rngs)
+        self.same = cin == cout and stride == 1
+
+    def __call__(self, x):
+        y = jax.nn.relu(self.norm(self.conv(x)))
+        return x + y if self.same else y
+
+
+class CNN(nnx.Module):
+    def __init__(self, rngs=None):
+        self.stem = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+        spec = [(4, 4, 1), (4, 8, 2), (8, 8, 1), (8, 16, 2), (16, 16, 1)]
+        self.blocks = nnx.List([Conv(a, b, s, rngs) for a, b, s in spec])
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, images):
+        x = self.stem(images)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(axis=(1, 2)))
+
+    def batch_spec(self, b: int) -> dict:
+        return {"images": jax.ShapeDtypeStruct((b, 8, 8, 3), jnp.float32),
+                "labels": jax.ShapeDtypeStruct((b,), jnp.int32)}
+
+
+def labels_ce(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+IMAGES = {"images": jax.random.normal(jax.random.key(2), (8, 8, 8, 3)),
+          "labels": jax.random.randint(jax.random.key(3), (8,), 0, 10)}
+
+
+@pytest.mark.parametrize("layout_", [(2, 2, 2, "interleaved-1f1b", 4, 2)],
+                         ids=["interleaved-2x2x2"])
+def test_downsampling_cnn_partitioned_by_cost_exact(layout_):
+    """Blocks that halve the image and double the channels, grouped by measured FLOPs."""
+    model = CNN(rngs=nnx.Rngs(0))
+    trainer = check_exact(model, lambda m: m(IMAGES["images"]), labels_ce, IMAGES, "blocks",
+                          layout_, "cost")
+    assert trainer.staged.num_layers == layout_[1] * layout_[5]
+
+
+def test_block_costs_measure_flops_and_memory():
+    """Compiled training FLOPs follow the convolutions' work: block 0 (8x8 pixels, 4 -> 4
+    channels) does twice block 1's (4x4 pixels after its stride, 4 -> 8)."""
+    model = CNN(rngs=nnx.Rngs(0))
+    staged, canonical = fj.split_model(model, labels_ce, layers="blocks")
+    costs = grouping.block_costs(staged, canonical, model.batch_spec(1))
+    flops = [c["flops"] for c in costs]
+    assert all(f > 0 for f in flops) and all(c["bytes"] > 0 for c in costs)
+    assert flops[0] / flops[1] == pytest.approx(2.0, rel=0.05), flops
+    assert costs[4]["bytes"] > costs[0]["bytes"]  # 16 x 16 x 9 weights against 4 x 4 x 9
+
+
+def _brute(costs, k):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        m = max(chunk_costs(counts, costs))
+        best = m if best is None else min(best, m)
+    return best
+
+
+def test_partitioner_is_optimal_against_brute_force():
+    """PipeDream's dynamic program: the smallest possible slowest stage, on uneven costs."""
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(2, 10)
+        k = rng.randint(1, n)
+        costs = [rng.uniform(0.1, 10.0) ** 2 for _ in range(n)]
+        counts = balanced(costs, k)
+        assert len(counts) == k and sum(counts) == n and min(counts) >= 1
+        assert max(chunk_costs(counts, costs)) == pytest.approx(_brute(costs, k), rel=1e-9)
+    # a known uneven list: one heavy block alone on a stage, the rest shared
+    assert balanced([1, 1, 1, 1, 8, 1, 1, 1, 1, 2], 3) == [4, 1, 5]
