@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_mfu_smoke(tmp_path):
     out = tmp_path / "mfu.md"
-    # the suite's XLA_FLAGS (8 devices, LLVM at -O0: a third less compile time) pass through
+    # the suite's XLA_FLAGS (8 devices, -O0, elemental emitters: see conftest) pass through
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mfu.py"), "--smoke",
                         "--steps", "1", "--out", str(out)], capture_output=True, text=True,
                        timeout=900)
