@@ -25,6 +25,8 @@ from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax.finetune import dpo, lora  # noqa: E402
+
+import reporting  # noqa: E402
 from fiddlejax.models.llama import Llama, LlamaConfig  # noqa: E402
 
 CONFIG = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1408,
@@ -72,7 +74,7 @@ def main() -> None:
     if "--print" in sys.argv:
         print(text)
     else:
-        out.write_text(text)
+        reporting.write(out, text)
 
 
 if __name__ == "__main__":
