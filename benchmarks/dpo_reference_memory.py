@@ -21,12 +21,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
 from fiddlejax.finetune import dpo, lora  # noqa: E402
-
-import reporting  # noqa: E402
 from fiddlejax.models.llama import Llama, LlamaConfig  # noqa: E402
 
 CONFIG = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1408,
