@@ -222,7 +222,8 @@ def _hand_ce(outputs, batch):  # a (sum, count) pair over the targets above 5
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-@pytest.mark.parametrize("family, loss_fn", [("mixtral", _optax_ce), ("qwen3_moe", _hand_ce)])
+@pytest.mark.parametrize("family, loss_fn", [("mixtral", _optax_ce), ("qwen3_moe", _hand_ce),
+                                             ("deepseek_v3", _hand_ce), ("gpt_oss", _optax_ce)])
 def test_user_cross_entropy_on_expert_data_tensor(family, loss_fn):
     """A user's own cross-entropy (``loss=``, optax's integer-label one or a hand-written
     ``take_along_axis``) on expert=2 x data=2 x tensor=2 runs (XLA's partitioner aborted the
@@ -235,7 +236,8 @@ def test_user_cross_entropy_on_expert_data_tensor(family, loss_fn):
 
     def reference(p):
         m = nnx.merge(graphdef, p, rest, copy=True)
-        return mean_loss(loss_fn(m.head(scan_layers(m.blocks, m.prologue(batch))), batch))
+        stack = getattr(m, m.stack)  # (DeepSeek-V3's dense layers run in the prologue)
+        return mean_loss(loss_fn(m.head(scan_layers(stack, m.prologue(batch))), batch))
 
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
     plan = fj.Plan(mesh=fj.make_mesh(data=2, expert=2, tensor=2))
