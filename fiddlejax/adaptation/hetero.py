@@ -243,7 +243,6 @@ def _switched(model: HeteroModel, run, shaped, padded, io, lp: dict, h, rest: di
     """``run`` of group ``g`` under a ``custom_vjp`` whose residuals are packed per group."""
     n = len(model.groups)
     batch = h.shape[0]
-    layouts: list = [None] * n
 
     def vjp_of(g_, lp_, h_, rest_):
         bp = model._unflatten(g_, lp_)
@@ -254,56 +253,8 @@ def _switched(model: HeteroModel, run, shaped, padded, io, lp: dict, h, rest: di
                for leaf in leaves]
         return y, leaves, tdef, src
 
-    def layout(g_):  # shapes only: which residuals each group stores, and where
-        box = {}
-
-        def trace(lp_, h_, rest_):
-            y, leaves, tdef, src = vjp_of(g_, lp_, h_, rest_)
-            box["v"] = (tdef, src, [None if s is not None or isinstance(leaf, jax.core.Tracer)
-                                    else leaf for leaf, s in zip(leaves, src)])
-            return [leaf for leaf, s in zip(leaves, src)
-                    if s is None and isinstance(leaf, jax.core.Tracer)]
-
-        shapes = jax.eval_shape(trace, lp, h, rest)
-        tdef, src, consts = box["v"]
-        slots, used = [], {}
-        for s in shapes:
-            d, batched = jnp.dtype(s.dtype).name, bool(s.ndim) and s.shape[0] == batch
-            size = math.prod(s.shape[1:]) if batched else math.prod(s.shape)
-            off = used.get((d, batched), 0)
-            slots.append((d, batched, off, size, s.shape))
-            used[(d, batched)] = off + size
-        return tdef, src, consts, slots, used
-
-    for k in range(n):
-        layouts[k] = layout(k)
-    widths: dict = {}
-    for *_, used in layouts:
-        for kb, u in used.items():
-            widths[kb] = max(widths.get(kb, 0), u)
-
-    def pack(k, stored):
-        parts: dict = {kb: [] for kb in widths}
-        for leaf, (d, batched, _, _, _) in zip(stored, layouts[k][3]):
-            parts[(d, batched)].append(leaf.reshape(batch, -1) if batched else leaf.ravel())
-        out = {}
-        for (d, batched), w in widths.items():
-            ps = parts[(d, batched)]
-            if batched:
-                cat = jnp.concatenate(ps, 1) if ps else jnp.zeros((batch, 0), d)
-                out[f"{d}/b"] = jnp.pad(cat, ((0, 0), (0, w - cat.shape[1])))
-            else:
-                cat = jnp.concatenate(ps) if ps else jnp.zeros((0,), d)
-                out[f"{d}/u"] = jnp.pad(cat, (0, w - cat.shape[0]))
-        return out
-
-    def unpack_res(k, packed):
-        out = []
-        for d, batched, off, size, shape in layouts[k][3]:
-            buf = packed[f"{d}/{'b' if batched else 'u'}"]
-            out.append((buf[:, off:off + size] if batched else buf[off:off + size])
-                       .reshape(shape))
-        return out
+    layouts = [_layout(vjp_of, k, lp, h, rest) for k in range(n)]
+    res = _Residuals(layouts, batch)
 
     def plain(k):
         return lambda lp_, h_, rest_: padded(run(k, model._unflatten(k, lp_), shaped(k, h_),
@@ -314,14 +265,14 @@ def _switched(model: HeteroModel, run, shaped, padded, io, lp: dict, h, rest: di
             y, leaves, _, src = vjp_of(k, lp_, h_, rest_)
             stored = [leaf for leaf, s in zip(leaves, src)
                       if s is None and isinstance(leaf, jax.core.Tracer)]
-            return padded(y), pack(k, stored)
+            return padded(y), res.pack(k, stored)
         return f
 
     def bwd_branch(k):
         def f(lp_, packed, rest_, dy):
             tdef, src, consts, _, _ = layouts[k]
             bp = model._unflatten(k, lp_)
-            bp_leaves, it = jax.tree.leaves(bp), iter(unpack_res(k, packed))
+            bp_leaves, it = jax.tree.leaves(bp), iter(res.unpack(k, packed))
             leaves = [bp_leaves[s] if s is not None else c if c is not None else next(it)
                       for s, c in zip(src, consts)]
             s, dt = io[model.groups[k][1] - 1][1]
@@ -349,6 +300,67 @@ def _switched(model: HeteroModel, run, shaped, padded, io, lp: dict, h, rest: di
 
     apply.defvjp(apply_fwd, apply_bwd)
     return apply(lp, h, rest)
+
+
+def _layout(vjp_of, g: int, lp: dict, h, rest: dict):
+    """Shapes only: which residuals group ``g``'s backward needs stored (the rest are its
+    parameters or constants), and where each sits in the per-(dtype, batched) buffers."""
+    box = {}
+    batch = h.shape[0]
+
+    def trace(lp_, h_, rest_):
+        _, leaves, tdef, src = vjp_of(g, lp_, h_, rest_)
+        box["v"] = (tdef, src, [None if s is not None or isinstance(leaf, jax.core.Tracer)
+                                else leaf for leaf, s in zip(leaves, src)])
+        return [leaf for leaf, s in zip(leaves, src)
+                if s is None and isinstance(leaf, jax.core.Tracer)]
+
+    shapes = jax.eval_shape(trace, lp, h, rest)
+    tdef, src, consts = box["v"]
+    slots, used = [], {}
+    for s in shapes:
+        d, batched = jnp.dtype(s.dtype).name, bool(s.ndim) and s.shape[0] == batch
+        size = math.prod(s.shape[1:]) if batched else math.prod(s.shape)
+        off = used.get((d, batched), 0)
+        slots.append((d, batched, off, size, s.shape))
+        used[(d, batched)] = off + size
+    return tdef, src, consts, slots, used
+
+
+class _Residuals:
+    """Each group's stored residuals in buffers sized for the largest group: one per (dtype,
+    batched), ``[batch, width]`` or ``[width]``, so every branch of the switch returns the
+    same shapes."""
+
+    def __init__(self, layouts: list, batch: int):
+        self.layouts, self.batch, self.widths = layouts, batch, {}
+        for *_, used in layouts:
+            for kb, u in used.items():
+                self.widths[kb] = max(self.widths.get(kb, 0), u)
+
+    def pack(self, k: int, stored: list) -> dict:
+        parts: dict = {kb: [] for kb in self.widths}
+        for leaf, (d, batched, _, _, _) in zip(stored, self.layouts[k][3]):
+            parts[(d, batched)].append(leaf.reshape(self.batch, -1) if batched
+                                       else leaf.ravel())
+        out = {}
+        for (d, batched), w in self.widths.items():
+            ps = parts[(d, batched)]
+            if batched:
+                cat = jnp.concatenate(ps, 1) if ps else jnp.zeros((self.batch, 0), d)
+                out[f"{d}/b"] = jnp.pad(cat, ((0, 0), (0, w - cat.shape[1])))
+            else:
+                cat = jnp.concatenate(ps) if ps else jnp.zeros((0,), d)
+                out[f"{d}/u"] = jnp.pad(cat, (0, w - cat.shape[0]))
+        return out
+
+    def unpack(self, k: int, packed: dict) -> list:
+        out = []
+        for d, batched, off, size, shape in self.layouts[k][3]:
+            buf = packed[f"{d}/{'b' if batched else 'u'}"]
+            out.append((buf[:, off:off + size] if batched else buf[off:off + size])
+                       .reshape(shape))
+        return out
 
 
 __all__ = ["HeteroModel"]

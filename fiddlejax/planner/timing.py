@@ -293,6 +293,25 @@ def fp8_layer(model: ModelSpec, cluster: ClusterSpec,
     return mm, q_fwd, q_bwd
 
 
+def _data_and_optimizer(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+                        n_params: float, f: float, b: float) -> tuple[float, float, float]:
+    """(the data axis's gradient exchange, the part of it overlap hides, the optimizer's
+    step) in seconds, for a stage whose chunk's forward and backward take ``f`` and ``b``."""
+    m, v, d = layout.microbatches, layout.virtual_stages, layout.data
+    pb, gb, ob = state_bytes(layout)
+    dp = _data_comm(cluster, model, layout, n_params)
+    # Overlap can hide the reduction only under the last microbatch's backward: gradients are
+    # complete once it has run (Megatron-LM 2021's torch DDP: all-reduce in the last backward).
+    # With the optimizer state sharded (zero 1/2), the updated shards' all-gather overlaps the
+    # next step's first forward too (Megatron-Core's overlap_param_gather).
+    window = v * (b + f) if layout.zero in (1, 2) else v * b
+    if layout.fsdp and not layout.gathers_once:  # per-layer gathers and reduce-scatters
+        window = m * v * (f + b)  # prefetched beside the neighbouring layers' compute
+    hidden = min(dp * layout.dp_overlap, window)
+    opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
+    return dp, hidden, opt_bytes / cluster.gpu.hbm_achieved
+
+
 def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
               simulate: bool = True) -> tuple[StepTime, float]:
     """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
@@ -301,8 +320,8 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     model = attention.as_run(model, layout, cluster)  # fused: no s x s scores in HBM
     if layout.context > 1 and layout.attention == "fused":  # the ring's blocks in a fused
         model = attention.fused(model)  # kernel (Transformer Engine's context parallelism)
-    t, p, d, v, mb, m = (layout.tensor, layout.pipe, layout.data, layout.virtual_stages,
-                         layout.microbatch_size, layout.microbatches)
+    t, p, v, mb, m = (layout.tensor, layout.pipe, layout.virtual_stages,
+                      layout.microbatch_size, layout.microbatches)
     k = schedule_steps(layout)
     ab = activation_bytes(layout)
     flop_rate = gpu.peak_flops * gpu.gemm_efficiency
@@ -364,18 +383,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     else:
         makespan = busy
     bubble = max(0.0, makespan - busy)
-    pb, gb, ob = state_bytes(layout)
-    dp = _data_comm(cluster, model, layout, n_params)
-    # Overlap can hide the reduction only under the last microbatch's backward: gradients are
-    # complete once it has run (Megatron-LM 2021's torch DDP: all-reduce in the last backward).
-    # With the optimizer state sharded (zero 1/2), the updated shards' all-gather overlaps the
-    # next step's first forward too (Megatron-Core's overlap_param_gather).
-    window = v * (b + f) if layout.zero in (1, 2) else v * b
-    if layout.fsdp and not layout.gathers_once:  # per-layer gathers and reduce-scatters
-        window = m * v * (f + b)  # prefetched beside the neighbouring layers' compute
-    hidden = min(dp * layout.dp_overlap, window)
-    opt_bytes = n_params * (pb + gb + 2 * ob) / (d if layout.zero else 1)
-    opt = opt_bytes / gpu.hbm_achieved
+    dp, hidden, opt = _data_and_optimizer(model, cluster, layout, n_params, f, b)
     vocab_ar = vocab_allreduces(model, cluster, layout) if vocab_parallel(layout) else 0.0
     time = StepTime(
         compute=m * (v * (f_comp + b_comp) + outside),
