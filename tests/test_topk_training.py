@@ -60,7 +60,9 @@ def test_topk_density_one_trains_like_xla(model):
     dense, dense_params, dense_state = run(grad_allreduce="xla")
     topk, topk_params, topk_state = run(grad_allreduce="topk", topk_density=1.0)
     np.testing.assert_allclose(topk, dense, rtol=1e-6)
-    assert_close(topk_params, dense_params, 1e-6)
+    # four AdamW steps on sums taken in another order: float32 rounding, up to 1.2e-6 a leaf
+    # with XLA's CPU codegen of the suite (tests/conftest.py), under the project's 1e-5
+    assert_close(topk_params, dense_params, 1e-5)
     assert dense_state.residual is None  # other plans keep their TrainState leaves unchanged
     assert max(float(abs(x).max()) for x in jax.tree.leaves(topk_state.residual)) == 0
 
