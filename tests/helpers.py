@@ -181,3 +181,20 @@ def assert_steps_match(trainer, state, batches, ref_losses, ref_params):
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_close(trainer.params(state), ref_params, what="params")
+
+
+def assert_exact_on_context_layouts(model, batch) -> None:
+    """Loss and gradients equal one device's on zero=3 + sequence parallelism + the context
+    ring (data2 x context2 x tensor2), then interleaved 1F1B (2 virtual stages) with the
+    all-gathered K/V (pipe2 x context2 x tensor2): the frontier families' every-axis check."""
+    import optax
+
+    import fiddlejax as fj
+
+    ref = reference_loss_and_grads(model, batch)
+    for plan in (fj.Plan(mesh=fj.make_mesh(data=2, context=2, tensor=2), zero=3,
+                         sequence_parallel=True, context_kernel="ring"),
+                 fj.Plan(mesh=fj.make_mesh(data=1, pipe=2, context=2, tensor=2),
+                         schedule="interleaved-1f1b", microbatches=2, virtual_stages=2)):
+        trainer = fj.parallelize(model, optax.sgd(0.1), plan)
+        assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch), ref)

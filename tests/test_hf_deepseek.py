@@ -13,7 +13,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_loss_and_grads, reference_loss_and_grads, rel_err, tokens, with_config
+from helpers import (
+    assert_exact_on_context_layouts,
+    assert_loss_and_grads,
+    reference_loss_and_grads,
+    rel_err,
+    tokens,
+    with_config,
+)
 
 import fiddlejax as fj
 from fiddlejax import models
@@ -237,13 +244,7 @@ def test_training_matches_one_device_on_fsdp_sp_context_and_interleaved_layouts(
                               layer_types=("full_attention",) * 5)
     model = DeepseekV3(cfg, rngs=nnx.Rngs(1))
     batch = {"tokens": 1 + tokens(5, 8, 8, cfg.vocab_size - 1)["tokens"]}
-    ref = reference_loss_and_grads(model, batch)
-    for plan in (fj.Plan(mesh=fj.make_mesh(data=2, context=2, tensor=2), zero=3,
-                         sequence_parallel=True, context_kernel="ring"),
-                 fj.Plan(mesh=fj.make_mesh(data=1, pipe=2, context=2, tensor=2),
-                         schedule="interleaved-1f1b", microbatches=2, virtual_stages=2)):
-        trainer = fj.parallelize(model, optax.sgd(0.1), plan)
-        assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch), ref)
+    assert_exact_on_context_layouts(model, batch)
 
 
 def test_lora_dropout_is_refused_by_name():

@@ -13,7 +13,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_loss_and_grads, reference_loss_and_grads, rel_err, tokens, with_config
+from helpers import (
+    assert_exact_on_context_layouts,
+    assert_loss_and_grads,
+    reference_loss_and_grads,
+    rel_err,
+    tokens,
+    with_config,
+)
 
 import fiddlejax as fj
 from fiddlejax import models
@@ -209,13 +216,7 @@ def test_training_matches_one_device_on_fsdp_sp_context_and_interleaved_layouts(
     1.1e-6 and 7.8e-7), the per-sequence router loss off (context refuses it, below)."""
     model = load(seq_len=8, overrides={"router_aux_loss_coef": 0.0})
     batch = {"tokens": 1 + tokens(5, 8, 8, model.config.vocab_size - 1)["tokens"]}
-    ref = reference_loss_and_grads(model, batch)
-    for plan in (fj.Plan(mesh=fj.make_mesh(data=2, context=2, tensor=2), zero=3,
-                         sequence_parallel=True, context_kernel="ring"),
-                 fj.Plan(mesh=fj.make_mesh(data=1, pipe=2, context=2, tensor=2),
-                         schedule="interleaved-1f1b", microbatches=2, virtual_stages=2)):
-        trainer = fj.parallelize(model, optax.sgd(0.1), plan)
-        assert_loss_and_grads(trainer.loss_and_grads(trainer.init(), batch), ref)
+    assert_exact_on_context_layouts(model, batch)
 
 
 @pytest.mark.parametrize("fixture", ["hf_gpt_oss", "hf_mixtral"])
