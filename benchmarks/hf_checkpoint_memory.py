@@ -15,6 +15,7 @@ process that only imports fiddlejax and JAX:
   peak, against the one-process figure.
 
     python benchmarks/hf_checkpoint_memory.py --layers 7 14 [--from-pretrained-layers 42]
+        [--export-layers 28]
 
 Writes benchmarks/results/hf_checkpoint_memory.md. Run it alone: the job phase peaks at about
 10x the largest checkpoint it trains.
@@ -160,6 +161,31 @@ print(len(ours))
     return int(r.stdout.split()[-1])
 
 
+def saved_run(ckpt: Path, run_dir: Path) -> Path:
+    """A run directory as `fiddlejax train` leaves it, its step-1 checkpoint the weights of
+    ``ckpt`` as loaded (one device, AdamW's moments at zero): what an export of a bigger
+    checkpoint reads, without the job's memory."""
+    code = f"""
+import json, jax, fiddlejax as fj
+from pathlib import Path
+from fiddlejax.app import build, config
+c = config.load(None, ["model.from_pretrained={ckpt}", "run.dir={run_dir}", *{JOB!r},
+                       "mesh.data=1", "run.cpu_devices=1"])
+Path({str(run_dir)!r}).mkdir(parents=True)
+Path({str(run_dir)!r}, "config.yaml").write_text(json.dumps(c))
+model = build.build_model(c["model"], 0)
+t = fj.parallelize(model, build.make_optimizer(c),
+                   fj.Plan(mesh=fj.make_mesh(data=1, devices=jax.devices()[:1])))
+with fj.CheckpointManager(Path({str(run_dir)!r}, "checkpoints"), t, async_save=False) as m:
+    m.save(1, t.init(), force=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"saving a run of {ckpt} failed:\n{r.stderr[-3000:]}")
+    return run_dir
+
+
 def measure(layers: int, tmp: Path, phases: set[str]) -> dict:
     ckpt = tmp / f"llama-{layers}"
     size = make_checkpoint(ckpt, layers)
@@ -177,6 +203,12 @@ def measure(layers: int, tmp: Path, phases: set[str]) -> dict:
         row["export"] = ratio(run(["-m", "fiddlejax", "export", str(run_dir), str(out)], tmp,
                                   f"export-{layers}")[0])
         row["export_checked"] = check_export(run_dir, out)
+    if "export_alone" in phases:  # a bigger checkpoint: saved as loaded, no job before it
+        run_dir = saved_run(ckpt, tmp / f"saved-{layers}")
+        out = tmp / f"export-alone-{layers}"
+        row["export"] = ratio(run(["-m", "fiddlejax", "export", str(run_dir), str(out)], tmp,
+                                  f"export-alone-{layers}")[0])
+        row["export_of"] = "saved as loaded (data=1, no training)"
     if "job_2proc" in phases:
         job = ["-m", "fiddlejax", "train", f"model.from_pretrained={ckpt}",
                f"run.dir={tmp / f'run2-{layers}'}", "run.cpu_devices=4", *JOB]
@@ -201,6 +233,11 @@ def report(rows: list[dict]) -> str:
         f = lambda k, r=r: f"{r[k]:.2f}x" if k in r else "–"
         lines.append(f"| {r['layers']} | {r['checkpoint_gb']:.3f} GB | {f('from_pretrained')} | "
                      f"{f('job')} | {f('export')} | {two_txt} |")
+    alone = [str(r["layers"]) for r in rows if "export_of" in r]
+    if alone:
+        lines += ["", f"Export of {', '.join(alone)} layers: a run whose checkpoint was "
+                  "saved as loaded (data=1, no training): the export alone, at a size whose "
+                  "job would not fit this machine."]
     checked = [r for r in rows if "export_checked" in r]
     if checked:
         lines += ["", "Exported tensors equal the trained parameters cast to bf16, bit for bit: "
@@ -217,10 +254,12 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[4:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, nargs="+", default=[7, 14],
+    p.add_argument("--layers", type=int, nargs="*", default=[7, 14],
                    help="checkpoints to run every phase on (14 layers: 0.44 GB)")
     p.add_argument("--from-pretrained-layers", type=int, nargs="*", default=[],
                    help="bigger checkpoints measured at from_pretrained only")
+    p.add_argument("--export-layers", type=int, nargs="*", default=[],
+                   help="bigger checkpoints measured at export only (saved as loaded, no job)")
     p.add_argument("--no-2proc", action="store_true")
     args = p.parse_args()
     rows = []
@@ -228,6 +267,9 @@ def main() -> None:
         for n in args.layers:
             phases = {"from_pretrained", "job"} | (set() if args.no_2proc else {"job_2proc"})
             rows.append(measure(n, Path(tmp), phases))
+            print(rows[-1], flush=True)
+        for n in args.export_layers:
+            rows.append(measure(n, Path(tmp), {"export_alone"}))
             print(rows[-1], flush=True)
         for n in args.from_pretrained_layers:
             rows.append(measure(n, Path(tmp), {"from_pretrained"}))

@@ -77,7 +77,8 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                          "its projections fused or under other names than PEFT's targets here; "
                          "export the merged model (without --adapter)")
     def write(reader, want: int) -> int:  # the parameters only, one leaf at a time
-        step, shapes, leaf = checkpoint_params.param_leaves(reader, want)
+        step, shapes, leaves = checkpoint_params.param_leaves(reader, want)
+        leaf = leaves
         if jax.process_index() != 0:  # takes part in the gathers; process 0 writes
             take_part(model, shapes, leaf, dtype)
             return step
@@ -85,6 +86,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
             with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()),
                                    step=step) as tmp:
                 write_adapter(tmp, shapes, leaf, cfg)
+                leaves.check()
             return step
         if cfg["plan"].get("lora") is not None:  # the base with the adapters folded in
             from fiddlejax.finetune import lora
@@ -94,6 +96,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         with export_dir.staged(out_dir, overwrite, run=str(run_dir.absolute()), step=step) as tmp:
             models.save_hf(model, tmp, max_shard_size=max_shard_size, dtype=dtype,  # GPT: gpt2
                            leaves=(shapes, leaf))
+            leaves.check()  # every leaf read checked whole before the export is in place
             tokenizer_files.save(tmp, tok, getattr(c, "max_position_embeddings", None)
                                  or getattr(c, "seq_len", None))
         return step

@@ -1,12 +1,9 @@
 """Checkpoints on Orbax: async, layout-portable, verified, preemption-safe, CheckFreq-paced.
 
-Why ``orbax.checkpoint.CheckpointManager`` (the v0 API) and not the v1 training Checkpointer:
-v1 is under ``orbax.checkpoint.experimental`` in 0.12.8 and its surface still moves, while the
-manager is the stable, documented API that already gives everything we need: async saves whose
-blocking part is exactly the device-to-host snapshot (the write runs on a background thread),
-atomic commits (a step is written to ``<step>.orbax-checkpoint-tmp-*`` and renamed when complete,
-so a crash mid-save leaves only an ignored temporary directory), preservation policies (latest N
-plus best N by a metric) and the multi-process preemption sync point.
+``orbax.checkpoint.CheckpointManager`` (v0: v1 is still experimental in 0.12.8) gives what we
+need: async saves whose blocking part is the device-to-host snapshot, atomic commits (a step
+is written to ``<step>.orbax-checkpoint-tmp-*`` and renamed when complete: a crash leaves only
+an ignored temporary directory), latest-N plus best-N preservation, multi-process preemption.
 
 What is saved, per step directory:
 
@@ -15,7 +12,8 @@ What is saved, per step directory:
   param-shaped subtree of the optimizer state likewise), as nested dicts named by tree path
   (``params.blocks.w1``, ``opt_state.1.0.mu.blocks.w1``). Any layout (data, pipe, tensor, virtual
   stages, ZeRO) converts to and from it exactly, so a checkpoint restores onto any other layout:
-  Orbax reads each array straight into shardings derived from the target trainer.
+  Orbax reads each array straight into shardings derived from the target trainer. Stacked
+  leaves are stored a layer per chunk, so an export reads a layer at a time (:mod:`.stored`).
 - ``meta``: JSON with the model name, every array's shape, dtype and a layout-independent
   fingerprint (a position-weighted sum of its bits, mod 2**32, computed on device), the plan that
   saved it, the job config, the data iterator state, the RNG key and user extras. Restore checks
@@ -43,7 +41,7 @@ from typing import Any
 
 import jax
 
-from fiddlejax.checkpoint import manifest
+from fiddlejax.checkpoint import manifest, stored
 from fiddlejax.checkpoint.checkfreq import CheckFreq
 from fiddlejax.checkpoint.manifest import FORMAT, jsonable, named_leaves
 from fiddlejax.checkpoint.preemption import Preemption
@@ -211,9 +209,10 @@ class CheckpointManager:
                 "arrays": manifest.array_records(paths, leaves, fps),
                 "data_state": jsonable(data_state), "rng": manifest.rng_record(rng),
                 "extra": jsonable(extra), "metrics": jsonable(metrics), "time": time.time()}
-        ocp = self._ocp
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(manifest.nest(paths, leaves)),
-                                  meta=ocp.args.JsonSave(meta))
+        ocp, chunks = self._ocp, stored.save_args(paths, leaves, self.trainer.staged)
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(
+            manifest.nest(paths, leaves), save_args=manifest.nest(paths, chunks)),
+            meta=ocp.args.JsonSave(meta))
         timing.snapshot_begins()
         ranked = self.best_metric is not None and self.best_metric in (metrics or {})
         try:

@@ -279,7 +279,8 @@ def merge(params: dict, scale: float) -> dict:
 
 def merged_leaves(shapes: dict, leaf, scale: float):
     """``(shapes, leaf)`` of flat parameters read one at a time, the adapters folded into
-    their kernels (``W + scale * A @ B`` over stacked leading dims), for export."""
+    their kernels (``W + scale * A @ B`` over stacked leading dims), for export: a stacked
+    kernel is folded a layer at a time as it is indexed (:class:`_Merged`)."""
     def suffixed(k, s):
         return (*k[:-1], k[-1] + s) if isinstance(k, tuple) else k + s
 
@@ -293,13 +294,33 @@ def merged_leaves(shapes: dict, leaf, scale: float):
         if suffixed(k, "_lora_a") not in shapes:
             return w
         a, b = np.asarray(leaf(suffixed(k, "_lora_a"))), np.asarray(leaf(suffixed(k, "_lora_b")))
-        w = np.asarray(w)
-        lead = a.ndim + b.ndim - 2 - w.ndim  # a: lead+in+[r], b: lead+[r]+out, w: lead+in+out
-        aa = a.reshape(*w.shape[:lead], -1, a.shape[-1]).astype(np.float32)
-        bb = b.reshape(*w.shape[:lead], b.shape[lead], -1).astype(np.float32)
-        return (w.astype(np.float32) + scale * (aa @ bb).reshape(w.shape)).astype(w.dtype)
+        return _Merged(w, a, b, scale)
 
     return kept, merged
+
+
+class _Merged:
+    """Kernel ``w`` with its adapters ``a``, ``b`` folded in: ``x[i]`` folds layer ``i`` alone
+    (reading that layer of ``w`` alone when it is still on disk), ``np.asarray(x)`` all."""
+
+    def __init__(self, w, a: np.ndarray, b: np.ndarray, scale: float):
+        self.w, self.a, self.b, self.scale = w, a, b, scale
+        self.shape = tuple(w.shape)
+        self.lead = a.ndim + b.ndim - 2 - len(self.shape)  # a: lead+in+[r], b: lead+[r]+out
+
+    def _fold(self, w: np.ndarray, a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
+        aa = a.reshape(*w.shape[:lead], -1, a.shape[-1]).astype(np.float32)
+        bb = b.reshape(*w.shape[:lead], b.shape[lead], -1).astype(np.float32)
+        return (w.astype(np.float32) + self.scale * (aa @ bb).reshape(w.shape)).astype(w.dtype)
+
+    def __getitem__(self, i) -> np.ndarray:
+        if self.lead < 1 or not isinstance(i, int | np.integer):
+            return np.asarray(self)[i]
+        return self._fold(np.asarray(self.w[i]), self.a[i], self.b[i], self.lead - 1)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self._fold(np.asarray(self.w), self.a, self.b, self.lead)
+        return whole if dtype is None else whole.astype(dtype)
 
 
 # our kernel -> the Hugging Face module it is (PEFT's target_modules names)

@@ -358,12 +358,13 @@ def save_hf(model, directory, *, max_shard_size="5GB", dtype: str | None = None,
 
         if leaves is not None:  # GPT-2's exports are small: all leaves, then the model
             import jax
+            import numpy as np
             from flax import nnx
 
             from .hf import _key
 
             nnx.update(model, jax.tree_util.tree_map_with_path(
-                lambda p, v: v.replace(leaves[1](_key(p))), nnx.state(model, nnx.Param),
+                lambda p, v: v.replace(np.asarray(leaves[1](_key(p)))), nnx.state(model, nnx.Param),
                 is_leaf=lambda x: isinstance(x, nnx.Variable)))
         return save_gpt2(model, directory, max_shard_size=max_shard_size,
                          dtype=dtype or "float32")

@@ -237,7 +237,8 @@ def leaf_array(shape: tuple[int, ...], sharding, reader, dtype) -> jax.Array:
 
 def host(x, i: int | None = None) -> np.ndarray:
     """Layer ``i`` (or all) of a parameter as a host array: a sharded one is gathered (from
-    every process when it spans several; each takes part)."""
+    every process when it spans several; each takes part); one still on disk reads that layer
+    alone (:class:`~fiddlejax.checkpoint.stored.StoredArray`)."""
     if isinstance(x, jax.Array):
         x = x if i is None else x[i]
         if x.is_fully_addressable:
@@ -245,8 +246,7 @@ def host(x, i: int | None = None) -> np.ndarray:
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    x = np.asarray(x)
-    return x if i is None else x[i]
+    return np.asarray(x if i is None else x[i])
 
 
 def stream(plan: list, leaf: Any) -> Any:
