@@ -61,13 +61,14 @@ def marked(owner, name: str, block: bool = False) -> None:
 
 def main() -> None:
     import fiddlejax.models  # noqa: F401  (what the job imports, before the first mark)
-    from fiddlejax import train
+    from fiddlejax import canonical, train
     from fiddlejax.app import checkpoints
     from fiddlejax.checkpoint import manifest
 
     mark("import")
-    for name in ("init", "step", "to_canonical_state"):
+    for name in ("init", "step"):
         marked(train.Trainer, name, block=True)
+    marked(canonical.Forwarding, "__call__", block=True)  # the save's and restore's conversion
     marked(manifest, "save_summaries", block=True)
     for name in ("start", "after_step", "close"):
         marked(checkpoints.JobCheckpoints, name)

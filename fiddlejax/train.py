@@ -146,11 +146,11 @@ class Trainer:
     def to_canonical_state(self, state: TrainState) -> TrainState:
         """``state`` with params and optimizer state in the canonical layout (for checkpoints;
         see :mod:`fiddlejax.canonical`)."""
-        return self.state_converters()[0](state)
+        return self.state_converters()[0].copied(state)
 
     def from_canonical_state(self, canonical_state: TrainState) -> TrainState:
         """The inverse of :meth:`to_canonical_state`, placed with this trainer's shardings."""
-        return self.state_converters()[1](canonical_state)
+        return self.state_converters()[1].copied(canonical_state)
 
     def state_converters(self) -> tuple[Callable, Callable]:
         """The jitted ``(to_canonical, to_internal)`` state conversions (lowerable)."""

@@ -195,7 +195,7 @@ class CheckpointManager:
                              f"{self.directory}; steps must increase")
         self._finish_pending()  # Orbax would wait for it anyway; we also check it committed
         timing.book_persist()
-        canonical = self.trainer.to_canonical_state(state)
+        canonical = self.trainer.state_converters()[0](state)  # unconverted leaves: no copy
         paths, leaves, _ = named_leaves(canonical)
         fps, nonfinite = manifest.save_summaries(leaves)
         bad = manifest.first_nonfinite(paths, leaves, nonfinite)
@@ -326,7 +326,7 @@ class CheckpointManager:
                 f"{where} is corrupted: {name} does not match the fingerprint recorded "
                 f"when it was saved ({got} != {want}); {self._fallback(step)}")
         canonical = jax.tree_util.tree_unflatten(treedef, leaves)
-        state = self.trainer.from_canonical_state(canonical)
+        state = self.trainer.state_converters()[1](canonical)  # no copy of what it keeps
         self.restored = Restored(
             step=step, state=state, data_state=meta.get("data_state"),
             rng=manifest.rng_from_record(meta.get("rng")), extra=meta.get("extra"),
