@@ -115,6 +115,17 @@ class StagedModel:
     # index in its batch (``fiddlejax.adaptation.dropout.with_indices``; a staged-protocol
     # model: one that sets ``dropout_seed``, LoRA dropout)
     dropout: bool = False
+    # services offered to every call of the prologue, layers, head and loss whatever the
+    # layout (an Ops: the plan's Gist encodings), merged into the ops a layout passes
+    offered: Any = None
+
+    def with_offered(self, ops: Any) -> Any:
+        """``ops`` (None: none) with :attr:`offered`'s services added."""
+        if self.offered is None:
+            return ops
+        if ops is None:
+            return self.offered
+        return ops.adding(**{k: v for k, v in vars(self.offered).items() if v is not None})
 
     def _bind(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest, copy=True)
@@ -122,7 +133,7 @@ class StagedModel:
     def prologue(self, params: nnx.State, batch: dict, ops: Any = None) -> Any:
         """Activations entering layer 0 (``params[stack]`` is not read); ``ops``: what the
         layout offers the model's own prologue (given only when not None)."""
-        return _offering(self._bind(params).prologue, ops, batch)
+        return _offering(self._bind(params).prologue, self.with_offered(ops), batch)
 
     def layer(self, layer_params: nnx.State, x: Any, ops: Any = None) -> Any:
         """One layer of the stack, given that layer's (unstacked) parameters; ``ops``: what the
@@ -130,6 +141,7 @@ class StagedModel:
         keyword when it takes one, else through :mod:`fiddlejax.intercept`."""
         rest = () if self.layer_rest is None else (self.layer_rest,)
         block = nnx.merge(self.layer_graphdef, layer_params, *rest, copy=True)
+        ops = self.with_offered(ops)
         if ops is None:
             return block(x)
         if _takes_ops(type(block)):
@@ -145,7 +157,7 @@ class StagedModel:
         model = self._bind(params)
         outputs, batch = self.outputs(params, x, batch, ops)
         value = (self.loss_fn(outputs, batch) if self.loss_fn is not None
-                 else _offering(model.loss, ops, outputs, batch))
+                 else _offering(model.loss, self.with_offered(ops), outputs, batch))
         return as_sums(value, self.loss_fn or type(model).loss)
 
     def outputs(self, params: nnx.State, x: Any, batch: dict, ops: Any = None
@@ -153,7 +165,8 @@ class StagedModel:
         """The head's outputs on the last layer's activations, and the batch, as the loss
         gets them (what DPO's in-step reference scores: :mod:`fiddlejax.finetune.dpo`)."""
         model = self._bind(params)
-        outputs = unpad_outputs(_offering(model.head, ops, x), self.vocab_pads)
+        outputs = unpad_outputs(_offering(model.head, self.with_offered(ops), x),
+                                self.vocab_pads)
         return self.lay_out_loss(outputs, batch, self.loss_fn or type(model).loss)
 
     def lay_out_loss(self, outputs: Any, batch: dict, fn: Loss) -> tuple[Any, dict]:

@@ -9,6 +9,7 @@ reaches models only through ``fiddlejax.models.REGISTRY``.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,8 +127,8 @@ def test_nothing_outside_the_library_reads_trainer_internals():
 
 
 # Where trace-time state may live: the one interception of users' unmodified models, and gist's
-# encodings (a user-facing selection that must key JAX's trace caches, hence a jax user context;
-# the bundled CNN still reads it: issue 46 leaves it for the Plan to carry).
+# user-facing selection for a user's own code (it must key JAX's trace caches, hence a jax user
+# context; fiddlejax never sets it: a plan's encodings reach models as ops.encodings).
 CHANNEL_OWNERS = {"fiddlejax/intercept.py", "fiddlejax/memory/gist.py"}
 CHANNELS = ("threading.local", "ContextVar(", "make_user_context(")
 
@@ -151,6 +152,11 @@ def test_no_hidden_channel_reaches_a_block():
     for block in ("common.py", "decoder.py", "moe_lm.py"):  # the bundled blocks take `ops`
         text = (MODELS / block).read_text()
         assert "ops: Ops | None = None) -> Message" in text, block
+    assert "x: jax.Array, ops: Ops | None = None) -> jax.Array" in (MODELS / "cnn.py").read_text()
+    setters = [p.relative_to(ROOT).as_posix() for p in sorted(LIBRARY.rglob("*.py"))
+               if p.name != "gist.py" and re.search(r"gist\.(encodings|with_encodings)\(",
+                                                    p.read_text())]
+    assert not setters, setters  # the plan's encodings travel as ops.encodings, not a context
 
 
 def test_each_parallel_concern_is_one_typed_step_the_fold_holds_to_its_word():

@@ -288,3 +288,55 @@ def test_plan_encodings_through_the_trainer():
     plain = temps[()].temp_size_in_bytes
     assert temps[("relu-1bit", "binarize")].temp_size_in_bytes < plain
     assert temps[("bf16",)].temp_size_in_bytes < plain
+
+
+def test_plan_encodings_reach_a_users_unmodified_model_through_the_interception():
+    """A user's model written with gist ops and no ``ops`` keyword: ``Plan(encodings=...)``
+    reaches its stem, blocks and head inside fiddlejax's trace (the one interception), on a
+    1F1B pipeline too; fiddlejax sets no user context (outside, nothing is selected)."""
+    import optax
+    from flax import nnx
+    from helpers import assert_close
+
+    import fiddlejax as fj
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 16)) * 0.3)
+
+        def __call__(self, x):
+            return x + gist.dense(gist.relu(x), self.w[...], relu_input=True)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.stem = nnx.Param(jax.random.normal(rngs.params(), (4, 16)))
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            h = gist.dense(x, self.stem[...])
+            for b in self.blocks:
+                h = b(h)
+            return gist.relu(h[:, :8]).mean(axis=-1)  # the head's: another shape
+
+    def loss(outputs, batch):
+        return ((outputs - batch["y"]) ** 2).mean()
+
+    model = Net(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((8, 4)).astype(np.float32),
+             "y": rng.standard_normal((8,)).astype(np.float32)}
+    graphdef, params = nnx.split(model, nnx.Param)
+    ref = jax.grad(lambda p: loss(nnx.merge(graphdef, p)(batch["x"]), batch))(params)
+    seen = []
+    real = gist.relu_1bit
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gist, "relu_1bit", lambda x: seen.append(x.shape) or real(x))
+        for mesh, kw in ((dict(data=2), {}), (dict(pipe=2), dict(schedule="1f1b",
+                                                                  microbatches=2))):
+            plan = fj.Plan(mesh=fj.make_mesh(**mesh, devices=jax.devices()[:2]),
+                           encodings=["relu-1bit"], **kw)
+            t = fj.parallelize(model, optax.sgd(0.1), plan, layers="blocks", loss=loss)
+            seen.clear()
+            assert_close(t.loss_and_grads(t.init(), batch)[1], ref, 1e-6)
+            assert set(seen) == {(4, 16), (4, 8)}, mesh  # the blocks' ReLU and the head's
+    assert gist.active().names == ()

@@ -134,7 +134,8 @@ class AdaptedModel(StagedModel):
         if _shape_key(batch) not in self.checked:
             self._check_split(params, batch)
         keys = dropout.example_keys(self.dropout_base, batch) if self.dropout else None
-        with dropout.keys(keys, -1):  # the prologue's dropouts are "layer" -1
+        with (dropout.keys(keys, -1),  # the prologue's dropouts are "layer" -1
+              self._offered()):
             args, kwargs = self._first_call(self._outer(params), batch)
         _, consts, learned, _ = self.checked[_shape_key(batch)]
         return pack(args[0], args[1:], kwargs, self.sides, self.callsite, consts, keys,
@@ -168,6 +169,11 @@ class AdaptedModel(StagedModel):
             states.append(jax.tree.map(lambda c: xp.asarray(c)[u], self.unit_consts[j]))
         return nnx.merge(self.unit_graphdefs[j], *states, copy=True)
 
+    def _offered(self):
+        """The model's own code outside its blocks sees :attr:`offered` (Gist's encodings)
+        through the interception, beside what is already offered there."""
+        return intercept.setting(ops=self.with_offered(intercept.current().ops))
+
     def _tracing(self):
         """The model's own scan over a stacked module runs unrolled while fiddlejax traces its
         pieces (:mod:`fiddlejax.adaptation.scanned`); lists of blocks need nothing."""
@@ -185,7 +191,7 @@ class AdaptedModel(StagedModel):
     def layer(self, layer_params: nnx.State, x: dict, ops: Any = None) -> dict:
         """One stacked unit of blocks on the message; the blocks reach ``ops`` (what
         the layout offers) through :mod:`fiddlejax.intercept`, being the user's own."""
-        side = self.sides[key(x)]
+        side, ops = self.sides[key(x)], self.with_offered(ops)
         h, args, kwargs = unpack(x, side)
         keys, count = keys_of(x)
         for j in range(self.unit):
@@ -206,7 +212,7 @@ class AdaptedModel(StagedModel):
         h, _, _ = unpack(x, self.sides[key(x)])
         keys = keys_of(x)[0]
         with (acting("epilogue", h, self.checked[_shape_key(batch)][0]),
-              dropout.keys(keys, -2), self._tracing()):
+              dropout.keys(keys, -2), self._tracing(), self._offered()):
             outputs = self._call(self._outer(params), dropout.without_indices(batch))
         outputs = unpad_outputs(outputs, self.vocab_pads)
         return self.lay_out_loss(outputs, dropout.without_indices(batch), self.loss_fn)

@@ -208,7 +208,7 @@ class HeteroModel(AdaptedModel):
 
     def layer(self, layer_params: nnx.State, x: dict, ops: Any = None) -> dict:
         """One group of blocks on the message: a switch on the group of its block counter."""
-        io, side = self.io[key(x)], self.sides[key(x)]
+        io, side, ops = self.io[key(x)], self.sides[key(x)], self.with_offered(ops)
         lp = {p[0]: _value(v) for p, v in nnx.to_flat_state(nnx.State(layer_params))}
         rest = {k: v for k, v in x.items() if k != "x"}
         g = self._group(rest)

@@ -18,9 +18,13 @@ backward pass, and that the backward needs much less than the full values:
   wrong). Opt-in per call: only inputs declared ``relu_input=True`` are stored sparsely.
 
 A model is written once against the model-facing functions :func:`relu`, :func:`relu_maxpool`,
-:func:`dense` and :func:`conv`; they use plain ops unless an encoding is selected by the trace-time
-context ``with gist.encodings([...]):`` (a ``jax.make_user_context`` value, read while tracing
-and part of jax's trace cache keys), or by wrapping the traced function with :func:`with_encodings`.
+:func:`dense` and :func:`conv`; they use plain ops unless an encoding is selected, in this order:
+their ``encodings`` argument (what the bundled models pass on from ``ops.encodings``: a plan's
+``encodings=[...]`` offered to every call, :class:`fiddlejax.parallel.compose.Encoding`); else,
+inside a user's unmodified model that fiddlejax traces, the plan's, through the one
+interception (:mod:`fiddlejax.intercept`); else the user's own selection for their own code,
+``with gist.encodings([...]):`` (a ``jax.make_user_context`` value, read while tracing and part
+of jax's trace cache keys; fiddlejax never sets it) or :func:`with_encodings`.
 
 This module is the selection and the model-facing functions; the encodings themselves live in
 :mod:`fiddlejax.memory.masks` (the lossless 1-bit ones) and :mod:`fiddlejax.memory.stash`
@@ -38,6 +42,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
+from fiddlejax import intercept
 from fiddlejax.memory.masks import (
     binarize,
     binarize_applies,
@@ -170,9 +175,13 @@ _NONE = Encodings()
 _CONTEXT = jax.make_user_context(default_value=None)
 
 
-def active() -> Encodings:
-    """The encodings selected for the trace in progress (none outside ``encodings(...)``)."""
-    return _CONTEXT.value or _NONE
+def active(explicit: Encodings | None = None) -> Encodings:
+    """The encodings for a call: ``explicit`` if given, else a plan's offered to the user's
+    model being traced (:mod:`fiddlejax.intercept`), else the user's ``encodings(...)``."""
+    if explicit is not None:
+        return explicit
+    offered = getattr(intercept.current().ops, "encodings", None)
+    return offered if offered is not None else (_CONTEXT.value or _NONE)
 
 
 @contextlib.contextmanager
@@ -203,9 +212,9 @@ def with_encodings(fn: F, names: Iterable[str] | str | Encodings | None) -> F:
 # Model-facing functions: plain ops unless the trace selected an encoding
 
 
-def relu(x: jax.Array) -> jax.Array:
+def relu(x: jax.Array, encodings: Encodings | None = None) -> jax.Array:
     """ReLU; with ``relu-1bit`` selected its stash is a packed 1-bit mask."""
-    return relu_1bit(x) if active().relu_1bit else jax.nn.relu(x)
+    return relu_1bit(x) if active(encodings).relu_1bit else jax.nn.relu(x)
 
 
 def relu_maxpool(
@@ -213,6 +222,7 @@ def relu_maxpool(
     window: Sequence[int] = (2, 2),
     strides: Sequence[int] | None = None,
     padding: str = "VALID",
+    encodings: Encodings | None = None,
 ) -> jax.Array:
     """Max-pool of ReLU(x) over ``[batch, *spatial, channels]``.
 
@@ -221,9 +231,10 @@ def relu_maxpool(
     (which stashes its f32 input).
     """
     window, strides = pool_dims(x, window, strides)
-    if active().binarize and binarize_applies(x, window, strides, padding):
+    enc = active(encodings)
+    if enc.binarize and binarize_applies(x, window, strides, padding):
         return binarize_windows(x, window)
-    return max_pool(relu(x), window, strides, padding)
+    return max_pool(relu(x, enc), window, strides, padding)
 
 
 def _matmul(x: jax.Array, params: tuple[jax.Array, jax.Array | None]) -> jax.Array:
@@ -233,11 +244,12 @@ def _matmul(x: jax.Array, params: tuple[jax.Array, jax.Array | None]) -> jax.Arr
 
 
 def dense(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, relu_input: bool = False
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, relu_input: bool = False,
+    encodings: Encodings | None = None,
 ) -> jax.Array:
     """``x[..., K] @ kernel[K, ...] (+ bias)``; with ``bf16``/``fp8`` selected the stashed ``x``
     is encoded, and with ``sparse`` too when ``relu_input`` says ``x`` is a ReLU output."""
-    codec = active().codec_for(relu_input)
+    codec = active(encodings).codec_for(relu_input)
     if codec is None:
         return _matmul(x, (kernel, bias))
     return encoded_input(_matmul, codec)(x, (kernel, bias))
@@ -265,6 +277,7 @@ def conv(
     padding: str | Sequence[tuple[int, int]] = "SAME",
     *,
     relu_input: bool = False,
+    encodings: Encodings | None = None,
 ) -> jax.Array:
     """Convolution of ``x[N, *spatial, C_in]`` with ``kernel[*window, C_in, C_out]`` (+ bias);
     with ``bf16``/``fp8`` selected the stashed ``x`` is encoded, and with ``sparse`` too when
@@ -272,7 +285,7 @@ def conv(
     strides = tuple(strides) if strides is not None else (1,) * (x.ndim - 2)
     padding = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
     f = _conv_fn(strides, padding)
-    codec = active().codec_for(relu_input)
+    codec = active(encodings).codec_for(relu_input)
     if codec is None:
         return f(x, (kernel, bias))
     return encoded_input(f, codec)(x, (kernel, bias))

@@ -8,7 +8,6 @@ FLOPs whose compiled step fits ``Plan(memory_budget=)``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -119,15 +118,6 @@ def choose(lower_step: Callable[[Any], Any], budget: int):
     from fiddlejax.memory import choose_policy
 
     return choose_policy(lower_step, int(budget))
-
-
-def encodings(names) -> contextlib.AbstractContextManager:
-    """The Gist encodings the plan names, active while a step is traced."""
-    if not names:
-        return contextlib.nullcontext()
-    from fiddlejax.memory import gist
-
-    return gist.encodings(list(names))
 
 
 def check_names(policy: Any, source, template, batch: dict, model_name: str) -> None:

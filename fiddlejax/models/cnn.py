@@ -4,7 +4,8 @@ Stage declaration: ``prologue`` is a 3x3 stem convolution; ``blocks`` are identi
 layers ``x + conv(relu(conv(relu(x))))``; ``head`` is ReLU + 2x2 max-pool (Gist's Binarize
 pattern), global average pooling and a dense classifier; ``loss`` is softmax cross-entropy.
 Activations go through ``fiddlejax.memory.gist`` so a plan's ``encodings=[...]`` change what is
-stashed for the backward without touching this file.
+stashed for the backward without touching this file: the layout offers them as
+``ops.encodings`` to the stem, the blocks and the head, which pass them on.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fiddlejax.memory import gist
+from fiddlejax.parallel.ops import Ops
 
 from .common import annotated, param, scan_layers, stacked
+
+
+def _encodings(ops: Ops | None) -> gist.Encodings | None:
+    return None if ops is None else ops.encodings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +47,12 @@ class ConvBlock(nnx.Module):
         self.k2 = param(rngs, _conv_init(2.0 / n_layers), (3, 3, channels, channels), axes)
         self.b2 = annotated(jnp.zeros((channels,)), ("channels",))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = gist.conv(gist.relu(x), self.k1[...], self.b1[...], relu_input=True)
-        return x + gist.conv(gist.relu(h), self.k2[...], self.b2[...], relu_input=True)
+    def __call__(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
+        enc = _encodings(ops)
+        h = gist.conv(gist.relu(x, enc), self.k1[...], self.b1[...], relu_input=True,
+                      encodings=enc)
+        return x + gist.conv(gist.relu(h, enc), self.k2[...], self.b2[...], relu_input=True,
+                             encodings=enc)
 
 
 class CNN(nnx.Module):
@@ -59,11 +68,11 @@ class CNN(nnx.Module):
                         ("channels", "classes"))
         self.fc_bias = annotated(jnp.zeros((c.num_classes,)), ("classes",))
 
-    def prologue(self, batch: dict) -> jax.Array:
-        return gist.conv(batch["images"], self.stem[...])
+    def prologue(self, batch: dict, ops: Ops | None = None) -> jax.Array:
+        return gist.conv(batch["images"], self.stem[...], encodings=_encodings(ops))
 
-    def head(self, x: jax.Array) -> jax.Array:
-        pooled = gist.relu_maxpool(x, (2, 2)).mean(axis=(1, 2))
+    def head(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
+        pooled = gist.relu_maxpool(x, (2, 2), encodings=_encodings(ops)).mean(axis=(1, 2))
         return pooled @ self.fc[...] + self.fc_bias[...]
 
     def loss(self, logits: jax.Array, batch: dict) -> jax.Array:

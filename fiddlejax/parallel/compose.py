@@ -1,6 +1,7 @@
 """A model laid out on the mesh: each parallel concern applied in turn, once, before compiling.
 
-The order (as torchtitan's ``parallelize_llama`` applies TP, activation checkpointing, FSDP):
+The order (as torchtitan's ``parallelize_llama`` applies TP, activation checkpointing, FSDP),
+after Gist's encodings are offered to the model's own calls (:class:`Encoding`):
 
 1. ``tensor`` (:mod:`fiddlejax.parallel.tensor`): vocabularies padded for their split;
 2. ``pipe`` (:mod:`fiddlejax.pipeline.runtime`): layers grouped into stages and chunks;
@@ -38,9 +39,27 @@ from fiddlejax.finetune import dpo, lora
 from fiddlejax.parallel import context, exchange, expert, sequence, tensor, zero
 from fiddlejax.parallel.concern import Draft, fold
 from fiddlejax.parallel.layout import Layout, to_internal
+from fiddlejax.parallel.ops import Ops
 from fiddlejax.plan import Plan
 from fiddlejax.staged import StagedModel
 from fiddlejax.state import TrainState
+
+
+class Encoding:
+    """Gist's encodings (``Plan(encodings=...)``): offered as ``ops.encodings`` to the model's
+    own prologue, layers, head and loss, whatever else splits them (first: the model is still
+    the staged one, which passes them on to every call)."""
+
+    axis, sets, offers = "", frozenset({"staged"}), "encodings"
+
+    def apply(self, draft: Draft) -> Draft:
+        if not draft.plan.encodings:
+            return draft
+        from fiddlejax.memory import gist
+
+        offered = Ops(encodings=gist.parse(list(draft.plan.encodings)))
+        return dataclasses.replace(draft, staged=dataclasses.replace(draft.staged,
+                                                                     offered=offered))
 
 
 class Freezing:
@@ -80,7 +99,7 @@ class Pipe:
         return dataclasses.replace(draft, pipeline=pipeline, internal=internal)
 
 
-CONCERNS = (tensor.VocabPads(), context.ContextAxis(), sequence.SequenceSplit(),
+CONCERNS = (Encoding(), tensor.VocabPads(), context.ContextAxis(), sequence.SequenceSplit(),
             expert.ExpertAxis(), Freezing(), Referencing(), Pipe(), tensor.Specs(), zero.Store(),
             exchange.Replicas())
 

@@ -154,11 +154,6 @@ def reduce_sums(lay: Layout, total, sums: Sums, grads):
 def loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
     """The step's exact loss, gradients (in the trainer's layout) and the loss's reported
     metrics (a dict, empty for most models), inside ``jit``."""
-    with remat_.encodings(lay.plan.encodings):
-        return _loss_and_grads(lay, remat, params, batch)
-
-
-def _loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
     plan, zero = lay.plan, lay.zero
     if lay.pipeline is not None:
         return lay.pipeline.loss_and_grads(
@@ -182,11 +177,6 @@ def loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Ar
     """The step's mean loss without gradients (validation)."""
     if lay.pipeline is not None:  # the pipeline runs forward and backward together
         return loss_and_grads(lay, remat, params, batch)[0]
-    with remat_.encodings(lay.plan.encodings):
-        return _loss(lay, remat, params, batch)
-
-
-def _loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Array:
     zero = lay.zero
     if zero.dims is None:
         total, sums = microbatch_loss(lay, remat, params, batch)

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from fiddlejax.memory import remat as remat_
 from fiddlejax.parallel import balance, data
 from fiddlejax.parallel.concern import Draft
 
@@ -150,15 +149,14 @@ class TopKExchange(DenseExchange):
             return (loss, grads, jax.tree.map(lambda x: x[None], r), reported, *o)
 
         args = (params, batch, residual) + ((opt_state,) if local_opt else ())
-        with remat_.encodings(lay.plan.encodings):
-            if n == 1:
-                return per_replica(*args)
-            return jax.shard_map(
-                per_replica, mesh=lay.mesh, in_specs=(P(), P("data"), P("data"))
-                + ((P("data"),) if local_opt else ()),
-                out_specs=(P(), P(), P("data"), P()) + ((P("data"), P()) if local_opt else ()),
-                axis_names={"data"},
-            )(*args)
+        if n == 1:
+            return per_replica(*args)
+        return jax.shard_map(
+            per_replica, mesh=lay.mesh, in_specs=(P(), P("data"), P("data"))
+            + ((P("data"),) if local_opt else ()),
+            out_specs=(P(), P(), P("data"), P()) + ((P("data"), P()) if local_opt else ()),
+            axis_names={"data"},
+        )(*args)
 
 
 class TwoBWStepper(DenseExchange):

@@ -9,7 +9,8 @@ whose ``__call__`` takes an ``ops`` keyword receives it and hands it to
 ``fiddlejax.models.common.attention`` and ``MoE``; ``None`` (every field unset) means the
 block runs whole, as on one device. ``vocab`` (zero=3's vocabulary slices,
 :class:`fiddlejax.compute.vocab.VocabShards`) is offered the same way to the model's own
-``prologue``, ``head`` and ``loss`` when they take an ``ops`` keyword. Nothing reaches a block
+``prologue``, ``head`` and ``loss`` when they take an ``ops`` keyword; ``encodings`` (the plan's
+Gist encodings) to every one of them. Nothing reaches a block
 through a side channel: a newcomer adding a concern adds a field here and an argument where
 blocks use it.
 """
@@ -55,6 +56,9 @@ class Ops:
     context: ContextService | None = None
     expert: ExpertService | None = None
     vocab: VocabService | None = None  # for the prologue, head and loss (zero=3)
+    # the plan's Gist encodings (fiddlejax.memory.gist.Encodings), for the prologue, layers
+    # and head: how the model-facing gist functions stash their inputs
+    encodings: Any = None
 
     def adding(self, **services: Any) -> Ops:
         """These ops with ``services`` added (a wrapper's step on the way down)."""
