@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 from helpers import (
+    assert_close,
     assert_exact_on_context_layouts,
     assert_loss_and_grads,
     reference_loss_and_grads,
@@ -254,3 +255,41 @@ def test_lora_dropout_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"DeepseekV3.*plan\.lora\.dropout=0"):
         lora.add(load(), lora.LoRA(rank=2, dropout=0.1))
+
+
+def test_lora_adapts_the_latent_attention_and_the_dense_mlp():
+    """LoRA names MLA's kernels (ours or Hugging Face's: q_a_proj ... kv_b_proj, o_proj) and
+    the dense layers' MLP; on data=2 the adapters' gradients equal one device's and nothing
+    flows into the base."""
+    from fiddlejax.finetune import lora
+
+    cfg = DeepseekV3Config(vocab_size=32, hidden_size=16, intermediate_size=24,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                           q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+                           qk_nope_head_dim=6, v_head_dim=8, num_experts=4, n_group=2,
+                           topk_group=1, num_experts_per_tok=2, moe_intermediate_size=8,
+                           first_k_dense_replace=1, seq_len=8)
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "w1",
+               "w3", "w2")
+    model = lora.add(DeepseekV3(cfg, rngs=nnx.Rngs(0)), lora.LoRA(rank=2, targets=targets))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    names = {str(p[-1]) for p, _ in flat if str(p[-1]).endswith("_lora_b")}
+    assert names == {f"{k}_lora_b" for k in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1",
+                                            "w3", "w2")}
+    for path, var in flat:  # B not zero, so A's gradients are not
+        if str(path[-1]).endswith("_lora_b"):
+            var.set_value(0.05 * np.ones(var.shape, var.dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+    batch = tokens(0, 4, 8, 32)
+    ref_loss, ref = reference_loss_and_grads(model, batch)
+    t = fj.parallelize(model, optax.adamw(1e-2), fj.Plan(
+        mesh=fj.make_mesh(data=2, devices=jax.devices()[:2])))
+    loss, grads = t.loss_and_grads(t.init(), batch)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
+    only = lambda tree: {jax.tree_util.keystr(p): np.asarray(x)  # noqa: E731
+                         for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                         if lora.is_adapter(p)}
+    assert len(only(grads)) == 2 * (5 * 2 + 3)  # A and B: five in both layers, three dense
+    assert_close(only(grads), only(ref))
+    for p, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert bool(np.any(np.asarray(g))) == lora.is_adapter(p), jax.tree_util.keystr(p)

@@ -75,7 +75,8 @@ class LoRA:
 
 
 HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1",
-            "up_proj": "w3", "down_proj": "w2"}
+            "up_proj": "w3", "down_proj": "w2", "q_a_proj": "wq_a", "q_b_proj": "wq_b",
+            "kv_a_proj_with_mqa": "wkv_a", "kv_b_proj": "wkv_b"}  # the last four: MLA's
 
 
 # -- which parameters train -------------------------------------------------------------------

@@ -49,7 +49,8 @@ class MTPInput(NamedTuple):
 class DeepseekBlock(DecoderBlock):
     """x + MLA(norm(x)), then x + MLP(norm(x)): a dense SwiGLU (``dense=True``) or the MoE."""
 
-    lora_targets = {"wo": (2, 1)}  # the projections every block has, by MLA's name
+    # the dense layers' MLP (the attention's kernels are LatentAttention's targets)
+    lora_targets = {"w1": (1, 1), "w3": (1, 1), "w2": (1, 1)}
 
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dense: bool = False):
         c = self.config = config

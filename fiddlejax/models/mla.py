@@ -36,6 +36,11 @@ from .common import attention, param, project
 class LatentAttention(nnx.Module):
     """``[B, T, d] -> [B, T, d]``; ``config``: a :class:`~.deepseek_config.DeepseekV3Config`."""
 
+    # kernel: (input dims, output dims) (fiddlejax.finetune.lora): the low-rank queries
+    # (or the one query projection), the compressed K/V and its expansion, the output
+    lora_targets = {"wq_a": (1, 1), "wq_b": (1, 2), "wq": (1, 2), "wkv_a": (1, 1),
+                    "wkv_b": (1, 2), "wo": (2, 1)}
+
     def __init__(self, config, norm, *, rngs: nnx.Rngs, out_std: float = 0.02):
         c = self.config = config
         d, h = c.hidden_size, c.num_attention_heads
