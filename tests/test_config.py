@@ -90,6 +90,21 @@ def test_names_come_from_their_modules():
     assert ok["plan"]["schedule"] == "zb-h1"
 
 
+def test_zero_auto_is_fsdp_over_context_replicas_without_a_pipeline():
+    """plan.zero=auto (the default): 3 when sequences are split over context and no pipeline
+    runs (context replicas would each hold whole weights and AdamW moments), else 0; a
+    number is kept as given."""
+    flat = ["mesh.pipe=1", "plan.schedule=null", "mesh.tensor=1"]
+    assert config.load(None, [])["plan"]["zero"] == "auto"
+    assert build.make_plan(config.load(None, [*flat, "mesh.data=2", "mesh.context=4"])).zero == 3
+    assert build.make_plan(config.load(None, [*flat, "mesh.data=8"])).zero == 0
+    assert build.make_plan(config.load(None, ["mesh.context=2", "mesh.data=1"])).zero == 0
+    assert build.make_plan(config.load(None, [*flat, "mesh.data=2", "mesh.context=4",
+                                             "plan.zero=1"])).zero == 1
+    with pytest.raises(config.ConfigError, match=r"plan.zero.*0, 1, 2, 3 or 'auto'"):
+        config.load(None, ["plan.zero=4"])
+
+
 def test_null_schedule_ignores_the_default_virtual_stages():
     """The README's `mesh.pipe=1 plan.schedule=null mesh.data=4` must build a plan."""
     cfg = config.load(None, ["mesh.pipe=1", "plan.schedule=null", "mesh.data=4"])

@@ -143,6 +143,17 @@ def compute_dtype(name: str, matmul: str | None = None) -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def zero_level(zero, mesh, schedule) -> int:
+    """``plan.zero``; ``auto`` (the default) is 3 when sequences are split over ``context``
+    without a pipeline, else 0. Context replicas hold the same parameters: unsharded, each
+    device kept whole weights and AdamW's moments (4x MaxText's at context=4, which shards
+    them over data x context); FSDP over data x context holds 1/N of them."""
+    if zero != "auto":
+        return zero
+    context = dict(zip(mesh.axis_names, mesh.devices.shape)).get("context", 1)
+    return 3 if context > 1 and schedule is None else 0
+
+
 def make_plan(cfg: dict):
     """The :class:`~fiddlejax.plan.Plan` of the config's ``mesh:`` and ``plan:`` sections."""
     import fiddlejax as fj
@@ -163,7 +174,7 @@ def make_plan(cfg: dict):
     # only the keys whose job form differs from the field's are converted.
     fields = {f.name for f in dataclasses.fields(fj.Plan)} - {"mesh"}
     return fj.Plan(mesh=mesh, **{k: v for k, v in p.items() if k in fields} | dict(
-        virtual_stages=virtual, encodings=tuple(p["encodings"] or ()), memory_budget=budget,
+        zero=zero_level(p["zero"], mesh, p["schedule"]), virtual_stages=virtual, encodings=tuple(p["encodings"] or ()), memory_budget=budget,
         compute_dtype=compute_dtype(p.get("compute_dtype", "float32"), p.get("matmul_dtype")),
         rules=rules))
 

@@ -131,7 +131,7 @@ SPECS: dict[str, Spec] = {
     "plan.encodings": Spec(list, null=True), "plan.grad_allreduce": Spec(str),  # collectives'
     "plan.topk_density": Spec(float, lo=0, hi=1, open_lo=True),
     "plan.topk_on": Spec(str, choices=("gradients", "updates")),
-    "plan.zero": Spec(int, choices=(0, 1, 2, 3)),
+    "plan.zero": Spec(int, choices=(0, 1, 2, 3), words=("auto",)),
     "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
     "plan.fsdp_gather": Spec(str, choices=("layer", "step")), "plan.fsdp_prefetch": Spec(bool),
     "plan.matmul_dtype": Spec(str, choices=("fp8",), null=True),
