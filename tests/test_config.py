@@ -169,7 +169,8 @@ def test_precision_zero_and_rules_reach_the_plan():
         "plan.rules.fsdp=null", "plan.rules.wide=[data, tensor]"]))
     assert (plan.compute_dtype, plan.zero) == ("bfloat16", 3)
     assert dict(plan.rules) == {"kv": "tensor", "fsdp": None, "wide": ("data", "tensor")}
-    for bad, words in (("plan.zero=4", "0, 1, 2, 3 or 'auto'"), ("plan.compute_dtype=fp8", "'bfloat16'"),
+    for bad, words in (("plan.zero=4", "0, 1, 2, 3 or 'auto'"),
+                       ("plan.compute_dtype=fp8", "'bfloat16'"),
                        ("plan.rules=tensor", "a mapping")):
         with pytest.raises(config.ConfigError, match=words):
             config.load(None, base + [bad])

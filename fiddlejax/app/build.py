@@ -174,7 +174,8 @@ def make_plan(cfg: dict):
     # only the keys whose job form differs from the field's are converted.
     fields = {f.name for f in dataclasses.fields(fj.Plan)} - {"mesh"}
     return fj.Plan(mesh=mesh, **{k: v for k, v in p.items() if k in fields} | dict(
-        zero=zero_level(p["zero"], mesh, p["schedule"]), virtual_stages=virtual, encodings=tuple(p["encodings"] or ()), memory_budget=budget,
+        zero=zero_level(p["zero"], mesh, p["schedule"]), virtual_stages=virtual,
+        encodings=tuple(p["encodings"] or ()), memory_budget=budget,
         compute_dtype=compute_dtype(p.get("compute_dtype", "float32"), p.get("matmul_dtype")),
         rules=rules))
 
