@@ -83,7 +83,8 @@ REPORTS: dict[str, Report] = {
                       STEP + APP + GPT + ("fiddlejax/collectives",)),
     "checkpoint.md": Report("checkpoint.py", "", STEP + GPT + CKPT),
     "context.md": Report("context.py", "", STEP + LLAMA),
-    "context_state.md": Report("context_state.py", "", STEP + LLAMA + ("fiddlejax/app/build.py",)),
+    "context_state.md": Report("context_state.py", "",
+                               STEP + LLAMA + ("fiddlejax/app/build.py",)),
     "expert_parallel.md": Report("expert_parallel.py", "--check", STEP + MOE),
     "moe_dispatch.md": Report("moe_dispatch.py", "", MOE),
     "fsdp_gather_dtype.md": Report(
