@@ -67,18 +67,57 @@ def test_config_file_errors_name_the_file(tmp_path, capsys):
 
 
 def test_every_default_is_valid_and_every_spec_names_a_key():
-    """default.yaml is the source of truth: its values pass their own specs, no spec is stale,
-    and every key keeps its one comment on the same line (the docs' reference is made from it)."""
+    """The schema is the source of truth: its defaults pass their own specs, no spec is stale,
+    and default.yaml is the schema's, every key with its meaning on the same line (the docs'
+    reference is made from it)."""
+    from importlib import resources
+
+    from fiddlejax.app import schema
+
     keys = config.leaves(config.defaults())
     config.validate(config.defaults())
     assert set(config.SPECS) <= set(keys), set(config.SPECS) - set(keys)
-    from importlib import resources
-
     text = resources.files("fiddlejax").joinpath("configs/default.yaml").read_text()
+    assert text == schema.default_yaml(), "stale: run python docs/hooks/build.py --write"
+    assert yaml.safe_load(text) == config.defaults()
     leaf_lines = [x for x in text.splitlines() if x.strip() and not x.strip().startswith("#")
                   and not x.rstrip().endswith(":")]
-    missing = [x for x in leaf_lines if "#" not in x]
-    assert not missing, missing
+    assert len(leaf_lines) == len(keys)
+    assert not [x for x in leaf_lines if "#" not in x]
+
+
+def test_a_key_is_declared_once_and_read_everywhere():
+    """One declaration gives a key its default, its check, its fix and its Plan field: the
+    schema's accepts and fix reach validate's error, typed() reads a loaded config into the
+    sections, and every plan key named like a Plan field reaches the Plan unchanged."""
+    import dataclasses
+
+    import fiddlejax as fj
+    from fiddlejax.app import schema
+
+    with pytest.raises(config.ConfigError, match=r"train.dpo_beta=0 must be a number > 0"):
+        config.load(None, ["train.dpo_beta=0"])
+    with pytest.raises(config.ConfigError, match="CheckFreq picks it"):  # the declared fix
+        config.load(None, ["checkpoint.every=0"])
+    cfg = config.load(None, ["train.steps=7", "checkpoint.async=false", "plan.lora.rank=4"])
+    job = schema.typed(cfg)
+    assert (job.train.steps, job.checkpoint.async_, job.plan.lora) == (7, False, {"rank": 4})
+    assert isinstance(job.plan, schema.PlanSection) and job.resume is None
+    assert config.MAPPINGS == ("plan.rules", "plan.lora")
+    fresh = config.defaults()
+    fresh["train"]["steps"] = -1  # a caller's copy: the next job's defaults are untouched
+    assert config.defaults()["train"]["steps"] == 150
+    cfg = config.load(None, ["mesh.pipe=1", "mesh.data=4", "plan.schedule=null",
+                             "plan.microbatches=2",
+                             "plan.partition=params", "plan.sequence_parallel=true",
+                             "plan.topk_on=updates", "plan.check_inputs=true"])
+    plan = build.make_plan(cfg)
+    same = {f.name for f in dataclasses.fields(fj.Plan)} & {
+        f.name for f in dataclasses.fields(schema.PlanSection)}
+    assert {"microbatches", "partition", "sequence_parallel", "check_inputs"} <= same
+    for name in same - {"zero", "virtual_stages", "encodings", "memory_budget",
+                        "compute_dtype", "rules"}:  # converted by make_plan, tested apart
+        assert getattr(plan, name) == cfg["plan"][name], name
 
 
 def test_names_come_from_their_modules():

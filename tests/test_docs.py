@@ -102,12 +102,15 @@ def test_a_stale_page_is_reported_with_the_command(tmp_path, monkeypatch, capsys
     page.parent.mkdir()
     page.write_text("# P\n\n<!-- config-reference:begin -->\nold\n<!-- config-reference:end -->\n")
     monkeypatch.setattr(build, "ROOT", tmp_path)
+    monkeypatch.setattr(build, "WHOLE", {"docs/whole.txt": lambda: "new\n"})
+    (tmp_path / "docs" / "whole.txt").write_text("old\n")  # a file generated whole, stale
     monkeypatch.setattr(build, "COMMITTED", {"docs/page.md": ("config-reference",
                                                               lambda: "| new |\n")})
     assert build.main(["--check"]) == 1
     assert "run python docs/hooks/build.py --write" in capsys.readouterr().err
     assert build.main(["--write"]) == 0 and build.main(["--check"]) == 0
     assert "| new |" in page.read_text() and "old" not in page.read_text()
+    assert (tmp_path / "docs" / "whole.txt").read_text() == "new\n"
     page.write_text("# P\n")  # markers gone: an error, not a silently missing section
     with pytest.raises(ValueError, match="no <!-- config-reference:begin -->"):
         build.main(["--check"])

@@ -1,26 +1,28 @@
-"""Job configuration: the packaged YAML defaults, a user file, then dotted ``key=value`` overrides.
+"""Job configuration: the defaults, a user's YAML file, then dotted ``key=value`` overrides.
 
-``fiddlejax/configs/default.yaml`` is the source of truth for the keys and their defaults; this
-module types every key (:data:`SPECS`, a key without an entry takes its default's type) and checks
-the merged config before anything is built, so a bad value fails in one line that names the key,
-the value, what is expected and a fix (:class:`ConfigError`). Unknown keys are errors with a
-"did you mean" (a typo must not silently train the wrong model). Override values are parsed as
-YAML scalars so ``plan.zero=1``, ``optimizer.lr=1e-3`` and ``plan.schedule=null`` work.
+The keys, their defaults, types and fixes are declared once in :mod:`fiddlejax.app.schema`
+(``fiddlejax/configs/default.yaml`` is generated from it). This module merges a job's config
+onto the defaults and checks it before anything is built, so a bad value fails in one line
+that names the key, the value, what is expected and a fix (:class:`ConfigError`). Unknown
+keys are errors with a "did you mean" (a typo must not silently train the wrong model).
+Override values are parsed as YAML scalars so ``plan.zero=1``, ``optimizer.lr=1e-3`` and
+``plan.schedule=null`` work.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import math
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fiddlejax import models
+from fiddlejax.app import schema
+from fiddlejax.app.schema import MAX_CPU_DEVICES  # noqa: F401 (a name users import)
+from fiddlejax.app.spec import Spec, inferred
 from fiddlejax.app.units import parse_bytes as _parse_bytes
 
 
@@ -28,171 +30,17 @@ class ConfigError(ValueError):
     """A bad config value or key; the message is one line that names the key and the fix."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """What one key accepts: a type, optional choices and bounds, null, and extra words."""
-
-    kind: type  # int, float, bool, str, list or dict
-    choices: tuple = ()  # allowed values; empty: any
-    lo: float | None = None  # inclusive lower bound (exclusive when ``open_lo``)
-    hi: float | None = None  # inclusive upper bound (exclusive when ``open_hi``)
-    open_lo: bool = False
-    open_hi: bool = False
-    null: bool = False  # null is allowed
-    words: tuple = ()  # strings a numeric key also takes ("auto")
-    empty: bool = True  # a string key may be "" (paths may not: "" would mean "off" silently)
-
-    def expected(self) -> str:
-        if self.choices:
-            extra = [repr(w) for w in self.words] + (["null"] if self.null else [])
-            return _either([repr(c) for c in self.choices] + extra)
-        if self.kind is bool:
-            text = "true or false"
-        elif self.kind is list:
-            text = "a list, e.g. [a, b]"
-        elif self.kind is dict:
-            text = "a mapping, e.g. {a: b}"
-        elif self.kind is str:
-            text = "a string" if self.empty else "a non-empty string"
-        else:
-            text = "an integer" if self.kind is int else "a number"
-            bounds = []
-            if self.lo is not None:
-                bounds.append(f"{'>' if self.open_lo else '>='} {_num(self.lo)}")
-            if self.hi is not None:
-                bounds.append(f"{'<' if self.open_hi else '<='} {_num(self.hi)}")
-            text += (" " + " and ".join(bounds)) if bounds else ""
-        extra = [repr(w) for w in self.words] + (["null"] if self.null else [])
-        return _either([text, *extra]) if extra else text
-
-    def ok(self, v: Any) -> bool:
-        if v is None:
-            return self.null
-        if isinstance(v, str) and v in self.words:
-            return True
-        if self.kind is bool:
-            return isinstance(v, bool)
-        if self.kind is list:
-            return isinstance(v, list)
-        if self.kind is dict:
-            return isinstance(v, dict)
-        if self.kind is str:
-            return (isinstance(v, str) and (not self.choices or v in self.choices)
-                    and (self.empty or bool(v.strip())))
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            return False  # NaN passes every comparison, so it must be refused by name
-        if self.choices and v not in self.choices:
-            return False
-        if self.kind is int and not isinstance(v, int):
-            return False
-        if self.lo is not None and (v <= self.lo if self.open_lo else v < self.lo):
-            return False
-        return self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def _either(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
-
-
-def _kinds(module: str, attr: str) -> tuple:
-    """Names from the module that owns them (so a new schedule kind or policy flows through)."""
-    import importlib
-
-    value = getattr(importlib.import_module(module), attr)
-    return tuple(value() if callable(value) else value)
-
-
-POSITIVE = Spec(int, lo=1)
-COUNT = Spec(int, lo=0)
-MESH_AXIS = Spec(int, lo=-1)  # -1 infers the axis from the device count
-FRACTION = Spec(float, lo=0, hi=1, open_hi=True)
-DIR = Spec(str, null=True, words=("auto",), empty=False)  # a directory, auto, or null (none)
-MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minutes or crash
-
-# Keys typed beyond their default's type. Choices that other modules own are filled in by
-# :func:`specs` (schedule kinds, remat policies, all-reduce algorithms).
-SPECS: dict[str, Spec] = {
-    "model.name": Spec(str, choices=models.NAMES),
-    "model.vocab_size": Spec(int, lo=2, words=("auto",)),  # auto: the tokenizer's
-    "model.seq_len": POSITIVE, "model.d_model": POSITIVE, "model.n_heads": POSITIVE,
-    "model.n_layers": POSITIVE, "model.d_ff": POSITIVE, "model.channels": POSITIVE,
-    "model.tie_embeddings": Spec(bool), "model.from_pretrained": Spec(str, null=True),
-    "model.n_kv_heads": POSITIVE, "model.rope_theta": Spec(float, lo=0, open_lo=True),
-    "model.bias_update_speed": Spec(float, lo=0),
-    "mesh.data": MESH_AXIS, "mesh.pipe": MESH_AXIS, "mesh.tensor": MESH_AXIS,
-    "mesh.context": MESH_AXIS, "mesh.expert": MESH_AXIS,
-    "plan.schedule": Spec(str, null=True),  # choices: the schedule registry
-    "plan.microbatches": POSITIVE, "plan.virtual_stages": Spec(int, lo=1, null=True),
-    "plan.remat": Spec(str),  # choices: fiddlejax.memory.policies
-    "plan.encodings": Spec(list, null=True), "plan.grad_allreduce": Spec(str),  # collectives'
-    "plan.topk_density": Spec(float, lo=0, hi=1, open_lo=True),
-    "plan.topk_on": Spec(str, choices=("gradients", "updates")),
-    "plan.zero": Spec(int, choices=(0, 1, 2, 3), words=("auto",)),
-    "plan.compute_dtype": Spec(str, choices=("float32", "bfloat16", "float16", "auto")),
-    "plan.fsdp_gather": Spec(str, choices=("layer", "step")), "plan.fsdp_prefetch": Spec(bool),
-    "plan.matmul_dtype": Spec(str, choices=("fp8",), null=True),
-    "plan.partition": Spec(str, choices=("uniform", "params", "cost")),
-    "plan.check_inputs": Spec(bool), "plan.sequence_parallel": Spec(bool),
-    "plan.unroll_layers": Spec(bool, null=True), "plan.rules": Spec(dict, null=True),
-    "optimizer.name": Spec(str, choices=("adamw", "muon")),
-    "optimizer.lr": Spec(float, lo=0, open_lo=True),
-    "optimizer.muon_lr": Spec(float, lo=0, open_lo=True),
-    "optimizer.warmup_steps": COUNT, "optimizer.weight_decay": Spec(float, lo=0),
-    "optimizer.b1": FRACTION, "optimizer.b2": FRACTION, "optimizer.nesterov": Spec(bool),
-    "optimizer.stale_correction": Spec(float, lo=0, hi=1), "optimizer.clip": Spec(float, lo=0),
-    "data.batch_size": POSITIVE, "data.seed": COUNT, "data.format": Spec(str),
-    "data.field": Spec(str), "data.tokenizer": Spec(str), "data.pack": Spec(bool),
-    "data.val_fraction": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True, null=True),
-    "data.eos_id": Spec(int, lo=0, null=True), "data.workers": COUNT,
-    "data.token_dtype": Spec(str, choices=("uint16", "uint32")), "data.allow_change": Spec(bool),
-    "data.cache_dir": Spec(str, null=True, empty=False), "data.chat_template": Spec(str, null=True),
-    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": COUNT,
-    "train.eval_batches": COUNT, "train.steps_per_call": POSITIVE, "train.seed": COUNT,
-    "run.dir": Spec(str, empty=False), "run.cpu_devices": Spec(int, lo=0, hi=MAX_CPU_DEVICES),
-    "run.peak_tflops": Spec(float, lo=0), "init_from": Spec(str, null=True),
-    "run.progress": Spec(str, choices=("auto", "bar", "lines")), "run.compile_cache": DIR,
-    "train.nonfinite": Spec(str, choices=("skip", "stop")), "train.nonfinite_limit": POSITIVE,
-    "checkpoint.dir": DIR, "checkpoint.every": Spec(int, lo=1, words=("auto",)),  # auto: run.dir/..
-    "checkpoint.checkfreq_overhead": Spec(float, lo=0, hi=1, open_lo=True, open_hi=True),
-    "checkpoint.max_to_keep": Spec(int, lo=1, null=True), "checkpoint.async": Spec(bool),
-    "checkpoint.best_metric": Spec(str, null=True),
-    "checkpoint.best_mode": Spec(str, choices=("min", "max")),
-    "resume": Spec(int, lo=1, null=True, words=("auto",)),
-}
-
-MAPPINGS = ("plan.rules", "plan.lora")  # free mappings: plan.rules.kv=tensor merges into one
-
-# A fix for a key whose bad value the default alone does not explain.
-HINTS = {
-    "checkpoint.every": "a step count such as checkpoint.every=100, or checkpoint.every=auto "
-                        "(CheckFreq picks it)",
-    "resume": "resume=auto continues from the latest checkpoint, resume=N from step N",
-    "plan.memory_budget": "bytes per device, e.g. plan.memory_budget=2GiB",
-    "mesh.data": "a device count, or -1 to use the devices the other axes leave",
-    "mesh.context": "splits every sequence over this many devices (ring attention; "
-                    "seq_len a multiple of 2 x context)",
-    "checkpoint.dir": "checkpoint.dir=auto saves under run.dir/checkpoints, checkpoint.dir=DIR "
-                      "in DIR, checkpoint.dir=null saves nothing",
-    "plan.rules": "logical axis name -> mesh axis, e.g. plan.rules={mlp: null, kv_heads: null}",
-    "run.cpu_devices": f"0 (real devices) or up to {MAX_CPU_DEVICES}, e.g. run.cpu_devices=8",
-    "run.dir": "the directory for logs and checkpoints, e.g. run.dir=runs/default",
-}
+# Derived from the schema (fiddlejax.app.schema): each key is declared there once.
+SPECS: dict[str, Spec] = {k: d.accepts for k, _, d in schema.entries() if d.accepts}
+HINTS: dict[str, str] = {k: d.fix for k, _, d in schema.entries() if d.fix}
+# Free mappings: plan.rules.kv=tensor merges into the mapping instead of replacing it.
+MAPPINGS = tuple(k for k, spec in SPECS.items() if spec.kind is dict)
 
 
 def specs() -> dict[str, Spec]:
-    """:data:`SPECS` with the names other modules own filled in."""
-    out = dict(SPECS)
-    out["plan.schedule"] = Spec(str, null=True, choices=_kinds(
-        "fiddlejax.pipeline.schedules", "kinds"))
-    out["plan.remat"] = Spec(str, choices=(*_kinds("fiddlejax.memory.policies", "POLICY_NAMES"),
-                                           "auto"))
-    out["plan.grad_allreduce"] = Spec(str, choices=(
-        *_kinds("fiddlejax.collectives", "ALGORITHMS"), "topk"))
-    return out
+    """Every key's spec (declared, else its default's type), other modules' choices read."""
+    out = {k: s for k, default, _ in schema.entries() if (s := inferred(default))}
+    return out | {k: spec.resolved() for k, spec in SPECS.items()}
 
 
 def checkpoint_dir(cfg: dict) -> str | None:
@@ -208,8 +56,8 @@ AUTO_CHECKPOINT_DIR = "auto"
 
 
 def defaults() -> dict:
-    text = resources.files("fiddlejax").joinpath("configs/default.yaml").read_text()
-    return yaml.safe_load(text)
+    """The default config (a fresh copy: callers may change it)."""
+    return schema.defaults()
 
 
 def leaves(cfg: dict, where: str = "") -> dict[str, Any]:
@@ -323,7 +171,7 @@ def validate(cfg: dict) -> None:
     """Check every key's type and range, then the combinations; raise :class:`ConfigError`."""
     table, base = specs(), leaves(defaults())
     for key, value in leaves(cfg).items():
-        spec = table.get(key) or _inferred(base.get(key))
+        spec = table.get(key)
         if spec is None or spec.ok(value):
             continue
         if spec.choices and isinstance(value, str):
@@ -331,7 +179,7 @@ def validate(cfg: dict) -> None:
             if close:
                 raise _fail(key, value, spec.expected(), f"did you mean {key}={close[0]}?")
         default = base.get(key)
-        fix = HINTS.get(key) or (f"e.g. {key}={_yaml(default)} (the default)"
+        fix = HINTS.get(key) or (f"e.g. {key}={schema.as_yaml(default)} (the default)"
                                  if spec.ok(default) else f"see {key} in default.yaml")
         expected = spec.expected()
         if isinstance(value, float) and not math.isfinite(value):  # NaN, inf: named as such
@@ -340,23 +188,6 @@ def validate(cfg: dict) -> None:
     if cfg["plan"]["memory_budget"] is not None:
         parse_bytes(cfg["plan"]["memory_budget"], "plan.memory_budget")
     _check_combinations(cfg)
-
-
-def _inferred(default: Any) -> Spec | None:
-    """The spec of a key :data:`SPECS` does not list: its default's type (null: anything)."""
-    if default is None:
-        return None
-    if isinstance(default, bool):
-        return Spec(bool)
-    if isinstance(default, int):
-        return Spec(int)
-    if isinstance(default, float):
-        return Spec(float)
-    return Spec(type(default)) if isinstance(default, str | list) else None
-
-
-def _yaml(v: Any) -> str:
-    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def _check_combinations(cfg: dict) -> None:

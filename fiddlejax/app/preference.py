@@ -30,9 +30,7 @@ def loss(cfg: dict, model, plan) -> Any:
     scores the reference itself (the base with its adapters off, on the training layout)."""
     from fiddlejax.finetune import dpo
 
-    beta = float(cfg["train"]["dpo_beta"])
-    if not beta > 0:
-        raise config_lib.ConfigError(f"train.dpo_beta={beta} must be positive, e.g. 0.1")
+    beta = float(cfg["train"]["dpo_beta"])  # > 0: the config's schema checks it
     dpo.check_layout(int(dict(plan.mesh.shape).get("context", 1)))
     return dpo.loss(beta, getattr(getattr(model, "config", None), "vocab_size", None),
                     in_step=cfg["plan"].get("lora") is not None)
