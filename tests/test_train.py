@@ -104,6 +104,22 @@ def test_unrolled_layers_match_and_leave_no_loop(gpt_reference):
         fj.Plan(mesh=mesh(4, 2), unroll_layers="yes")
 
 
+def test_layers_unroll_off_the_cpu_unless_the_layout_gathers_them(monkeypatch):
+    """unroll_layers=None: a GPU unrolls the layers unless the built layout gathers each
+    layer's weights (FSDP over more than one data shard, which the scan prefetches); the
+    layout decides, not the number the config gave (zero=3 on one data shard stores whole)."""
+    from types import SimpleNamespace as NS
+
+    from fiddlejax.parallel import data
+
+    monkeypatch.setattr(data.jax, "default_backend", lambda: "gpu")
+    auto = fj.Plan(mesh=mesh(8, 1), zero=3)
+    assert not data.unrolled(NS(plan=auto, zero=NS(dims={"w": 0})))  # FSDP: a scan
+    assert data.unrolled(NS(plan=auto, zero=NS(dims=None)))  # stored whole: unrolled
+    assert not data.unrolled(NS(plan=fj.Plan(mesh=mesh(8, 1), unroll_layers=False),
+                                zero=NS(dims=None)))
+
+
 @pytest.mark.parametrize("vocab,tensor,tied", [(251, 4, False), (257, 2, True)])
 def test_odd_vocab_and_tied_embeddings(vocab, tensor, tied):
     cfg = GPTConfig(

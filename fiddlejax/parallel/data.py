@@ -36,16 +36,16 @@ def microbatch_loss(lay: Layout, remat: Callable, params: nnx.State,
     """(loss sum, Sums) of one microbatch (see ``staged.StagedModel.weighted_loss``)."""
     s = lay.model
     x = remat_.run_stack(remat, s.layer, params[s.stack], s.prologue(params, batch),
-                         unroll=unrolled(lay.plan))
+                         unroll=unrolled(lay))
     return s.weighted_loss(params, x, batch)
 
 
-def unrolled(plan: Plan) -> bool:
+def unrolled(lay: Layout) -> bool:
     """Whether the layers run unrolled (``Plan.unroll_layers``; ``None``: off the CPU, unless
-    ``zero=3``)."""
-    if plan.unroll_layers is not None:
-        return plan.unroll_layers
-    return jax.default_backend() != "cpu" and plan.zero < 3
+    the layout gathers the layers' weights per layer, FSDP, which the scan prefetches)."""
+    if lay.plan.unroll_layers is not None:
+        return lay.plan.unroll_layers
+    return jax.default_backend() != "cpu" and lay.zero.dims is None
 
 
 def local_sums(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
