@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from fiddlejax import models
-from fiddlejax.app.spec import COUNT, DIR, FRACTION, MESH_AXIS, POSITIVE, Spec, owned
+from fiddlejax.app.spec import COUNT, DIR, FRACTION, MESH_AXIS, POSITIVE, Spec
 
 MAX_CPU_DEVICES = 4096  # simulated: 4096 start in ~10 s; 100000 hang for minutes or crash
 
@@ -44,6 +44,26 @@ def key(default: Any, meaning: str, accepts: Spec | None = None, fix: str | None
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+# Names other modules own, read when a value is checked (importing them here would load the
+# runtime for `fiddlejax --help`), so a kind registered there is accepted at once.
+def _schedule_kinds() -> tuple:
+    from fiddlejax.pipeline import schedules
+
+    return tuple(schedules.kinds())
+
+
+def _remat_policies() -> tuple:
+    from fiddlejax.memory import policies
+
+    return (*policies.POLICY_NAMES, "auto")
+
+
+def _allreduce_algorithms() -> tuple:
+    from fiddlejax import collectives
+
+    return (*collectives.ALGORITHMS, "topk")
 
 
 def section(cls: type) -> Any:
@@ -102,18 +122,18 @@ class PlanSection:
 
     schedule: str | None = key("interleaved-1f1b", "gpipe | 1f1b | interleaved-1f1b | zb-h1 |"
         " zb-v | interleaved-zb | 2bw | null (no pipeline)",
-        Spec(str, null=True, choices=owned("fiddlejax.pipeline.schedules", "kinds")))
+        Spec(str, null=True, choices=_schedule_kinds))
     microbatches: int = key(4, "per data-parallel replica and step", POSITIVE)
     virtual_stages: int | None = key(None, "model chunks per pipeline stage; null: 2 for"
         " interleaved kinds, else 1", Spec(int, lo=1, null=True))
     remat: str = key("none", "none | full | dots | dots_no_batch | minimal | offload | auto",
-        Spec(str, choices=owned("fiddlejax.memory.policies", "POLICY_NAMES", "auto")))
+        Spec(str, choices=_remat_policies))
     memory_budget: Any = key(None, "remat=auto: bytes per device, e.g. 2GiB; null: 90% of the"
         " device's memory", fix="bytes per device, e.g. plan.memory_budget=2GiB")
     encodings: list | None = key([], "Gist activation encodings: relu-1bit, binarize, bf16,"
         " fp8, sparse[:capacity]", Spec(list, null=True))
     grad_allreduce: str = key("xla", "xla, a fiddlejax.collectives algorithm, or topk (no"
-        " pipeline)", Spec(str, choices=owned("fiddlejax.collectives", "ALGORITHMS", "topk")))
+        " pipeline)", Spec(str, choices=_allreduce_algorithms))
     topk_density: float = key(0.01, "grad_allreduce=topk: fraction of each gradient leaf sent"
         " per step", Spec(float, lo=0, hi=1, open_lo=True))
     topk_on: str = key("gradients", "grad_allreduce=topk: gradients | updates (sparse"

@@ -3,28 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Owned:
-    """Choices another module owns (schedule kinds, remat policies, all-reduce algorithms),
-    read when checked, so a new kind registered there is accepted here without a line."""
-
-    module: str
-    attr: str
-    extra: tuple = ()
-
-    def __call__(self) -> tuple:
-        value = getattr(importlib.import_module(self.module), self.attr)
-        return (*(value() if callable(value) else value), *self.extra)
-
-
-def owned(module: str, attr: str, *extra: str) -> Owned:
-    return Owned(module, attr, extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +13,8 @@ class Spec:
     """What one key accepts: a type, optional choices and bounds, null, and extra words."""
 
     kind: type  # int, float, bool, str, list or dict
-    choices: tuple | Callable[[], tuple] = ()  # allowed values; empty: any; Owned: read later
+    choices: tuple | Callable[[], tuple] = ()  # allowed values (empty: any), or a function
+    # that reads them from the module that owns them when a value is checked
     lo: float | None = None  # inclusive lower bound (exclusive when ``open_lo``)
     hi: float | None = None  # inclusive upper bound (exclusive when ``open_hi``)
     open_lo: bool = False
@@ -42,7 +24,8 @@ class Spec:
     empty: bool = True  # a string key may be "" (paths may not: "" would mean "off" silently)
 
     def resolved(self) -> Spec:
-        """This spec with choices another module owns read now."""
+        """This spec with choices another module owns (schedule kinds, remat policies,
+        all-reduce algorithms) read now, so a kind registered there is accepted here."""
         if callable(self.choices):
             return dataclasses.replace(self, choices=tuple(self.choices()))
         return self
