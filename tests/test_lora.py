@@ -209,8 +209,12 @@ def test_a_users_own_model_gets_adapters_and_trains_only_them(layout):
 
 def test_lora_dropout_on_a_users_model_is_layout_independent():
     """LoRA dropout (on the adapters' input) through layers=: deterministic from one key,
-    off in eval, new after a step, and the same loss and gradients on data x tensor and on
-    1F1B with 4 microbatches."""
+    off in eval, new after a step, and the loss and gradients of one device (the same masks)
+    on data x tensor and on 1F1B with 4 microbatches. The adapters' gradients get 5e-5: they
+    are small sums of large terms of both signs, so the order data=2 reduces them in shows
+    (measured on one machine: up to 3.5e-6 without dropout and 1.4e-5 with it over three
+    draws of B, where one device with 4 microbatches is within 6e-7); a mask that differed
+    would be off by ~1e-2."""
     from helpers import assert_loss_and_grads
 
     model = lora.add(UserLM(rngs=nnx.Rngs(0)), lora.LoRA(rank=4, dropout=0.3,
@@ -222,7 +226,8 @@ def test_lora_dropout_on_a_users_model_is_layout_independent():
     batch = {"tokens": jax.random.randint(k1, (8, 8), 0, 32),
              "labels": jax.random.randint(k2, (8, 8), 0, 32)}
     results = []
-    for layout in [dict(shape=(2, 1, 2), microbatches=2),
+    for layout in [dict(shape=(1, 1, 1), microbatches=1),
+                   dict(shape=(2, 1, 2), microbatches=2),
                    dict(shape=(2, 2, 1), schedule="1f1b", microbatches=4)]:
         kw = dict(layout)
         trainer = fj.parallelize(model, optax.sgd(0.1), mesh_plan(*kw.pop("shape"), **kw),
@@ -234,7 +239,10 @@ def test_lora_dropout_on_a_users_model_is_layout_independent():
         later = trainer.loss_and_grads(dataclasses.replace(state, step=state.step + 1), batch)
         assert abs(float(later[0]) - float(loss)) > 1e-4  # a new mask after a step
         results.append((loss, grads))
-    assert_loss_and_grads(results[1], results[0])
+    loose = {f"blocks/{i}/{p}/lora/{m}": 5e-5 for i in range(4) for p in ("q_proj", "v_proj")
+             for m in ("lora_a", "lora_b")}
+    for got in results[1:]:
+        assert_loss_and_grads(got, results[0], leaf_tol=loose)
 
 
 def test_lora_dropout_on_a_bundled_family_is_exact_on_every_layout():
