@@ -1,4 +1,4 @@
-"""Mixtral-8x7B on 16 x 80 GB: bf16, the planner's pick, compile only.
+"""Mixtral-8x7B on 16 x 80 GB (or GPT-OSS-120B on 32): bf16, the planner's pick, compile only.
 
 As ``benchmarks/scale_families.py`` does for dense families: the planner searches the layouts of
 two 8-GPU H100 nodes for Mixtral-8x7B (``planner.preset("mixtral-8x7b")``: 46.7B parameters,
@@ -11,6 +11,12 @@ published ``config.json`` shape (``fiddlejax.models.decoder.FAMILIES["mixtral"]`
 planner's figure (the bar: within 10%). Writes ``benchmarks/results/scale_moe.md``.
 
     python benchmarks/scale_moe.py [--layers N] [--seq 4096] [--layout T,P,D,E,MB ...]
+    python benchmarks/scale_moe.py --model gpt-oss-120b --layers 8
+
+``--model gpt-oss-120b``: OpenAI's GPT-OSS-120B (``models.gpt_oss``, 116.8B parameters) on four
+8-GPU nodes, written to ``results/scale_gpt_oss_120b.md``. Sixteen 80 GB GPUs cannot hold it
+with float32 master weights and AdamW's two moments (16 bytes a parameter: 117 GB a GPU), so
+the planner refuses 16 and the run starts at 32.
 
 ``--layers N`` compiles N and 2N layers and extrapolates per layer, as scale.py.
 ``--layout`` (repeatable) compiles given layouts (tensor, pipe, data, expert, microbatch
@@ -29,7 +35,7 @@ from pathlib import Path
 if __name__ == "__main__":  # before jax is imported
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=16"
+        os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=32"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -47,7 +53,21 @@ CONFIG = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
           "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
           "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
           "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False}
-NAME, GPUS, GLOBAL_BATCH = "mixtral-8x7b", 16, 64
+# openai/gpt-oss-120b's config.json (its MXFP4 quantization is a storage format: trained bf16)
+GPT_OSS_120B = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+                "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+                "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False,
+                                    "rope_theta": 150000.0,
+                                    "original_max_position_embeddings": 4096},
+                "swiglu_limit": 7.0, "router_aux_loss_coef": 0.0, "tie_word_embeddings": False}
+# name -> (family, config.json, GPUs, title); the planner's preset of the same name
+MODELS = {"mixtral-8x7b": ("mixtral", CONFIG, 16, "Mixtral-8x7B"),
+          "gpt-oss-120b": ("gpt_oss", GPT_OSS_120B, 32, "GPT-OSS-120B")}
+GLOBAL_BATCH = 64
 
 
 NOTES = """\
@@ -66,6 +86,16 @@ def has_expert_axis() -> bool:
     return "expert" in inspect.signature(fj.make_mesh).parameters
 
 
+def decoder_class(family: str):
+    if family == "gpt_oss":
+        from fiddlejax.models.gpt_oss import GptOss
+
+        return GptOss
+    from fiddlejax.models.decoder import FAMILIES
+
+    return FAMILIES[family]
+
+
 def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec) -> planner.Prediction:
     """The planner's fastest bf16, full-remat layout that fits (1F1B when pipelined)."""
     return planner.search(model, cluster, GLOBAL_BATCH, precision="bf16-mixed",
@@ -74,11 +104,10 @@ def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec) -> plann
                           experts=None if has_expert_axis() else (1,))[0]
 
 
-def compiled_memory(layout: planner.Layout, seq: int, layers: int) -> dict:
-    from fiddlejax.models.decoder import FAMILIES
-
-    cls = FAMILIES["mixtral"]
-    config = cls.config_from_hf({**CONFIG, "num_hidden_layers": layers}, seq_len=seq)
+def compiled_memory(layout: planner.Layout, seq: int, layers: int, name: str) -> dict:
+    family, hf_config, _, _ = MODELS[name]
+    cls = decoder_class(family)
+    config = cls.config_from_hf({**hf_config, "num_hidden_layers": layers}, seq_len=seq)
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     axes = dict(data=layout.data, pipe=layout.pipe, tensor=layout.tensor)
     if layout.expert > 1:
@@ -91,9 +120,10 @@ def compiled_memory(layout: planner.Layout, seq: int, layers: int) -> dict:
     return fj.parallelize(model, optax.adamw(1e-4), plan).memory(layout.global_batch)
 
 
-def measure(seq: int, layers: int | None, given: tuple[int, ...] | None) -> dict:
-    cluster = planner.cluster("h100", nodes=GPUS // 8)
-    model = planner.preset(NAME, seq=seq)
+def measure(seq: int, layers: int | None, given: tuple[int, ...] | None,
+            name: str = "mixtral-8x7b") -> dict:
+    cluster = planner.cluster("h100", nodes=MODELS[name][2] // 8)
+    model = planner.preset(name, seq=seq)
     if given:
         t, p, d, e, mb = given
         lo = planner.validate(planner.Layout(
@@ -103,17 +133,18 @@ def measure(seq: int, layers: int | None, given: tuple[int, ...] | None) -> dict
             model, cluster)
     else:
         lo = pick_layout(model, cluster).layout
-    total = CONFIG["num_hidden_layers"]
+    total = MODELS[name][1]["num_hidden_layers"]
     t0 = time.perf_counter()
     if layers is None or layers >= total:
-        compiled, how = float(compiled_memory(lo, seq, total)["peak_bytes"]), "full compile"
+        compiled = float(compiled_memory(lo, seq, total, name)["peak_bytes"])
+        how = "full compile"
     else:
-        a = compiled_memory(lo, seq, layers)["peak_bytes"]
-        b = compiled_memory(lo, seq, 2 * layers)["peak_bytes"]
+        a = compiled_memory(lo, seq, layers, name)["peak_bytes"]
+        b = compiled_memory(lo, seq, 2 * layers, name)["peak_bytes"]
         compiled = b + (total - 2 * layers) * (b - a) / layers
         how = f"{layers} and {2 * layers} layers, extrapolated"
     predicted = planner.memory(model, lo).total
-    return {"model": NAME, "params": model.params, "gpus": lo.gpus, "layout": lo.short(),
+    return {"model": name, "params": model.params, "gpus": lo.gpus, "layout": lo.short(),
             "microbatches": lo.microbatches, "global_batch": lo.global_batch, "seq": seq,
             "predicted": predicted, "compiled": compiled, "error": predicted / compiled - 1,
             "hbm": cluster.gpu.memory_bytes, "how": how, "compile_s": time.perf_counter() - t0,
@@ -122,30 +153,39 @@ def measure(seq: int, layers: int | None, given: tuple[int, ...] | None) -> dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="mixtral-8x7b")
     ap.add_argument("--layers", type=int, help="compile N and 2N layers and extrapolate")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--layout", action="append", default=[],
                     help="T,P,D,E,MB: also compile this layout (repeatable)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale_moe.md"))
+    ap.add_argument("--out", help="default: results/scale_moe.md (Mixtral), else "
+                    "results/scale_<model>.md")
     a = ap.parse_args()
+    family, _, gpus, title = MODELS[a.model]
+    stem = "scale_moe" if a.model == "mixtral-8x7b" else "scale_" + a.model.replace("-", "_")
+    out = Path(a.out or Path(__file__).parent / "results" / f"{stem}.md")
     rows = []
     for given in [None, *(tuple(int(x) for x in g.split(",")) for g in a.layout)]:
-        rows.append(row := measure(a.seq, a.layers, given))
+        rows.append(row := measure(a.seq, a.layers, given, a.model))
         print(markdown([row]).splitlines()[-1], f"({row['compile_s']:.0f} s)", flush=True)
         print("predicted parts (GiB):",
               {k: round(v / 2**30, 2) for k, v in row["parts"].items()})
-    cmd = "python benchmarks/scale_moe.py" + (f" --layers {a.layers}" if a.layers else "") + (
-        "".join(f" --layout {g}" for g in a.layout))
-    axis = ("expert sizes 1, 2, 4 and 8 considered" if has_expert_axis() else
+    cmd = "python benchmarks/scale_moe.py" + (
+        f" --model {a.model}" if a.model != "mixtral-8x7b" else "") + (
+        f" --layers {a.layers}" if a.layers else "") + "".join(
+        f" --layout {g}" for g in a.layout)
+    axis = ("expert sizes dividing the experts considered" if has_expert_axis() else
             "no expert axis (this fiddlejax has none: experts replicated over data and pipe)")
     given = "; the rows after the first: layouts given with --layout" if a.layout else ""
-    reporting.write(Path(a.out),
-        "# Scale: Mixtral-8x7B in bf16 on 16 x 80 GB, compile only\n\n"
-        f"`{cmd}`: the planner's fastest bf16 full-remat layout of two 8 x H100 nodes (90% of "
-        f"80 GiB usable; 1F1B when pipelined; {axis}{given}), compiled as one training step of the "
-        "Mixtral decoder (`nnx.eval_shape`, real shapes, dropless dispatch) on 16 simulated "
-        f"CPU devices; global batch {GLOBAL_BATCH} x {a.seq} tokens. "
-        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n" + NOTES)
+    reporting.write(out,
+        f"# Scale: {title} in bf16 on {gpus} x 80 GB, compile only\n\n"
+        f"`{cmd}`: the planner's fastest bf16 full-remat layout of {gpus // 8} 8 x H100 nodes "
+        f"(90% of 80 GiB usable; 1F1B when pipelined; {axis}{given}), compiled as one "
+        f"training step of the {title} decoder (`nnx.eval_shape`, real shapes, dropless "
+        f"dispatch) on {gpus} simulated CPU devices; global batch {GLOBAL_BATCH} x {a.seq} "
+        "tokens. "
+        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n"
+        + (NOTES if a.model == "mixtral-8x7b" else ""))
     return 0 if all(abs(r["error"]) < 0.10 for r in rows) else 1
 
 

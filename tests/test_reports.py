@@ -31,7 +31,7 @@ PENDING: set[str] = {
     "pipeline_efficiency.md", "pipeline_2bw_train.md",
     "vocab_parallel.md", "topk.md", "checkpoint.md",
     "long_context.md", "scale.md", "scale_families.md", "scale_moe.md",
-    "fp8.md", "hf_checkpoint_memory.md", "input_pipeline.md", "faults.md",
+    "fp8.md", "input_pipeline.md", "faults.md",
     "suite.md",
 }
 
