@@ -100,6 +100,11 @@ REPORTS: dict[str, Report] = {
                                 STEP + PIPE + LLAMA + PLANNER + ("fiddlejax/models/families.py",)),
     "scale_moe.md": Report("scale_moe.py", "--layout 1,2,1,8,1 --layout 2,2,1,4,1",
                            STEP + PIPE + MOE + PLANNER),
+    "scale_gpt_oss_120b.md": Report(
+        "scale_moe.py", "--model gpt-oss-120b --layers 8",
+        STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/gpt_oss.py",
+                                       "fiddlejax/models/gpt_oss_config.py",
+                                       "fiddlejax/models/decoder.py")),
     "fp8.md": Report("fp8.py", "", STEP + PIPE + APP + GPT + ("fiddlejax/compute/fp8.py",)),
     "hf_checkpoint_memory.md": Report("hf_checkpoint_memory.py", "",
                                       STEP + APP + LLAMA + CKPT + ("fiddlejax/models/hub.py",
