@@ -75,6 +75,30 @@ def test_logits_router_logits_and_aux_loss_match_transformers():
         assert rel_err(np.asarray(logits_of(other, ref["tokens"])), ref["logits"]) > 1e-3, leaf
 
 
+def test_blocked_experts_equal_ragged_dot_with_their_biases():
+    """Off GPU and TPU the experts run as blocks of one expert's rows (``grouped="blocked"``,
+    what ``auto`` picks there: ``ragged_dot`` is a dense masked matmul over every expert on
+    the CPU); its output and its gradients, biases included, equal ``ragged_dot``'s, padding
+    rows and empty experts included."""
+    import jax.numpy as jnp
+
+    from fiddlejax.models import gpt_oss, moe
+
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+    e, d, f, m = 5, 8, 6, 37
+    ws = tuple(0.3 * jax.random.normal(next(keys), s) for s in
+               ((e, d, f), (e, d, f), (e, f, d), (e, f), (e, f), (e, d)))
+    xs = jax.random.normal(next(keys), (m, d))
+    sizes = jnp.array([10, 0, 20, 7, 0], jnp.int32)
+    assert moe.grouped_kind("auto") == "blocked"  # the CPU
+    loss = {g: jax.value_and_grad(lambda xs, ws, g=g: jnp.sum(jnp.sin(gpt_oss.experts(
+        xs, sizes, ws, 1.702, 7.0, g))), argnums=(0, 1)) for g in ("ragged_dot", "blocked")}
+    (va, ga), (vb, gb) = (loss[g](xs, ws) for g in ("ragged_dot", "blocked"))
+    np.testing.assert_allclose(vb, va, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
 def test_export_round_trip_is_bit_exact(tmp_path):
     """save_pretrained writes transformers' names (fused interleaved ``gate_up_proj`` and its
     bias, sinks, router bias) and bits (bf16, as read); the config reads back the same."""

@@ -27,7 +27,7 @@ from . import gpt_oss_config
 from .common import annotated, attention, param, project, stacked
 from .decoder import Decoder, DecoderBlock, RMSNorm
 from .gpt_oss_config import GptOssConfig, GptOssMoEConfig
-from .moe import MoE, MoEOutput, sort_by_expert
+from .moe import MoE, MoEOutput, blocked, grouped_kind, sort_by_expert
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -38,11 +38,19 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-def experts(xs: jax.Array, sizes: jax.Array, ws: tuple, alpha: float, limit: float
-            ) -> jax.Array:
+def experts(xs: jax.Array, sizes: jax.Array, ws: tuple, alpha: float, limit: float,
+            grouped: str = "ragged_dot") -> jax.Array:
     """The experts on rows ``xs`` sorted by expert (``sizes[e]`` rows each): grouped matmuls
-    (``ragged_dot``) plus each row's expert's biases."""
+    plus each row's expert's biases; ``grouped`` as ``MoEConfig.grouped_matmul`` resolved
+    (``blocked``: a loop over row blocks of one expert each, :func:`~.moe.blocked`)."""
     w_gate, w_up, w_down, b_gate, b_up, b_down = ws
+    if grouped == "blocked":
+        def one(xb, i):
+            h = clamped_swiglu(xb @ w_gate[i] + b_gate[i].astype(xb.dtype),
+                               xb @ w_up[i] + b_up[i].astype(xb.dtype), alpha, limit)
+            return h @ w_down[i] + b_down[i].astype(xb.dtype)
+
+        return blocked(xs, sizes, w_gate.shape[0], one)
     owner = jnp.repeat(jnp.arange(w_gate.shape[0], dtype=jnp.int32), sizes,
                        total_repeat_length=xs.shape[0])
     rd = jax.lax.ragged_dot
@@ -80,8 +88,9 @@ class GptOssMoE(MoE):
         logits, gates, chosen = self.route(flat)
         ws = tuple(getattr(self, n)[...] for n in ("w_gate", "w_up", "w_down", "b_gate", "b_up",
                                                     "b_down"))
+        grouped = grouped_kind(c.grouped_matmul)
         run = lambda xs, sizes, ws: experts(xs, sizes, ws, c.swiglu_alpha,  # noqa: E731
-                                            c.swiglu_limit)
+                                            c.swiglu_limit, grouped)
         if ep is None:
             order, sizes = sort_by_expert(chosen, c.num_experts)
             token = order % flat.shape[0]

@@ -99,7 +99,7 @@ class GptOssConfig(DecoderConfig):
             num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
             dispatch=self.moe_dispatch, capacity_factor=self.capacity_factor,
             router_aux_loss_coef=self.router_aux_loss_coef,
-            router_z_loss_coef=self.router_z_loss_coef, grouped_matmul="ragged_dot",
+            router_z_loss_coef=self.router_z_loss_coef,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
 
     @property

@@ -151,14 +151,14 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, sizes
 
 
-def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int = BLOCK
-                    ) -> jax.Array:
-    """The SwiGLU experts on rows ``xs`` sorted by expert (``sizes`` rows each), as a loop over
-    blocks of ``block`` rows: each expert's rows start a new block, so a block belongs to one
-    expert and multiplies its weights alone. FLOPs: the rows' own, plus at most ``E * (block -
-    1)`` padding rows; what ``ragged_dot`` does on a GPU or TPU, written for any backend."""
-    w_gate, w_up, w_down = ws
-    m, e = xs.shape[0], w_gate.shape[0]
+def blocked(xs: jax.Array, sizes: jax.Array, num_experts: int, one, block: int = BLOCK
+            ) -> jax.Array:
+    """``one(rows [block, d], expert)`` on rows ``xs`` sorted by expert (``sizes`` rows each),
+    as a loop over blocks of ``block`` rows: each expert's rows start a new block, so a block
+    belongs to one expert and multiplies its weights alone. FLOPs: the rows' own, plus at most
+    ``E * (block - 1)`` padding rows; what ``ragged_dot`` does on a GPU or TPU, written for
+    any backend."""
+    m, e = xs.shape[0], num_experts
     blocks = -(-(m + e * (block - 1)) // block)  # static bound on the padded rows' blocks
     padded = -(-sizes // block) * block
     ends = jnp.cumsum(padded)
@@ -170,16 +170,28 @@ def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int 
     starts = jnp.arange(blocks, dtype=jnp.int32)[:, None] * block
     which = jnp.minimum(jnp.sum(ends[None, :] <= starts, axis=1), e - 1)
     xb = jnp.zeros((blocks * block, xs.shape[1]), xs.dtype).at[dest].set(xs)
-
-    def one(args):
-        xb, i = args
-        return _swiglu(xb @ w_gate[i], xb @ w_up[i], act) @ w_down[i]
-
     # The loop would keep each block's weight slices for the backward (blocks x 3 matrices):
     # keep only its matmul outputs and slice the weights again.
-    one = jax.checkpoint(one, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    yb = jax.lax.map(one, (xb.reshape(blocks, block, -1), which))
+    step = jax.checkpoint(lambda args: one(*args),
+                          policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    yb = jax.lax.map(step, (xb.reshape(blocks, block, -1), which))
     return yb.reshape(blocks * block, -1)[dest]
+
+
+def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int = BLOCK
+                    ) -> jax.Array:
+    """The SwiGLU experts ``ws`` on rows ``xs`` sorted by expert, by :func:`blocked`."""
+    w_gate, w_up, w_down = ws
+    return blocked(xs, sizes, w_gate.shape[0],
+                   lambda xb, i: _swiglu(xb @ w_gate[i], xb @ w_up[i], act) @ w_down[i], block)
+
+
+def grouped_kind(grouped: str) -> str:
+    """``MoEConfig.grouped_matmul`` resolved: ``auto`` is ``ragged_dot`` on GPU and TPU and
+    ``blocked`` elsewhere, where ``ragged_dot`` is a dense masked matmul over every expert."""
+    if grouped != "auto":
+        return grouped
+    return "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
 
 
 def grouped_swiglu(xs: jax.Array, sizes: jax.Array, ws: tuple, act, grouped: str
@@ -300,9 +312,7 @@ class MoE(nnx.Module):
         act = ACTIVATIONS[c.hidden_act]
         dropped = jnp.zeros(flat.shape[:1], jnp.int32)
         if c.dispatch == "dropless":
-            grouped = c.grouped_matmul
-            if grouped == "auto":  # ragged_dot is a dense masked matmul off GPU and TPU
-                grouped = "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
+            grouped = grouped_kind(c.grouped_matmul)
             out = (dropless(flat, gates, experts, *ws, act=act, grouped=grouped) if ep is None
                    else expert.dropless(ep, flat, gates, experts, ws, functools.partial(
                        grouped_swiglu, act=act, grouped=grouped)))
