@@ -111,8 +111,8 @@ def test_tiny_forward_flops_equal_the_program(family):
     out only elementwise work (norms, RoPE, softmax, SiLU, the sinks' logits, the biases'
     adds, top-k), which XLA's ``cost_analysis`` adds on top. The jaxpr is counted, not the
     compiled program: ``cost_analysis`` counts a loop body once (the layer scan, the experts'
-    blocks). On the CPU DeepSeek's experts run the blocked grouped matmul, whose padding rows
-    are added to the planner's real pairs here (GPT-OSS's ragged_dot runs the real rows).
+    blocks). On the CPU the experts run the blocked grouped matmul, whose padding rows are
+    added to the planner's real pairs here.
     Windows: at ``sliding_window = seq`` no key is cut, so the bound is the square here (its
     effect is checked by hand below)."""
     if family == "deepseek":
@@ -137,12 +137,13 @@ def test_tiny_forward_flops_equal_the_program(family):
     batch = {"tokens": jnp.zeros((1, S + 1), jnp.int32)}
     measured = dot_flops(jax.make_jaxpr(loss)(params, batch).jaxpr)
     priced = (spec.num_layers * spec.layer_flops + spec.prologue_flops + spec.epilogue_flops)
-    if family == "deepseek":  # the CPU's blocked grouped matmul (a GPU's is ragged_dot) runs
-        # its padding rows too: pairs rounded up to BLOCK-row blocks, one expert each
-        pairs, e, f = S * c.num_experts_per_tok, c.num_experts, c.moe_intermediate_size
-        rows = -(-(pairs + e * (moe.BLOCK - 1)) // moe.BLOCK) * moe.BLOCK
-        moe_layers = spec.num_layers + spec.moe.outer_layers
-        priced += moe_layers * (rows - pairs) * 2.0 * 3 * c.hidden_size * f
+    # The CPU's blocked grouped matmul (a GPU's is ragged_dot) runs its padding rows too:
+    # pairs rounded up to BLOCK-row blocks, one expert each
+    f = c.moe_intermediate_size if family == "deepseek" else c.intermediate_size
+    pairs, e = S * c.num_experts_per_tok, c.num_experts
+    rows = -(-(pairs + e * (moe.BLOCK - 1)) // moe.BLOCK) * moe.BLOCK
+    moe_layers = spec.num_layers + spec.moe.outer_layers
+    priced += moe_layers * (rows - pairs) * 2.0 * 3 * c.hidden_size * f
     assert priced == pytest.approx(measured, rel=1e-9)
 
 
