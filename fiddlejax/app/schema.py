@@ -339,9 +339,10 @@ def typed(cfg: dict, cls: type = JobConfig) -> Any:
     """A config dict (``config.load``'s) as :class:`JobConfig`: ``typed(cfg).train.steps``."""
     kw = {}
     for f in dataclasses.fields(cls):
-        name = f.metadata["key"].name or f.name if "key" in f.metadata else f.name
-        value = cfg[name]
-        kw[f.name] = typed(value, f.metadata["section"]) if "section" in f.metadata else value
+        if "section" in f.metadata:
+            kw[f.name] = typed(cfg[f.name], f.metadata["section"])
+        else:
+            kw[f.name] = cfg[f.metadata["key"].name or f.name]
     return cls(**kw)
 
 
