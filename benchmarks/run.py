@@ -111,6 +111,7 @@ REPORTS: dict[str, Report] = {
                                                                    "fiddlejax/models/hf.py",
                                                                    "fiddlejax/models/hf_io.py")),
     "zero3_vocab_memory.md": Report("zero3_vocab_memory.py", "", STEP + LLAMA),
+    "zero3_temp.md": Report("zero3_temp.py", "", STEP + MOE + LLAMA),
     "input_pipeline.md": Report("input_pipeline.py", "", STEP + APP + GPT,
                                 ("input_pipeline.json",)),
     "data_store.md": Report("data_store.py", "", APP, ("data_store.json",)),

@@ -123,3 +123,42 @@ def test_shards_over_context_alone_are_gathered_one_layer_ahead():
             if name in u16]
     assert len(weight_gathers[False]) >= 2 * 9 and all(weight_gathers[False])
     assert len(weight_gathers[True]) >= 2 * 9 and not any(weight_gathers[True])
+
+
+def test_a_layers_own_checkpoints_keep_their_policies_under_the_view():
+    """Without a remat policy the view seals the layer (``compute.sealed``): a checkpoint inside
+    it (MoE's blocked experts) keeps its own policy instead of the view's save-everything one,
+    which saved every block's weight slices and activations."""
+    from fiddlejax.compute import ParamView
+
+    def layer(w, x):  # inner: save nothing, recompute the sines
+        return jax.checkpoint(lambda v: jnp.sin(jnp.sin(v @ w["w"])),
+                              policy=jax.checkpoint_policies.nothing_saveable)(x)
+
+    w, x = {"w": jnp.ones((8, 8))}, jnp.ones((4, 8))
+    for policy, most in ((None, 2), (jax.checkpoint_policies.everything_saveable, 4)):
+        viewed = ParamView(dtype=None).layer(layer, {"w": -1}, policy)
+        saved = jax.tree.leaves(jax.vjp(viewed, w, x)[1])  # the residuals the backward reads
+        assert len([a for a in saved if a.shape == (4, 8)]) <= most, (policy, saved)
+    # without the seal the view's policy saved the inner sines too (4 of shape (4, 8))
+
+
+def test_zero3_adds_no_temporaries_to_an_expert_parallel_moe_step():
+    """zero=3 over data x expert: its step holds at most one layer's gathered weights more than
+    zero=0's (it was 5x zero=0's temporaries: benchmarks/results/zero3_temp.md)."""
+    from fiddlejax.models.moe import MoEConfig
+    from fiddlejax.models.moe_lm import MoELM
+
+    cfg = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8,
+                    num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    temps = {}
+    for zero, prefetch in ((0, True), (3, False), (3, True)):  # the layer view, the stack
+        model = nnx.eval_shape(lambda: MoELM(cfg, 128, 2, nnx.Rngs(0), report=False))
+        trainer = fj.parallelize(model, optax.adamw(1e-3), fj.Plan(
+            mesh=fj.make_mesh(data=2, expert=4), zero=zero, compute_dtype="float32",
+            fsdp_prefetch=prefetch))
+        state = trainer.abstract_state()
+        step = trainer.lower_step(state, {"tokens": jax.ShapeDtypeStruct((8, 129), jnp.int32)})
+        temps[zero, prefetch] = step.compile().memory_analysis().temp_size_in_bytes
+    layer = 3 * 64 * 128 * 4 * 8 // 4  # a device's 2 experts of one layer, float32
+    assert max(temps[3, False], temps[3, True]) <= temps[0, True] + layer, temps

@@ -6,7 +6,9 @@ shards to ``Plan(compute_dtype=)`` and all-gathers them over ``data`` just befor
 dtype as its bits: half the bytes of gathering float32). The layer runs under one
 ``jax.checkpoint`` whose policy never saves a gathered or cast weight, so the backward gathers
 again instead of keeping a full copy: nothing is held longer than one layer needs it, and the
-stash holds activations only. The gradient is that of gathering the float32 shard and casting
+stash holds activations only. Without a remat policy the layer inside is :func:`sealed`: it
+saves what plain differentiation saves, its own checkpoints (MoE's blocked experts) with their
+own policies, which an enclosing policy would otherwise override. The gradient is that of gathering the float32 shard and casting
 after: the cotangent back in float32, then the all-gather's transpose, a reduce-scatter, so each
 replica's gradient arrives already summed (in float32) and sharded.
 
@@ -231,6 +233,27 @@ def _keeping(policy: Callable | None) -> Callable:
     return keep
 
 
+def sealed(f: Callable) -> Callable:
+    """``f`` as one step an enclosing ``jax.checkpoint`` cannot look into: its residuals are
+    plain differentiation's, so checkpoints inside ``f`` keep their own policies (an outer
+    policy would otherwise decide every value inside, e.g. save each MoE block's weight slices
+    and activations that :func:`~fiddlejax.models.moe.blocked` recomputes). Residuals that are
+    ``f``'s inputs stay the enclosing computation's values: a gathered weight passed in is
+    gathered again by the enclosing checkpoint's backward, not saved."""
+    @jax.custom_vjp
+    def run(*args):
+        return f(*args)
+
+    def fwd(*args):
+        return jax.vjp(f, *args)
+
+    def bwd(back, ct):
+        return back(ct)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
     """``x`` all-gathered over ``data`` on dimension ``d``; 16-bit floats as their bits, so that
     a backend without 16-bit arithmetic (XLA's CPU) sends 16 bits instead of converting to
@@ -315,12 +338,18 @@ class ParamView:
         (``None``: save everything else) that never saves the gathered or cast weights."""
         keep = _keeping(policy)
 
-        def viewed(lp, x):
+        def run(w, x):
             if self.matmul == "fp8":
                 from fiddlejax.compute import fp8
 
-                return fp8.layer(layer, self.tree(lp, dims, specs), x)
-            return layer(self.tree(lp, dims, specs), x)
+                return fp8.layer(layer, w, x)
+            return layer(w, x)
+
+        # no policy: the layer's own residuals, its inner checkpoints' policies kept (sealed)
+        inner = run if policy is not None else sealed(run)
+
+        def viewed(lp, x):
+            return inner(self.tree(lp, dims, specs), x)
 
         return jax.checkpoint(viewed, policy=keep, prevent_cse=prevent_cse)
 
@@ -345,7 +374,8 @@ class ParamView:
         # data=1 with the shards over ``also`` (context): no shard_map over data encloses the
         # stack, so its gathers run in shard_maps of their own over ``also``
         over = (self.mesh, self.also) if self.also and not _data_manual() else None
-        return prefetch.stack(apply, lambda lp: gather_whole(lp, dims, specs, self.dtype, over),
+        return prefetch.stack(apply if policy is not None else sealed(apply),
+                              lambda lp: gather_whole(lp, dims, specs, self.dtype, over),
                               lambda g: scatter_whole(g, dims, specs, over), keep, unroll)
 
 
