@@ -105,6 +105,13 @@ REPORTS: dict[str, Report] = {
         STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/gpt_oss.py",
                                        "fiddlejax/models/gpt_oss_config.py",
                                        "fiddlejax/models/decoder.py")),
+    "scale_deepseek_v3.md": Report(
+        "scale_moe.py", "--model deepseek-v3 --layers 16",
+        STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/deepseek.py",
+                                       "fiddlejax/models/deepseek_config.py",
+                                       "fiddlejax/models/deepseek_moe.py",
+                                       "fiddlejax/models/mla.py", "fiddlejax/models/mtp.py",
+                                       "fiddlejax/models/decoder.py")),
     "fp8.md": Report("fp8.py", "", STEP + PIPE + APP + GPT + ("fiddlejax/compute/fp8.py",)),
     "hf_checkpoint_memory.md": Report("hf_checkpoint_memory.py", "",
                                       STEP + APP + LLAMA + CKPT + ("fiddlejax/models/hub.py",

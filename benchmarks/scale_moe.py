@@ -35,7 +35,8 @@ from pathlib import Path
 if __name__ == "__main__":  # before jax is imported
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=32"
+        many = 256 if "deepseek-v3" in sys.argv else 32
+        os.environ["XLA_FLAGS"] = flags + f" --xla_force_host_platform_device_count={many}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -64,9 +65,25 @@ GPT_OSS_120B = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 28
                                     "rope_theta": 150000.0,
                                     "original_max_position_embeddings": 4096},
                 "swiglu_limit": 7.0, "router_aux_loss_coef": 0.0, "tie_word_embeddings": False}
+# deepseek-ai/DeepSeek-V3's config.json (its fp8 weights are a storage format: trained bf16)
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+               "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "num_hidden_layers": 61, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+               "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+               "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+               "first_k_dense_replace": 3, "norm_topk_prob": True,
+               "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+               "rope_theta": 10000, "num_nextn_predict_layers": 1,
+               "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096},
+               "tie_word_embeddings": False}
 # name -> (family, config.json, GPUs, title); the planner's preset of the same name
 MODELS = {"mixtral-8x7b": ("mixtral", CONFIG, 16, "Mixtral-8x7B"),
-          "gpt-oss-120b": ("gpt_oss", GPT_OSS_120B, 32, "GPT-OSS-120B")}
+          "gpt-oss-120b": ("gpt_oss", GPT_OSS_120B, 32, "GPT-OSS-120B"),
+          "deepseek-v3": ("deepseek_v3", DEEPSEEK_V3, 256, "DeepSeek-V3")}
 GLOBAL_BATCH = 64
 
 
@@ -87,6 +104,10 @@ def has_expert_axis() -> bool:
 
 
 def decoder_class(family: str):
+    if family == "deepseek_v3":
+        from fiddlejax.models.deepseek import DeepseekV3
+
+        return DeepseekV3
     if family == "gpt_oss":
         from fiddlejax.models.gpt_oss import GptOss
 
@@ -107,7 +128,8 @@ def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec) -> plann
 def compiled_memory(layout: planner.Layout, seq: int, layers: int, name: str) -> dict:
     family, hf_config, _, _ = MODELS[name]
     cls = decoder_class(family)
-    config = cls.config_from_hf({**hf_config, "num_hidden_layers": layers}, seq_len=seq)
+    dense = hf_config.get("first_k_dense_replace", 0)  # kept whole: N layers are N MoE ones
+    config = cls.config_from_hf({**hf_config, "num_hidden_layers": dense + layers}, seq_len=seq)
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     axes = dict(data=layout.data, pipe=layout.pipe, tensor=layout.tensor)
     if layout.expert > 1:
@@ -133,22 +155,39 @@ def measure(seq: int, layers: int | None, given: tuple[int, ...] | None,
             model, cluster)
     else:
         lo = pick_layout(model, cluster).layout
-    total = MODELS[name][1]["num_hidden_layers"]
+    hf = MODELS[name][1]
+    total = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)
     t0 = time.perf_counter()
     if layers is None or layers >= total:
         compiled = float(compiled_memory(lo, seq, total, name)["peak_bytes"])
-        how = "full compile"
+        how, points = "full compile", {}
     else:
         a = compiled_memory(lo, seq, layers, name)["peak_bytes"]
         b = compiled_memory(lo, seq, 2 * layers, name)["peak_bytes"]
         compiled = b + (total - 2 * layers) * (b - a) / layers
         how = f"{layers} and {2 * layers} layers, extrapolated"
+        points = {layers: float(a), 2 * layers: float(b)}
     predicted = planner.memory(model, lo).total
     return {"model": name, "params": model.params, "gpus": lo.gpus, "layout": lo.short(),
             "microbatches": lo.microbatches, "global_batch": lo.global_batch, "seq": seq,
             "predicted": predicted, "compiled": compiled, "error": predicted / compiled - 1,
             "hbm": cluster.gpu.memory_bytes, "how": how, "compile_s": time.perf_counter() - t0,
+            "points": points, "stages": lo.pipe * max(1, lo.virtual_stages or 1),
             "parts": planner.memory(model, lo).to_dict()}
+
+
+def slopes(rows: list[dict]) -> str:
+    """The compiled points an extrapolated row is drawn through, and their slope per layer
+    a stage (what a layer adds to the busiest stage)."""
+    out = []
+    for r in rows:
+        if len(r["points"]) == 2:
+            (n, a), (m, b) = sorted(r["points"].items())
+            per = (b - a) / ((m - n) / r["stages"])
+            out.append(f"- {r['layout']}: compiled {a / 2**30:.2f} GiB at {n} layers and "
+                       f"{b / 2**30:.2f} GiB at {m} ({r['stages']} stages): "
+                       f"{per / 2**30:.2f} GiB per layer a stage.")
+    return ("\n".join(out) + "\n") if out else ""
 
 
 def main() -> int:
@@ -184,7 +223,7 @@ def main() -> int:
         f"training step of the {title} decoder (`nnx.eval_shape`, real shapes, dropless "
         f"dispatch) on {gpus} simulated CPU devices; global batch {GLOBAL_BATCH} x {a.seq} "
         "tokens. "
-        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n"
+        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n" + slopes(rows)
         + (NOTES if a.model == "mixtral-8x7b" else ""))
     return 0 if all(abs(r["error"]) < 0.10 for r in rows) else 1
 
