@@ -39,7 +39,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import reporting  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
-from fiddlejax.models.moe import MoEConfig  # noqa: E402
+from fiddlejax.models.moe import MoEConfig, route  # noqa: E402
 from fiddlejax.models.moe_lm import MoELM  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "expert_parallel.md"
@@ -98,6 +98,32 @@ def measure(cfg: MoEConfig, experts: list[int], layers: int, vocab: int, rows: i
     for e in runs:
         runs[e]["ratio"] = statistics.median(times[e]) / base
     return runs
+
+
+def rows_run(cfg: MoEConfig, vocab: int, rows: int, seq: int, expert: int,
+             block: int = 128) -> tuple[float, float]:
+    """Expert matmul rows run per real (token, expert) pair, layer 0's routing at init:
+    ``(blocked loop, static blocks)``. The blocked matmul runs, on every device of a data
+    replica, the blocks of ``most`` (each local expert's most rows on any device, rounded up
+    to blocks); a loop over every block of the all-to-all buffer (the static bound) runs
+    ``ceil((S * rows + E/S * (block - 1)) / block)``."""
+    model = MoELM(cfg, vocab, 1, nnx.Rngs(0), report=False)
+    tokens = batch(rows, seq, vocab)["tokens"][:, :-1]
+    x = jnp.take(model.embed[...], tokens, axis=0).reshape(-1, cfg.hidden_size)
+    h = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+    logits = h @ model.blocks.moe.router[...][0]
+    _, chosen = route(logits, cfg.num_experts_per_tok)
+    k, e, s = cfg.num_experts_per_tok, cfg.num_experts, expert
+    local, replicas = e // s, 8 // s
+    per = np.asarray(chosen).reshape(replicas, -1, k)  # each data replica's tokens
+    n = per.shape[1] // s
+    run = static = 0
+    for r in per:
+        counts = np.bincount(r.reshape(-1), minlength=e).reshape(s, local)  # [device, local]
+        run += s * block * int(np.sum(-(-counts.max(axis=0) // block)))
+        static += s * block * (-(-(s * n * min(k, local) + local * (block - 1)) // block))
+    real = rows * seq * k
+    return run / real, static / real
 
 
 def check(cfg: MoEConfig) -> list[str]:
@@ -170,6 +196,9 @@ def main() -> int:
         print(table[-1], flush=True)
     checks = check(small(cfg)) if args.check else []
     tokens = rows * seq
+    padding = [f"| {e} | {q} x {sq} | {a:.2f}x | {b:.2f}x |" for e in experts if e > 1
+               for q, sq in ((rows, seq), (rows, 4096))
+               for a, b in [rows_run(cfg, vocab, q, sq, e)]]
     lines = [
         "# Expert parallelism: the all-to-all's cost (CPU)", "",
         f"`python benchmarks/expert_parallel.py{' --check' if args.check else ''}` on jax "
@@ -194,6 +223,16 @@ def main() -> int:
         "come from a 2-core machine shared with other jobs: ratios of medians, good to "
         "perhaps 20%; bytes and memory are exact.", "",
     ]
+    lines += [
+        "## Expert matmul rows per real pair", "",
+        "The blocked grouped matmul (`models/grouped.py`) runs only the blocks that hold "
+        "rows: on every device of a data replica, each local expert's most rows on any of them "
+        "(one loop length for the replica), rounded up to 128-row blocks; the buffers' padding "
+        "rows are not run. Rows run per real (token, expert) pair, from layer 0's routing at "
+        "initialization (`rows_run` in the script), against a loop over every block the "
+        "static all-to-all buffer can fill (what ran before):", "",
+        "| expert | tokens | rows run / real pairs | static blocks / real pairs |",
+        "|---|---|---|---|", *padding, ""]
     if checks:
         lines += ["## Acceptance layouts against one device", "",
                   "4 MoE layers, 4 experts, top-2, d=16, aux 0.5 and z 0.1 coefficients, "

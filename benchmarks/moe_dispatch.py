@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import reporting  # noqa: E402
 
-from fiddlejax.models.moe import BLOCK, MoE, MoEConfig  # noqa: E402
+from fiddlejax.models.moe import BLOCK, MoE, MoEConfig, route  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "moe_dispatch.md"
 SIZES = [  # experts, top-k, d, expert width, tokens
@@ -80,9 +80,14 @@ def measure(size: tuple, repeats: int) -> dict:
 
 def blocked_flops(size: tuple) -> float:
     """The blocked loop's matmul FLOPs, every trip counted (``cost_analysis`` counts a loop
-    body once): its padded rows, at most ``T * k + E * (BLOCK - 1)``, in blocks of BLOCK."""
+    body once): the loop runs the blocks holding rows, each expert's rows rounded up to
+    BLOCK, on this layer's routing of the benchmark's input."""
     e, k, d, f, t = size
-    blocks = -(-(t * k + e * (BLOCK - 1)) // BLOCK)
+    cfg = MoEConfig(hidden_size=d, intermediate_size=f, num_experts=e, num_experts_per_tok=k)
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (t, d), jnp.float32)
+    chosen = np.asarray(route(x @ layer.router[...], k)[1])
+    blocks = int(np.sum(-(-np.bincount(chosen.reshape(-1), minlength=e) // BLOCK)))
     return 18 * blocks * BLOCK * d * f
 
 
@@ -113,8 +118,8 @@ def main() -> int:
         "`python benchmarks/moe_dispatch.py` on jax " + jax.__version__ + ", " +
         f"{jax.devices()[0].platform.upper()}; one MoE layer (`models/moe.py`), forward and "
         f"backward jitted, float32; {repeats} alternating steps, medians. FLOPs: compiled "
-        "`cost_analysis` (blocked: its loop's matmuls, every trip counted, which `cost_analysis` "
-        "does not; in brackets: over the chosen pairs' own matmul FLOPs, 18·T·k·d·f); "
+        "`cost_analysis` (blocked: its loop's matmuls, every trip it runs on this input's "
+        "routing counted, which `cost_analysis` does not; in brackets: over the chosen pairs' own matmul FLOPs, 18·T·k·d·f); "
         "memory: compiled `memory_analysis().temp_size_in_bytes`, exact.", "",
         "| experts / top-k | d / expert width | tokens | dispatch | step time / dense | "
         "GFLOPs (x useful) | temp MiB |",

@@ -27,7 +27,7 @@ from . import gpt_oss_config
 from .common import annotated, attention, param, project, stacked
 from .decoder import Decoder, DecoderBlock, RMSNorm
 from .gpt_oss_config import GptOssConfig, GptOssMoEConfig
-from .moe import MoE, MoEOutput, blocked, grouped_kind, sort_by_expert
+from .moe import MoE, MoEOutput, blocked, grouped_kind, sort_by_expert, with_padding
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -39,18 +39,21 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
 
 
 def experts(xs: jax.Array, sizes: jax.Array, ws: tuple, alpha: float, limit: float,
-            grouped: str = "ragged_dot") -> jax.Array:
+            grouped: str = "ragged_dot", most: jax.Array | None = None) -> jax.Array:
     """The experts on rows ``xs`` sorted by expert (``sizes[e]`` rows each): grouped matmuls
     plus each row's expert's biases; ``grouped`` as ``MoEConfig.grouped_matmul`` resolved
-    (``blocked``: a loop over row blocks of one expert each, :func:`~.moe.blocked`)."""
-    w_gate, w_up, w_down, b_gate, b_up, b_down = ws
+    (``blocked``: a loop over row blocks of one expert each, :func:`~.moe.blocked`, ``most``
+    as there)."""
     if grouped == "blocked":
-        def one(xb, i):
-            h = clamped_swiglu(xb @ w_gate[i] + b_gate[i].astype(xb.dtype),
-                               xb @ w_up[i] + b_up[i].astype(xb.dtype), alpha, limit)
-            return h @ w_down[i] + b_down[i].astype(xb.dtype)
+        def one(xb, w):
+            w_gate, w_up, w_down, b_gate, b_up, b_down = w
+            h = clamped_swiglu(xb @ w_gate + b_gate.astype(xb.dtype),
+                               xb @ w_up + b_up.astype(xb.dtype), alpha, limit)
+            return h @ w_down + b_down.astype(xb.dtype)
 
-        return blocked(xs, sizes, w_gate.shape[0], one)
+        return blocked(xs, sizes, ws, one, most=most)
+    w_gate, w_up, w_down, b_gate, b_up, b_down = ws
+    sizes = with_padding(sizes, xs.shape[0])
     owner = jnp.repeat(jnp.arange(w_gate.shape[0], dtype=jnp.int32), sizes,
                        total_repeat_length=xs.shape[0])
     rd = jax.lax.ragged_dot
@@ -89,8 +92,8 @@ class GptOssMoE(MoE):
         ws = tuple(getattr(self, n)[...] for n in ("w_gate", "w_up", "w_down", "b_gate", "b_up",
                                                     "b_down"))
         grouped = grouped_kind(c.grouped_matmul)
-        run = lambda xs, sizes, ws: experts(xs, sizes, ws, c.swiglu_alpha,  # noqa: E731
-                                            c.swiglu_limit, grouped)
+        run = lambda xs, sizes, ws, most=None: experts(  # noqa: E731
+            xs, sizes, ws, c.swiglu_alpha, c.swiglu_limit, grouped, most)
         if ep is None:
             order, sizes = sort_by_expert(chosen, c.num_experts)
             token = order % flat.shape[0]

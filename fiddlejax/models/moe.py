@@ -49,12 +49,12 @@ from fiddlejax.parallel import expert
 from fiddlejax.parallel.ops import Ops
 
 from .common import param
+from .grouped import BLOCK, blocked
 
 SCORINGS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity", "dense")
 GROUPED = ("auto", "ragged_dot", "blocked")
 ACTIVATIONS = {"silu": jax.nn.silu}
-BLOCK = 128  # rows per block of the blocked grouped matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,39 +151,11 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, sizes
 
 
-def blocked(xs: jax.Array, sizes: jax.Array, num_experts: int, one, block: int = BLOCK
-            ) -> jax.Array:
-    """``one(rows [block, d], expert)`` on rows ``xs`` sorted by expert (``sizes`` rows each),
-    as a loop over blocks of ``block`` rows: each expert's rows start a new block, so a block
-    belongs to one expert and multiplies its weights alone. FLOPs: the rows' own, plus at most
-    ``E * (block - 1)`` padding rows; what ``ragged_dot`` does on a GPU or TPU, written for
-    any backend."""
-    m, e = xs.shape[0], num_experts
-    blocks = -(-(m + e * (block - 1)) // block)  # static bound on the padded rows' blocks
-    padded = -(-sizes // block) * block
-    ends = jnp.cumsum(padded)
-    owner = jnp.repeat(jnp.arange(e, dtype=jnp.int32), sizes, total_repeat_length=m)
-    shift = (ends - padded) - (jnp.cumsum(sizes) - sizes)  # a group's padded start - start
-    dest = jnp.arange(m, dtype=jnp.int32) + shift[owner]
-    # A block's expert: groups ending at or before its first row (not jnp.searchsorted, whose
-    # hijax primitive fails inside a shard_map on jax 0.10).
-    starts = jnp.arange(blocks, dtype=jnp.int32)[:, None] * block
-    which = jnp.minimum(jnp.sum(ends[None, :] <= starts, axis=1), e - 1)
-    xb = jnp.zeros((blocks * block, xs.shape[1]), xs.dtype).at[dest].set(xs)
-    # The loop would keep each block's weight slices for the backward (blocks x 3 matrices):
-    # keep only its matmul outputs and slice the weights again.
-    step = jax.checkpoint(lambda args: one(*args),
-                          policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    yb = jax.lax.map(step, (xb.reshape(blocks, block, -1), which))
-    return yb.reshape(blocks * block, -1)[dest]
-
-
-def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int = BLOCK
-                    ) -> jax.Array:
+def blocked_matmuls(xs: jax.Array, sizes: jax.Array, ws: tuple, act, block: int = BLOCK,
+                    most: jax.Array | None = None) -> jax.Array:
     """The SwiGLU experts ``ws`` on rows ``xs`` sorted by expert, by :func:`blocked`."""
-    w_gate, w_up, w_down = ws
-    return blocked(xs, sizes, w_gate.shape[0],
-                   lambda xb, i: _swiglu(xb @ w_gate[i], xb @ w_up[i], act) @ w_down[i], block)
+    return blocked(xs, sizes, ws, lambda xb, w: _swiglu(xb @ w[0], xb @ w[1], act) @ w[2],
+                   block, most)
 
 
 def grouped_kind(grouped: str) -> str:
@@ -194,15 +166,22 @@ def grouped_kind(grouped: str) -> str:
     return "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "blocked"
 
 
-def grouped_swiglu(xs: jax.Array, sizes: jax.Array, ws: tuple, act, grouped: str
-                   ) -> jax.Array:
+def grouped_swiglu(xs: jax.Array, sizes: jax.Array, ws: tuple, most: jax.Array | None = None,
+                   *, act, grouped: str) -> jax.Array:
     """The SwiGLU experts ``ws`` on rows ``xs`` sorted by expert, ``sizes[e]`` rows each:
-    ``grouped="ragged_dot"`` or ``"blocked"`` (:func:`blocked_matmuls`)."""
+    ``grouped="ragged_dot"`` or ``"blocked"`` (:func:`blocked_matmuls`; ``most`` as there)."""
     if grouped == "blocked":
-        return blocked_matmuls(xs, sizes, ws, act)
+        return blocked_matmuls(xs, sizes, ws, act, most=most)
     w_gate, w_up, w_down = ws
+    sizes = with_padding(sizes, xs.shape[0])
     h = _swiglu(jax.lax.ragged_dot(xs, w_gate, sizes), jax.lax.ragged_dot(xs, w_up, sizes), act)
     return jax.lax.ragged_dot(h, w_down, sizes)
+
+
+def with_padding(sizes: jax.Array, rows: int) -> jax.Array:
+    """``sizes`` with the rows past their sum (padding) counted in the last group, for
+    ``ragged_dot`` (whose groups cover the rows); their outputs are thrown away."""
+    return sizes.at[-1].add(rows - jnp.sum(sizes))
 
 
 def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Array,
@@ -214,7 +193,7 @@ def dropless(x: jax.Array, gates: jax.Array, experts: jax.Array, w_gate: jax.Arr
     n = x.shape[0]
     order, sizes = sort_by_expert(experts, w_gate.shape[0])
     token = order % n
-    ys = grouped_swiglu(x[token], sizes, (w_gate, w_up, w_down), act, grouped)
+    ys = grouped_swiglu(x[token], sizes, (w_gate, w_up, w_down), act=act, grouped=grouped)
     g = gates.T.reshape(-1)[order].astype(ys.dtype)
     return jnp.zeros_like(x).at[token].add(ys * g[:, None])
 

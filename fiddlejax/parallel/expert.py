@@ -91,8 +91,10 @@ def dropless(split: Split, x: jax.Array, gates: jax.Array, experts: jax.Array, w
              matmuls: Callable) -> jax.Array:
     """:func:`fiddlejax.models.moe.dropless` with the experts split over ``expert``: ``x [N,
     d]`` (rows split over ``expert``), ``gates``, ``experts [N, k]``, the experts' stacked
-    weights ``ws`` (``[E, ...]`` each) and ``matmuls(rows, sizes, ws)``, the model's grouped
-    matmul of rows sorted by expert (``sizes[e]`` rows each)."""
+    weights ``ws`` (``[E, ...]`` each) and ``matmuls(rows, sizes, ws, most)``, the model's
+    grouped matmul of rows sorted by expert (``sizes[e]`` rows each; the rows past their sum
+    are the buffers' padding, thrown away after; ``most[e]``: no shard's expert ``e`` has
+    more rows, the same on every shard)."""
     s, e = split.size, ws[0].shape[0]
     local = split.local(e)
     big, k = experts.shape
@@ -120,15 +122,19 @@ def dropless(split: Split, x: jax.Array, gates: jax.Array, experts: jax.Array, w
     recv = _all_to_all(send.reshape(s, s, rows, d), split)      # [dst, src, rows, d]
     rtag = _all_to_all(tag.reshape(s, s, rows), split)
 
-    def run(recv, rtag, w):  # one shard's experts on what arrived, sorted by local expert;
-        sort = jnp.argsort(rtag, stable=True)  # the padding last, run by the last expert
-        sizes = jnp.zeros((local + 1,), jnp.int32).at[rtag].add(1)
-        sizes = sizes[:local].at[local - 1].add(sizes[local])
-        ys = matmuls(recv[sort], sizes, w)
+    rtag = rtag.reshape(s, s * rows)
+    sizes = jax.vmap(lambda t: jnp.zeros((local + 1,), jnp.int32).at[t].add(1)[:local])(rtag)
+    # the most rows any shard's expert j got: one loop length for every shard (a vmapped loop
+    # whose length differs by shard would select between its buffers at every step)
+    most = jnp.max(keep(sizes), axis=0)
+
+    def run(recv, rtag, sizes, w):  # one shard's experts on what arrived, sorted by local
+        sort = jnp.argsort(rtag, stable=True)  # expert; the padding last, past every group
+        ys = matmuls(recv[sort], sizes, w, most)
         return jnp.zeros_like(ys).at[sort].set(ys)
 
     wl = tuple(shards(w) for w in ws)  # [S, E / S, ...]: each shard's own experts
-    y = keep(jax.vmap(run)(recv.reshape(s, s * rows, d), rtag.reshape(s, s * rows), wl))
+    y = keep(jax.vmap(run)(recv.reshape(s, s * rows, d), rtag, sizes, wl))
     back = _all_to_all(y.reshape(s, s, rows, d), split)          # [src, dst, rows, d]
 
     def combine(back, sl, o, t, g):
