@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parent.parent
