@@ -126,7 +126,7 @@ def test_shards_over_context_alone_are_gathered_one_layer_ahead():
 
 
 def test_a_layers_own_checkpoints_keep_their_policies_under_the_view():
-    """Without a remat policy the view seals the layer (``compute.sealed``): a checkpoint inside
+    """Without a remat policy the view seals the layer (``memory.sealed``): a checkpoint inside
     it (MoE's blocked experts) keeps its own policy instead of the view's save-everything one,
     which saved every block's weight slices and activations."""
     from fiddlejax.compute import ParamView

@@ -6,9 +6,10 @@ shards to ``Plan(compute_dtype=)`` and all-gathers them over ``data`` just befor
 dtype as its bits: half the bytes of gathering float32). The layer runs under one
 ``jax.checkpoint`` whose policy never saves a gathered or cast weight, so the backward gathers
 again instead of keeping a full copy: nothing is held longer than one layer needs it, and the
-stash holds activations only. Without a remat policy the layer inside is :func:`sealed`: it
-saves what plain differentiation saves, its own checkpoints (MoE's blocked experts) with their
-own policies, which an enclosing policy would otherwise override. The gradient is that of gathering the float32 shard and casting
+stash holds activations only. Without a remat policy the layer inside is sealed
+(:mod:`fiddlejax.memory.sealed`): it saves what plain differentiation saves, its own
+checkpoints (MoE's blocked experts) with their own policies, which an enclosing policy would
+otherwise override. The gradient is that of gathering the float32 shard and casting
 after: the cotangent back in float32, then the all-gather's transpose, a reduce-scatter, so each
 replica's gradient arrives already summed (in float32) and sharded.
 
@@ -37,6 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax.memory.sealed import sealed
 from fiddlejax.memory.storage import from_storage, to_storage
 
 # Parameters this small with no dimension divisible by ``data`` stay replicated under zero=3
@@ -231,27 +233,6 @@ def _keeping(policy: Callable | None) -> Callable:
         return False if _not_saved(prim, params) else base(prim, *args, **params)
 
     return keep
-
-
-def sealed(f: Callable) -> Callable:
-    """``f`` as one step an enclosing ``jax.checkpoint`` cannot look into: its residuals are
-    plain differentiation's, so checkpoints inside ``f`` keep their own policies (an outer
-    policy would otherwise decide every value inside, e.g. save each MoE block's weight slices
-    and activations that :func:`~fiddlejax.models.moe.blocked` recomputes). Residuals that are
-    ``f``'s inputs stay the enclosing computation's values: a gathered weight passed in is
-    gathered again by the enclosing checkpoint's backward, not saved."""
-    @jax.custom_vjp
-    def run(*args):
-        return f(*args)
-
-    def fwd(*args):
-        return jax.vjp(f, *args)
-
-    def bwd(back, ct):
-        return back(ct)
-
-    run.defvjp(fwd, bwd)
-    return run
 
 
 def _bits_gathered(x: jax.Array, d: int) -> jax.Array:
