@@ -120,7 +120,8 @@ def main() -> int:
         f"{jax.devices()[0].platform.upper()}; one MoE layer (`models/moe.py`), forward and "
         f"backward jitted, float32; {repeats} alternating steps, medians. FLOPs: compiled "
         "`cost_analysis` (blocked: its loop's matmuls, every trip it runs on this input's "
-        "routing counted, which `cost_analysis` does not; in brackets: over the chosen pairs' own matmul FLOPs, 18·T·k·d·f); "
+        "routing counted, which `cost_analysis` does not; in brackets: over the chosen "
+        "pairs' own matmul FLOPs, 18·T·k·d·f); "
         "memory: compiled `memory_analysis().temp_size_in_bytes`, exact.", "",
         "| experts / top-k | d / expert width | tokens | dispatch | step time / dense | "
         "GFLOPs (x useful) | temp MiB |",

@@ -33,9 +33,9 @@ SIZES = [np.array([5, 0, 3, 1]), np.array([0, 0, 9, 0]), np.array([2, 2, 2, 2])]
 def test_blocked_equals_each_row_through_its_expert_with_padding_and_empty_experts():
     ws, m = weights(), 13  # rows past the sizes' sum: an all-to-all buffer's padding
     xs = jax.random.normal(jax.random.key(1), (m, D))
-    for sizes in SIZES:
-        def loss(f, xs, ws, sizes=jnp.asarray(sizes, jnp.int32)):
-            return jnp.sum(f(xs, sizes, ws) ** 2)
+    for sizes in map(jnp.asarray, SIZES):
+        def loss(f, xs, ws, sizes=sizes):
+            return jnp.sum(f(xs, sizes.astype(jnp.int32), ws) ** 2)
 
         got = jax.jit(jax.value_and_grad(lambda x, w: loss(
             lambda a, s, v: moe.blocked_matmuls(a, s, v, jax.nn.silu, BLOCK), x, w),
