@@ -86,9 +86,12 @@ def time_step(repeats: int) -> dict:
 def _worker(checkout: Path, *args: str):
     """Run this file's worker mode on the fiddlejax of ``checkout`` (its own models too)."""
     env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'tests'}"}
-    out = subprocess.run([sys.executable, __file__, "--worker", *args], cwd=checkout,
-                         env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    r = subprocess.run([sys.executable, __file__, "--worker", *args], cwd=checkout,
+                       env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"the worker on {checkout} ({' '.join(args)}) failed:\n"
+                           f"{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
