@@ -10,6 +10,10 @@ which attention kernel to use where.
 3. The causal balance: the n x n attention blocks each shard computes in the ring, with the
    load-balanced layout (shard i holds chunks i and 2C-1-i) against a contiguous split
    (shard i holds chunk i): counted from the masks, as the kernel does.
+5. Short sequences: data=2 x context=4 against data=8 at the same global batch (the same
+   tokens per device): compiled peak and temp bytes per device, the step time as a ratio, and
+   the largest ``context`` among the planner's candidates at that length (its search splits
+   sequences only from ``search.LONG`` tokens).
 4. Sequence parallelism on ``tensor`` (``Plan(sequence_parallel=True)``): the temp bytes per
    layer (the slope from 4 to 8 layers) at tensor=4, seq_len 1024: under ``remat="full"`` a
    layer keeps only its input, the replicated residual stream that SP splits over tensor.
@@ -91,6 +95,56 @@ def sp_slope(sp: bool, remat: str) -> float:
     return (temp(8) - temp(4)) / 4 / MIB
 
 
+def short_step(seq: int, data: int, c: int, abstract: bool = True):
+    """A trainer on data x context (8 devices), AdamW, the batch of 8 sequences."""
+    plan = fj.Plan(mesh=fj.make_mesh(data=data, context=c))
+    return fj.parallelize(llama(seq, abstract), optax.adamw(1e-3), plan)
+
+
+def short_time_ratio(seq: int, repeats: int) -> float:
+    """Median step time of data=2 x context=4 over data=8 (alternating steps)."""
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, 256, (8, seq + 1)).astype(np.int32)}
+    runs = {}
+    for d, c in ((2, 4), (8, 1)):
+        t = short_step(seq, d, c, abstract=False)
+        state, sb = t.init(), t.shard_batch(batch)
+        step = jax.jit(lambda s, b, t=t: t.loss_and_grads(s, b))
+        jax.block_until_ready(step(state, sb))
+        runs[c] = (step, state, sb)
+    times = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, (step, state, sb) in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, sb))
+            times[k].append(time.perf_counter() - t0)
+    return statistics.median(times[4]) / statistics.median(times[1])
+
+
+def planner_context(seq: int) -> int:
+    """The largest context among the planner's candidate layouts for this Llama on 8 GPUs."""
+    from fiddlejax.planner import cluster, llama as spec
+    from fiddlejax.planner.search import candidates
+    model = spec(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, seq=seq, vocab=256)
+    return max(lay.context for lay in candidates(model, cluster("h100"), 8))
+
+
+def short_rows(quick: bool) -> list[str]:
+    lines = ["", "## Short sequences: data=2 x context=4 against data=8 (same tokens per device)",
+             "", "AdamW, batch 8, the default plan (kernel `auto`); per-device MiB, compile only.",
+             "", "| seq_len | data=8 peak | context=4 peak | ratio | data=8 temp | context=4 temp "
+             "| step time ratio | planner's largest context |", "|---|---|---|---|---|---|---|---|"]
+    for seq in (256, 512, 1024):
+        one, four = short_step(seq, 8, 1).memory(8), short_step(seq, 2, 4).memory(8)
+        ratio = short_time_ratio(seq, 3 if quick else 7) if seq == 256 else float("nan")
+        shown = "not timed" if np.isnan(ratio) else f"{ratio:.2f}"
+        lines.append(f"| {seq} | {one['peak_bytes'] / MIB:.2f} | {four['peak_bytes'] / MIB:.2f} "
+                     f"| {four['peak_bytes'] / one['peak_bytes']:.3f}x "
+                     f"| {one['temp_bytes'] / MIB:.2f} | {four['temp_bytes'] / MIB:.2f} "
+                     f"| {shown} | {planner_context(seq)} |")
+    return lines
+
+
 def blocks(c: int, balanced: bool) -> list[int]:
     """Visible n x n blocks (n = T / 2C) each shard's ring computes, from chunk order alone."""
     held = [[i, 2 * c - 1 - i] if balanced else [2 * i, 2 * i + 1] for i in range(c)]
@@ -144,6 +198,7 @@ def main() -> int:
     for remat in ("full", "none"):
         off, on = sp_slope(False, remat), sp_slope(True, remat)
         lines.append(f"| {remat} | {off:.3f} | {on:.3f} | {off - on:.3f} |")
+    lines += short_rows(args.quick)
     out = ROOT / "benchmarks" / "results" / "context.md"
     reporting.write(out, "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -242,6 +242,23 @@ def test_planner_models_context_and_sequence_parallelism():
     assert fused.time.total < best[0].time.total and fused.fits
 
 
+def test_short_sequences_context4_holds_no_more_than_data_parallelism():
+    """At 256 tokens (64 per shard) data=2 x context=4 compiles to no more peak memory per
+    device than data=8 at the same batch, and the planner never splits so short a sequence."""
+    from fiddlejax.planner import cluster, llama as spec
+    from fiddlejax.planner.search import candidates
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      seq_len=256)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    peak = {c: fj.parallelize(model, optax.adamw(1e-3), fj.Plan(
+        mesh=fj.make_mesh(data=8 // c, context=c))).memory(8)["peak_bytes"] for c in (1, 4)}
+    assert peak[4] <= peak[1], peak
+    m = spec(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, seq=256, vocab=256)
+    assert {lay.context for lay in candidates(m, cluster("h100"), 8)} == {1}
+
+
 def test_gpt_learned_positions_context2_tensor2():
     """GPT's learned position embeddings read the global positions the split carries."""
     from fiddlejax.models.gpt import GPT, GPTConfig
