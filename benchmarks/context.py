@@ -123,7 +123,8 @@ def short_time_ratio(seq: int, repeats: int) -> float:
 
 def planner_context(seq: int) -> int:
     """The largest context among the planner's candidate layouts for this Llama on 8 GPUs."""
-    from fiddlejax.planner import cluster, llama as spec
+    from fiddlejax.planner import cluster
+    from fiddlejax.planner import llama as spec
     from fiddlejax.planner.search import candidates
     model = spec(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, seq=seq, vocab=256)
     return max(lay.context for lay in candidates(model, cluster("h100"), 8))

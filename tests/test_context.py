@@ -245,7 +245,8 @@ def test_planner_models_context_and_sequence_parallelism():
 def test_short_sequences_context4_holds_no_more_than_data_parallelism():
     """At 256 tokens (64 per shard) data=2 x context=4 compiles to no more peak memory per
     device than data=8 at the same batch, and the planner never splits so short a sequence."""
-    from fiddlejax.planner import cluster, llama as spec
+    from fiddlejax.planner import cluster
+    from fiddlejax.planner import llama as spec
     from fiddlejax.planner.search import candidates
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,

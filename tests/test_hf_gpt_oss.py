@@ -237,20 +237,40 @@ def test_training_matches_one_device_on_fsdp_sp_context_and_interleaved_layouts(
     the windows of 4 mask by global places) on data=2 x context=2 x tensor=2; then
     interleaved 1F1B (2 virtual stages) on pipe=2 x context=2 x tensor=2 (the all-gathered
     K/V). Loss and gradients equal one device's, float32 rel < 1e-5 (measured: worst leaf
-    1.1e-6 and 7.8e-7), the per-sequence router loss off (context refuses it, below)."""
+    1.1e-6 and 7.8e-7), the per-sequence router loss off (its pooling under context: below)."""
     model = load(seq_len=8, overrides={"router_aux_loss_coef": 0.0})
     batch = {"tokens": 1 + tokens(5, 8, 8, model.config.vocab_size - 1)["tokens"]}
     assert_exact_on_context_layouts(model, batch)
 
 
 @pytest.mark.parametrize("fixture", ["hf_gpt_oss", "hf_mixtral"])
-def test_context_refuses_per_sequence_router_losses_before_compiling(fixture):
-    """A context split cuts sequences into chunk rows, so a router loss computed per sequence
-    (GPT-OSS's and Mixtral's ``router_aux_loss_coef``) is refused by name; switched off, the
-    layout is accepted."""
-    path = FIXTURE.with_name(fixture)
+def test_context_pools_per_sequence_router_losses(fixture):
+    """A context split cuts sequences into chunk rows; the per-sequence router loss
+    (GPT-OSS's and Mixtral's ``router_aux_loss_coef``) pools each sequence's rows
+    (``ops.context.sequences``), so loss and gradients on data=4 x context=2 equal one
+    device's (float32, per leaf rel < 1e-5), the reported ``moe_aux_loss`` too."""
+    model = models.from_pretrained(FIXTURE.with_name(fixture), seq_len=8)
+    assert model.config.router_aux_loss_coef > 0
+    batch = {"tokens": 1 + tokens(6, 4, 8, model.config.vocab_size - 1)["tokens"]}
+    split = fj.parallelize(model, optax.sgd(0.1),
+                           fj.Plan(mesh=fj.make_mesh(data=4, context=2)))
+    assert_loss_and_grads(split.loss_and_grads(split.init(), batch),
+                          reference_loss_and_grads(model, batch))
+    one = fj.parallelize(model, optax.sgd(0.1),
+                         fj.Plan(mesh=fj.make_mesh(data=1, devices=jax.devices()[:1])))
+    want, got = (float(t.step(t.init(), batch)[1]["moe_aux_loss"]) for t in (one, split))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_context_refuses_router_losses_a_loss_cannot_join(monkeypatch):
+    """A model whose loss takes no ``ops`` cannot pool a sequence's rows: its per-sequence
+    router loss is refused by name under context; switched off, the layout is accepted."""
+    from fiddlejax.parallel import context
+
+    monkeypatch.setattr(context, "joins_sequences", lambda staged: False)
+    path = FIXTURE.with_name("hf_mixtral")
     plan = fj.Plan(mesh=fj.make_mesh(data=4, context=2))
-    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.02.*'router_aux_loss_coef'"):
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.02.*takes no `ops`"):
         fj.parallelize(models.from_pretrained(path, seq_len=8, abstract=True), optax.sgd(0.1),
                        plan)
     fj.parallelize(models.from_pretrained(path, seq_len=8, abstract=True,

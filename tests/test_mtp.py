@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-token prediction (fiddlejax.models.mtp): the loss against a hand-written
 per-document reference, the Hub's MTP tensors loaded and written back bit-exact, the copies of
 the embedding and head checked, and training on expert=2 x data=2 x tensor=2 and on
-data=2 x pipe=2 (1F1B) equal to one device. The checkpoint is the tiny transformers fixture
+data=2 x pipe=2 (1F1B), and on data=2 x context=2 x tensor=2 with packed rows, equal to one
+device. The checkpoint is the tiny transformers fixture
 with an MTP layer written in (transformers drops those weights, so safetensors writes them)."""
 
 import json
@@ -203,8 +204,24 @@ def test_training_matches_one_device_with_mtp(mtp_dir):
                                   np.asarray(model.mtp.block.moe.bias[...]))
 
 
-def test_context_refused_before_compiling(mtp_dir):
-    """context > 1 would cut the tokens the MTP depths read ahead: refused by name."""
-    model = models.from_pretrained(mtp_dir, seq_len=12, abstract=True)
-    with pytest.raises(ValueError, match="context=2 .*num_nextn_predict_layers"):
-        fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(data=4, context=2)))
+def test_context2_with_packing_and_balance_loss_matches_one_device(mtp_dir):
+    """A context split cuts each sequence into chunk rows: the MTP depths read the tokens past
+    a chunk (``batch["ahead"]``), their blocks attend over whole sequences, and the
+    sequence-wise balance loss pools each sequence's rows. Packed rows with a loss mask on
+    data=2 x context=2 x tensor=2 (the ring): loss (main + MTP + balance) and gradients equal
+    one device's (float32, per leaf rel < 1e-5), and so do the reported MTP and balance
+    losses."""
+    model = models.from_pretrained(mtp_dir, seq_len=12, overrides={"router_aux_loss_coef": 0.1})
+    batch = packed_batch(model.config.vocab_size)
+    batch = {k: np.concatenate([v, v[::-1]]) for k, v in batch.items()}  # 4 rows
+    one = fj.parallelize(model, optax.sgd(0.1), fj.Plan(mesh=fj.make_mesh(
+        data=1, devices=jax.devices()[:1])))
+    split = fj.parallelize(model, optax.sgd(0.1), fj.Plan(
+        mesh=fj.make_mesh(data=2, context=2, tensor=2), context_kernel="ring"))
+    assert_loss_and_grads(split.loss_and_grads(split.init(), batch),
+                          reference_loss_and_grads(model, batch))
+    _, want = one.step(one.init(), batch)
+    _, got = split.step(split.init(), batch)
+    for name in ("mtp_loss", "moe_aux_loss"):
+        assert float(want[name]) > 0.01
+        np.testing.assert_allclose(float(got[name]), float(want[name]), rtol=1e-5)

@@ -264,10 +264,12 @@ class Decoder(nnx.Module):
             mask = seg[:, :-1] > 0
         if (targets := target_mask(batch)) is not None:
             weights = jnp.sum(targets, -1)
+        joining = getattr(ops, "context", None)  # a context split's rows join per sequence
         return moe_loss.add_router_losses(value, tally, c.num_experts_per_tok,
                                           c.router_aux_loss_coef, c.router_z_loss_coef, mask,
                                           None if weights is None else weights.astype(
-                                              jnp.float32), report=True)
+                                              jnp.float32), report=True,
+                                          sequences=joining and joining.sequences)
 
     def router_losses(self, outputs, batch: dict) -> moe_loss.RouterLosses:
         """Each sequence's load-balancing and z losses and dropped choices ``[B]`` (before

@@ -30,7 +30,7 @@ pipeline's backward. The tally stays float32 whatever the compute dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -76,19 +76,22 @@ class RouterLosses(NamedTuple):
     dropped: jax.Array  # choices dropped by capacity, summed over tokens and layers
 
 
-def sequence_losses(tally: jax.Array, top_k: int, mask: jax.Array | None = None
-                    ) -> RouterLosses:
+def sequence_losses(tally: jax.Array, top_k: int, mask: jax.Array | None = None,
+                    sequences: Callable | None = None) -> RouterLosses:
     """:class:`RouterLosses` of a tally ``[B, T, 2E + 2]``; ``mask [B, T]`` leaves tokens out
-    (padding, as transformers' ``attention_mask``). A row with no token gets zeros."""
+    (padding, as transformers' ``attention_mask``). A row with no token gets zeros.
+    ``sequences`` joins per-row sums into their sequences' when a layout cut each sequence
+    into several rows (``context``: :meth:`fiddlejax.parallel.context.Joining.sequences`)."""
+    join = sequences or (lambda a: a)
     t = tally.astype(jnp.float32)
     e = (t.shape[-1] - 2) // 2
     if mask is not None:
         t = t * mask.astype(jnp.float32)[..., None]
-    s = jnp.sum(t, axis=-2)                          # [B, 2E + 2]
+    s = join(jnp.sum(t, axis=-2))                    # [B, 2E + 2]
     counts, probs, z, dropped = s[:, :e], s[:, e:2 * e], s[:, 2 * e], s[:, 2 * e + 1]
     rows = jax.lax.stop_gradient(jnp.sum(counts, -1) / top_k)  # layers x tokens
-    n = (jnp.full(rows.shape, t.shape[-2], jnp.float32) if mask is None
-         else jnp.sum(mask.astype(jnp.float32), -1))
+    n = join(jnp.full(t.shape[:1], t.shape[-2], jnp.float32) if mask is None
+             else jnp.sum(mask.astype(jnp.float32), -1))
     safe = jnp.maximum(rows, 1.0)
     aux = jnp.where(rows > 0, e * jnp.sum(counts * probs, -1) / jnp.square(safe), 0.0)
     zs = jnp.where(n > 0, z / jnp.maximum(n, 1.0), 0.0)
@@ -97,7 +100,8 @@ def sequence_losses(tally: jax.Array, top_k: int, mask: jax.Array | None = None
 
 def add_router_losses(value, tally: jax.Array, top_k: int, aux_coef: float,
                       z_coef: float = 0.0, mask: jax.Array | None = None,
-                      weights: jax.Array | None = None, report: bool = False):
+                      weights: jax.Array | None = None, report: bool = False,
+                      sequences: Callable | None = None):
     """A language-model loss ``value`` with the router losses added, exactly reducible:
 
     - a scalar mean (plain rows): ``value + aux_coef * mean_s aux_s + z_coef * mean_s z_s``;
@@ -108,9 +112,12 @@ def add_router_losses(value, tally: jax.Array, top_k: int, aux_coef: float,
     ``report=True`` returns a ``fiddlejax.staged.Reported``: the step's metrics then hold
     ``moe_aux_loss`` (the load-balancing loss before its coefficient, averaged over sequences
     as the loss is), ``moe_z_loss`` (when ``z_coef`` is on) and ``moe_dropped`` (the choices
-    capacity dispatch dropped in the whole batch, summed over layers).
+    capacity dispatch dropped in the whole batch, summed over layers). ``sequences``: as
+    :func:`sequence_losses` takes it (each sequence's ``weights`` then the sum of its rows').
     """
-    r = sequence_losses(tally, top_k, mask)
+    r = sequence_losses(tally, top_k, mask, sequences)
+    if sequences is not None and weights is not None:
+        weights = sequences(weights)
     per_row = aux_coef * r.aux + z_coef * r.z
     if isinstance(value, tuple | list):
         total, count = value

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fiddlejax.parallel.ops import Ops
+
 from . import moe_loss
 from .common import Message, cross_entropy, param, positions_of, vocab_rows
 from .decoder import RMSNorm
@@ -45,11 +47,14 @@ class MTPLayer(nnx.Module):
         self.block = make_block(rngs)
         self.head_norm = RMSNorm(d, eps)
 
-    def __call__(self, h: jax.Array, emb: jax.Array, segment_ids, positions) -> jax.Array:
-        """``h^k`` from ``h^{k-1}`` and the embeddings of the tokens ``k`` ahead."""
+    def __call__(self, h: jax.Array, emb: jax.Array, segment_ids, positions,
+                 ops: Ops | None = None) -> jax.Array:
+        """``h^k`` from ``h^{k-1}`` and the embeddings of the tokens ``k`` ahead (``ops``: the
+        loss's; its ``context`` joins the block's attention over a split sequence)."""
         x = jnp.concatenate([self.enorm(emb), self.hnorm(h)], -1) @ self.eh_proj[...]
         tally = moe_loss.empty(x.shape[:-1], self.block.config.num_experts)  # not reported
-        return self.block(Message(x.astype(h.dtype), segment_ids, positions, tally=tally)).x
+        msg = Message(x.astype(h.dtype), segment_ids, positions, tally=tally)
+        return self.block(msg, ops).x
 
 
 def same(a, b, rows: int = 4096) -> bool:
@@ -63,23 +68,32 @@ def same(a, b, rows: int = 4096) -> bool:
                for i in range(0, n, rows))
 
 
-def shifted(a: jax.Array, k: int, t: int) -> jax.Array:
-    """``a[:, k:k + t]``, zeros past its end (``a [B, S]``)."""
-    pad = jnp.zeros((a.shape[0], max(0, k + t - a.shape[1])), a.dtype)
+def shifted(a: jax.Array, k: int, t: int, after: jax.Array | None = None) -> jax.Array:
+    """``a[:, k:k + t]`` (``a [B, S]``), continued past its end by ``after`` (the columns that
+    follow a chunk row of a ``context`` split: ``batch["ahead"]``), else by zeros."""
+    pad = after if after is not None else jnp.zeros((a.shape[0], max(0, k + t - a.shape[1])),
+                                                    a.dtype)
     return jnp.concatenate([a, pad], 1)[:, k:k + t]
+
+
+def ahead_of(batch: dict, key: str, k: int, t: int) -> jax.Array:
+    """``shifted(batch[key], k, t)``, continued by the batch's ``ahead`` columns when a
+    ``context`` split cut the row from a longer sequence
+    (:func:`fiddlejax.parallel.context.split_batch`)."""
+    a = batch[key] if key != "inside" else jnp.ones_like(batch["tokens"])
+    return shifted(a, k, t, batch.get("ahead", {}).get(key))
 
 
 def targets(batch: dict, k: int, t: int) -> tuple[jax.Array, jax.Array]:
     """Depth ``k``'s targets ``t_{i+k+1}`` ``[B, t]`` and which of them count: inside the
-    batch, in the document of position ``i`` (not padding) and kept by ``loss_mask``."""
-    tokens = batch["tokens"]
-    tgt = shifted(tokens, k + 1, t)
-    valid = jnp.broadcast_to(jnp.arange(t) < tokens.shape[1] - k - 1, tgt.shape)
+    sequence, in the document of position ``i`` (not padding) and kept by ``loss_mask``."""
+    tgt = ahead_of(batch, "tokens", k + 1, t)
+    valid = ahead_of(batch, "inside", k + 1, t) > 0
     if (seg := batch.get("segment_ids")) is not None:
-        ahead = shifted(seg, k + 1, t)
+        ahead = ahead_of(batch, "segment_ids", k + 1, t)
         valid = valid & (ahead == seg[:, :t]) & (ahead > 0)
-    if (keep := batch.get("loss_mask")) is not None:
-        valid = valid & (shifted(keep, k + 1, t) > 0)
+    if batch.get("loss_mask") is not None:
+        valid = valid & (ahead_of(batch, "loss_mask", k + 1, t) > 0)
     return tgt, valid
 
 
@@ -100,8 +114,8 @@ def depth_sums(model, hidden: jax.Array, batch: dict, ops=None) -> jax.Array:
     h = hidden
     for k in range(1, c.num_nextn_predict_layers + 1):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], state))
-        emb = model.embed_tokens(shifted(batch["tokens"], k, t), ops)
-        h = layer(h, emb, seg, pos)
+        emb = model.embed_tokens(ahead_of(batch, "tokens", k, t), ops)
+        h = layer(h, emb, seg, pos, ops)
         logits = vocab_rows(layer.head_norm(h), ops) @ head
         tgt, valid = targets(batch, k, t)
         ce = cross_entropy(logits, tgt, c.vocab_size, ops)
@@ -128,4 +142,5 @@ def check(depth: int, weight: float, where: str) -> None:
         raise ValueError(f"{where}.mtp_loss_weight={weight!r} must be a number >= 0")
 
 
-__all__ = ["MTPLayer", "add_to_loss", "check", "depth_sums", "same", "shifted", "targets"]
+__all__ = ["MTPLayer", "add_to_loss", "ahead_of", "check", "depth_sums", "same", "shifted",
+           "targets"]

@@ -47,6 +47,7 @@ from fiddlejax.parallel import ring
 from fiddlejax.parallel.concern import Draft
 from fiddlejax.parallel.ops import Ops, extend
 from fiddlejax.plan import CONTEXT_KERNELS
+from fiddlejax.staged import _takes_ops
 
 KERNELS = CONTEXT_KERNELS
 # From this many tokens per shard the ring wins (benchmarks/results/context.md, context=4): a
@@ -67,6 +68,7 @@ class Split:
     kernel: str = "auto"
     mesh: object = None
     pipelined: bool = False
+    ahead: int = 0  # tokens past each chunk the loss reads (DeepSeek-V3's MTP depth)
 
     @property
     def chunk(self) -> int:
@@ -102,7 +104,9 @@ def split_batch(batch: dict, split: Split) -> dict:
     """``batch`` (``tokens[B, T+1]`` and friends) as ``[C * B * 2, n + 1]`` rows: shard ``i``'s
     ``B`` sequences' chunks ``i`` and ``2C-1-i``, each with its next token (targets shifted
     before the split). Positions are added when missing: a chunk's tokens keep their place in
-    the whole sequence."""
+    the whole sequence. With ``split.ahead`` = D, ``batch["ahead"]`` holds each row's next D
+    columns of every key, and ``inside`` (1 where the sequence goes on): what multi-token
+    prediction reads past a chunk (:func:`fiddlejax.models.mtp.shifted`)."""
     tokens = batch["tokens"]
     b, t1 = tokens.shape[0], tokens.shape[1]
     if t1 != split.seq + 1:
@@ -117,15 +121,29 @@ def split_batch(batch: dict, split: Split) -> dict:
     full = dict(batch)
     if "positions" not in full:
         full["positions"] = jnp.broadcast_to(jnp.arange(t1, dtype=jnp.int32), tokens.shape)
-    n, c = split.chunk, split.size
+    n, c, d = split.chunk, split.size, split.ahead
+    if d:  # past the end: padding (positions go on), outside the sequence
+        full["inside"] = jnp.ones_like(tokens)
+        full = {k: jnp.concatenate([x, jnp.arange(t1, t1 + d, dtype=x.dtype)[None].repeat(
+            b, 0) if k == "positions" else jnp.zeros((b, d), x.dtype)], 1)
+                for k, x in full.items()}
     starts = np.array([[k * n for k in split.chunks(i)] for i in range(c)])  # [C, 2]
-    index = starts[..., None] + np.arange(n + 1)  # [C, 2, n + 1]
-    out = {}
+    index = starts[..., None] + np.arange(n + 1 + d)  # [C, 2, n + 1 + D]
+    out, ahead = {}, {}
     for key, x in full.items():
-        rows = jnp.take(x, jnp.asarray(index.reshape(-1)), axis=1).reshape(b, c, 2, n + 1)
-        rows = jnp.swapaxes(rows, 0, 1).reshape(c * b * 2, n + 1)
-        out[key] = constrain_rows(rows, split)
-    return out
+        rows = jnp.take(x, jnp.asarray(index.reshape(-1)), axis=1).reshape(b, c, 2, n + 1 + d)
+        rows = constrain_rows(jnp.swapaxes(rows, 0, 1).reshape(c * b * 2, n + 1 + d), split)
+        if key != "inside":
+            out[key] = rows[:, :n + 1]
+        if d:
+            ahead[key] = rows[:, n + 1:]
+    return {**out, "ahead": ahead} if d else out
+
+
+def sequence_sums(x: jax.Array, split: Split) -> jax.Array:
+    """Per-row values ``x[C * B * 2, ...]`` summed over each sequence's rows: ``[B, ...]``."""
+    c = split.size
+    return jnp.sum(x.reshape(c, x.shape[0] // (2 * c), 2, *x.shape[1:]), axis=(0, 2))
 
 
 def constrain_rows(x: jax.Array, split: Split) -> jax.Array:
@@ -157,6 +175,11 @@ class Joining:
         self.calls += 1
         return attention(self.split, q, k, v, causal=causal, segment_ids=segment_ids,
                          **options)
+
+    def sequences(self, x: jax.Array) -> jax.Array:
+        """:func:`sequence_sums`: a loss's per-row sums joined into its sequences' (the
+        per-sequence router losses pool a whole sequence: :mod:`fiddlejax.models.moe_loss`)."""
+        return sequence_sums(x, self.split)
 
 
 def attention(split: Split, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
@@ -222,11 +245,18 @@ class ContextModel:
                 "context=1")
         return out
 
-    def weighted_loss(self, params, x, batch):
-        return self._inner.weighted_loss(params, x, split_batch(batch, self.split))
+    def weighted_loss(self, params, x, batch, ops: Ops | None = None):
+        """The inner loss on the split rows; a model's own head and loss (taking ``ops``) are
+        offered the join too: MTP's blocks attend over whole sequences, router losses pool
+        them."""
+        batch = split_batch(batch, self.split)
+        if not _takes_ops(type(self._inner), "weighted_loss"):
+            return self._inner.weighted_loss(params, x, batch)
+        return self._inner.weighted_loss(params, x, batch,
+                                         extend(ops, context=Joining(self.split)))
 
-    def epilogue(self, params, x, batch):
-        total, sums = self.weighted_loss(params, x, batch)
+    def epilogue(self, params, x, batch, ops: Ops | None = None):
+        total, sums = self.weighted_loss(params, x, batch, ops)
         return total / sums.weight
 
 
@@ -234,28 +264,29 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
             canonical=None) -> object:
     """The ``context`` step of :func:`fiddlejax.parallel.compose.lay_out`: ``staged`` itself
     when ``context`` is 1, else a :class:`ContextModel` (checked against ``example``, the
-    model's ``batch_spec(1)``; refused: a model with DeepSeek-V3's MTP modules, ``mtp`` in its
-    ``canonical`` parameters (they read tokens past a shard's chunk), and an MoE model with
-    per-sequence router losses on (:func:`per_sequence_losses`))."""
+    model's ``batch_spec(1)``; DeepSeek-V3's MTP modules, ``mtp`` in its ``canonical``
+    parameters, read ``D`` tokens past each chunk: :attr:`Split.ahead`; refused: an MoE model
+    with per-sequence router losses on whose loss cannot join a sequence's rows
+    (:func:`per_sequence_losses`))."""
     size = axis_size(plan.mesh, "context")
     if size == 1:
         return staged
+    ahead = 0
     if canonical is not None and "mtp" in canonical:
-        raise ValueError(
-            f"context={size} splits each sequence, but this model's multi-token-prediction "
-            "modules (num_nextn_predict_layers > 0) read the tokens after a shard's chunk and "
-            "are not joined over context yet; use mesh context=1, or load the model with "
-            "overrides={'num_nextn_predict_layers': 0}")
+        ahead = jax.tree.leaves(canonical["mtp"])[0].shape[0]
     if getattr(staged, "dropout", False):  # masks per example: a row must stay whole
         raise ValueError(
             f"context={size} cuts each row along the sequence, but this model draws dropout "
             "masks per example (a dropout rate above 0, plan.lora.dropout too); use mesh "
             "context=1, or dropout 0 (plan.lora.dropout=0)")
-    if getattr(staged, "loss_fn", None) is None and (losses := per_sequence_losses(staged)):
+    if (getattr(staged, "loss_fn", None) is None and not joins_sequences(staged)
+            and (losses := per_sequence_losses(staged))):
         raise ValueError(
             f"context={size} splits each sequence into chunk rows, but this mixture of experts "
-            f"adds router losses per sequence ({', '.join(losses)}), which no chunk row can "
-            "compute; load it with overrides={" + ", ".join(
+            f"adds router losses per sequence ({', '.join(losses)}) in a loss that takes no "
+            "`ops` keyword, so it cannot join a sequence's rows (declare `loss(..., ops=None)` "
+            "and pass `ops.context.sequences` to moe_loss.add_router_losses as `rows=`); load "
+            "it with overrides={" + ", ".join(
                 f"'{k.split('=')[0]}': 0.0" for k in losses) + "}, or use mesh context=1")
     if example is None or "tokens" not in example or len(example["tokens"].shape) != 2:
         raise ValueError(
@@ -266,7 +297,16 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
     kernel = plan.context_kernel if kernel is None else kernel
     if kernel not in KERNELS:
         raise ValueError(f"context kernel {kernel!r} is unknown; use one of {KERNELS}")
-    return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None))
+    return ContextModel(staged, Split(size, seq, kernel, plan.mesh, plan.schedule is not None,
+                                      ahead))
+
+
+def joins_sequences(staged) -> bool:
+    """Whether the model's own loss takes ``ops`` (and so :meth:`Joining.sequences`)."""
+    graphdef = getattr(staged, "graphdef", None)
+    owner = getattr(graphdef, "type", None) or getattr(
+        getattr(graphdef, "nodes", [None])[0], "type", None)
+    return owner is not None and _takes_ops(owner, "loss")
 
 
 def per_sequence_losses(staged) -> list[str]:
@@ -297,4 +337,5 @@ class ContextAxis:
 
 
 __all__ = ["KERNELS", "ContextAxis", "ContextModel", "Joining", "Split", "attention", "check",
-           "lay_out", "per_sequence_losses", "pick", "split_batch"]
+           "joins_sequences", "lay_out", "per_sequence_losses", "pick", "sequence_sums",
+           "split_batch"]
