@@ -50,10 +50,10 @@ from fiddlejax.plan import CONTEXT_KERNELS
 from fiddlejax.staged import _takes_ops
 
 KERNELS = CONTEXT_KERNELS
-# From this many tokens per shard the ring wins (benchmarks/results/context.md, context=4): a
-# faster step from 256 (0.82x; 0.71x at 512); at 128 the all-gather's one collective is 1.3x
-# faster. Both kernels are tiled (temp memory within 1.3x of each other up to 1024 tokens per
-# shard), but the all-gather holds the whole sequence's K/V on every device.
+# From this many tokens per shard the ring wins (benchmarks/results/context.md, "The two
+# kernels at context=4": a faster step from 256 tokens per shard; at 128 the two are even
+# within CPU noise and the all-gather's one collective is the simpler program). Both kernels
+# are tiled, but the all-gather holds the whole sequence's K/V on every device.
 RING_FROM_TOKENS = 256
 SEQ_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 OPTIONS = ("window", "softcap", "scale", "sinks")  # the model attention options kernels take
