@@ -87,3 +87,27 @@ def test_a_service_offered_to_a_method_without_ops_is_refused():
     # other services reach it as they reach a layer's block that takes no ops
     context = Ops(context=object())
     assert _offering(Reading().prologue, context, 1) == (1, context)
+
+
+def test_bf16_head_rows_gather_16_bits_with_the_same_values(monkeypatch):
+    """Under bf16 compute the head's input rows are gathered as 16 bits (half the bytes of the
+    float32 copy gathered before), and the loss and gradients are bit for bit those of
+    gathering float32: the backward still sums float32."""
+    from fiddlejax.compute import vocab
+
+    model = Llama(config(False), rngs=nnx.Rngs(0))
+    batch = tokens(2, 8, 8, VOCAB)
+    rows = f"[8,8,{HIDDEN}]{{2,1,0}} all-gather"  # every replica's rows: batch x seq x hidden
+    t = trainer(model, compute_dtype="bfloat16")
+    hlo = t.lower_step(t.abstract_state(), {"tokens": jax.ShapeDtypeStruct(
+        (8, 9), jnp.int32)}).compile().as_text()
+    forward = [line for line in hlo.splitlines() if "transpose(" not in line]  # the backward's
+    assert any(f"u16{rows}" in line for line in forward)  # (the lookup's transpose: float32)
+    assert not any(f"f32{rows}" in line for line in forward)
+    new = t.loss_and_grads(t.init(), batch)
+    monkeypatch.setattr(vocab.VocabShards, "rows", lambda self, x: jax.lax.all_gather(
+        x.astype(jnp.float32), self.axis, axis=0, tiled=True).astype(x.dtype))
+    t = trainer(model, compute_dtype="bfloat16")
+    old = t.loss_and_grads(t.init(), batch)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

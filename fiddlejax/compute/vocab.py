@@ -20,12 +20,35 @@ No trace-time channel is involved: the bundled models get it as an argument.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fiddlejax.memory.storage import from_storage, to_storage
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _every_rows(x: jax.Array, axis: str) -> jax.Array:
+    """``x`` all-gathered over ``axis`` on its rows in its own dtype (16-bit floats as their
+    bits: a bf16 head input moves and is held at half the bytes of float32), while the
+    backward's reduce-scatter sums the cotangents in float32, as gathering a float32 copy
+    would (the values are the same either way)."""
+    return from_storage(jax.lax.all_gather(to_storage(x), axis, axis=0, tiled=True), x.dtype)
+
+
+def _every_rows_fwd(x, axis):
+    return _every_rows(x, axis), None
+
+
+def _every_rows_bwd(axis, _, ct):
+    summed = jax.lax.psum_scatter(ct.astype(jnp.float32), axis, scatter_dimension=0, tiled=True)
+    return (summed.astype(ct.dtype),)
+
+
+_every_rows.defvjp(_every_rows_fwd, _every_rows_bwd)
 
 @dataclasses.dataclass(frozen=True)
 class VocabShards:
@@ -52,10 +75,9 @@ class VocabShards:
         return wide.astype(table.dtype)
 
     def rows(self, x: jax.Array) -> jax.Array:
-        """Every replica's rows of ``x`` (the head's input), for the local vocabulary slice;
-        gathered in float32, so that the backward's reduce-scatter sums float32."""
-        return jax.lax.all_gather(x.astype(jnp.float32), self.axis, axis=0,
-                                  tiled=True).astype(x.dtype)
+        """Every replica's rows of ``x`` (the head's input), for the local vocabulary slice:
+        :func:`_every_rows`."""
+        return _every_rows(x, self.axis)
 
     def cross_entropy(self, logits: jax.Array, targets: jax.Array,
                       vocab_size: int) -> jax.Array:
