@@ -101,7 +101,7 @@ REPORTS: dict[str, Report] = {
     "scale_moe.md": Report("scale_moe.py", "--layout 1,2,1,8,1 --layout 2,2,1,4,1",
                            STEP + PIPE + MOE + PLANNER),
     "scale_gpt_oss_120b.md": Report(
-        "scale_moe.py", "--model gpt-oss-120b --layers 8",
+        "scale_moe.py", "--model gpt-oss-120b",
         STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/gpt_oss.py",
                                        "fiddlejax/models/gpt_oss_config.py",
                                        "fiddlejax/models/decoder.py")),

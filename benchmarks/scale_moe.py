@@ -11,14 +11,18 @@ published ``config.json`` shape (``fiddlejax.models.decoder.FAMILIES["mixtral"]`
 planner's figure (the bar: within 10%). Writes ``benchmarks/results/scale_moe.md``.
 
     python benchmarks/scale_moe.py [--layers N] [--seq 4096] [--layout T,P,D,E,MB ...]
-    python benchmarks/scale_moe.py --model gpt-oss-120b --layers 8
+    python benchmarks/scale_moe.py --model gpt-oss-120b
 
 ``--model gpt-oss-120b``: OpenAI's GPT-OSS-120B (``models.gpt_oss``, 116.8B parameters) on four
 8-GPU nodes, written to ``results/scale_gpt_oss_120b.md``. Sixteen 80 GB GPUs cannot hold it
 with float32 master weights and AdamW's two moments (16 bytes a parameter: 117 GB a GPU), so
 the planner refuses 16 and the run starts at 32.
 
-``--layers N`` compiles N and 2N layers and extrapolates per layer, as scale.py.
+``--layers N`` compiles N and 2N layers and extrapolates per layer, as scale.py, for a depth
+too slow to compile whole (DeepSeek-V3 on 256 devices). Both points should give every stage
+two layers or more: a stage of one layer runs under a conditional, not a loop, and holds other
+buffers (GPT-OSS-120B from 8 and 16 layers on 8 stages extrapolated to 89.4 GiB; its whole 36
+layers compile, in seconds, to less).
 ``--layout`` (repeatable) compiles given layouts (tensor, pipe, data, expert, microbatch
 size; 1F1B when pipelined) too, each a row after the pick's.
 """
