@@ -106,7 +106,7 @@ REPORTS: dict[str, Report] = {
                                        "fiddlejax/models/gpt_oss_config.py",
                                        "fiddlejax/models/decoder.py")),
     "scale_deepseek_v3.md": Report(
-        "scale_moe.py", "--model deepseek-v3 --layers 16",
+        "scale_moe.py", "--model deepseek-v3",
         STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/deepseek.py",
                                        "fiddlejax/models/deepseek_config.py",
                                        "fiddlejax/models/deepseek_moe.py",

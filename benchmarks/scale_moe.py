@@ -19,10 +19,11 @@ with float32 master weights and AdamW's two moments (16 bytes a parameter: 117 G
 the planner refuses 16 and the run starts at 32.
 
 ``--layers N`` compiles N and 2N layers and extrapolates per layer, as scale.py, for a depth
-too slow to compile whole (DeepSeek-V3 on 256 devices). Both points should give every stage
-two layers or more: a stage of one layer runs under a conditional, not a loop, and holds other
-buffers (GPT-OSS-120B from 8 and 16 layers on 8 stages extrapolated to 89.4 GiB; its whole 36
-layers compile, in seconds, to less).
+too slow to compile whole (both frontier models compile whole: GPT-OSS-120B in seconds,
+DeepSeek-V3 on 256 devices in under a minute). Both points should give every stage two
+layers or more: a stage of one layer runs under a conditional, not a loop, and holds other
+buffers (GPT-OSS-120B from 8 and 16 layers on 8 stages extrapolated to 89.4 GiB, more than
+its whole 36 layers compile to).
 ``--layout`` (repeatable) compiles given layouts (tensor, pipe, data, expert, microbatch
 size; 1F1B when pipelined) too, each a row after the pick's.
 """
