@@ -92,17 +92,6 @@ MODELS = {"mixtral-8x7b": ("mixtral", CONFIG, 16, "Mixtral-8x7B"),
 GLOBAL_BATCH = 64
 
 
-NOTES = """\
-Where the rest is (XLA's buffer assignment of the compiled step, 16 layers, t2 p8): the
-stage's float32 gradient accumulators, the stash and the parameters are as the planner counts
-them; the MoE layer's backward holds more than a dense layer's. The CPU's blocked grouped
-matmul accumulates each expert matrix's weight gradient in a bf16 buffer the size of the
-layer's experts, then converts it to float32 before adding it into the accumulator: two bf16
-copies of the layer's expert gradients (2.6 GiB here) beside the float32 one the planner
-counts. A GPU runs `jax.lax.ragged_dot` instead (not measured here).
-"""
-
-
 def has_expert_axis() -> bool:
     """Whether this fiddlejax has the ``expert`` mesh axis."""
     return "expert" in inspect.signature(fj.make_mesh).parameters
@@ -228,8 +217,7 @@ def main() -> int:
         f"training step of the {title} decoder (`nnx.eval_shape`, real shapes, dropless "
         f"dispatch) on {gpus} simulated CPU devices; global batch {GLOBAL_BATCH} x {a.seq} "
         "tokens. "
-        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n" + slopes(rows)
-        + (NOTES if a.model == "mixtral-8x7b" else ""))
+        "Error = predicted / compiled - 1.\n\n" + markdown(rows) + "\n" + slopes(rows))
     return 0 if all(abs(r["error"]) < 0.10 for r in rows) else 1
 
 

@@ -30,7 +30,7 @@ PENDING: set[str] = {
     "pipeline_vs_baseline.md",  # reran fine at load 9.6: its time ratios wait for a quiet run
     "pipeline_efficiency.md", "pipeline_2bw_train.md",
     "vocab_parallel.md", "topk.md", "checkpoint.md",
-    "long_context.md", "scale.md", "scale_families.md", "scale_moe.md",
+    "long_context.md", "scale.md", "scale_families.md",
     "fp8.md", "input_pipeline.md", "faults.md",
     "suite.md",
 }
