@@ -144,7 +144,7 @@ class StagedModel:
         ops = self.with_offered(ops)
         if ops is None:
             return block(x)
-        if _takes_ops(type(block)):
+        if takes_ops(type(block)):
             return block(x, ops=ops)
         with intercept.setting(ops=ops):
             return block(x)
@@ -194,7 +194,7 @@ class StagedModel:
 
 
 @functools.cache
-def _takes_ops(cls: type, method: str = "__call__") -> bool:
+def takes_ops(cls: type, method: str = "__call__") -> bool:
     """Whether a class's ``method`` (a block's ``__call__``) declares the ``ops`` keyword."""
     try:
         return "ops" in inspect.signature(getattr(cls, method)).parameters
@@ -210,10 +210,10 @@ def _offering(method: Callable, ops: Any, *args: Any) -> Any:
     if ops is None:
         return method(*args)
     owner, name = type(method.__self__), method.__name__
-    if not _takes_ops(owner, name) and getattr(ops, "vocab", None) is None:
+    if not takes_ops(owner, name) and getattr(ops, "vocab", None) is None:
         with intercept.setting(ops=ops):
             return method(*args)
-    if not _takes_ops(owner, name):
+    if not takes_ops(owner, name):
         raise TypeError(f"{owner.__name__}.{name} takes no `ops` keyword, yet the layout "
                         f"offers it {ops}; declare `{name}(..., ops=None)` and pass ops.vocab "
                         "on (fiddlejax.models.common), or set vocab_services = False")

@@ -47,7 +47,7 @@ from fiddlejax.parallel import ring
 from fiddlejax.parallel.concern import Draft
 from fiddlejax.parallel.ops import Ops, extend
 from fiddlejax.plan import CONTEXT_KERNELS
-from fiddlejax.staged import _takes_ops
+from fiddlejax.staged import takes_ops
 
 KERNELS = CONTEXT_KERNELS
 # From this many tokens per shard the ring wins (benchmarks/results/context.md, "The two
@@ -250,7 +250,7 @@ class ContextModel:
         offered the join too: MTP's blocks attend over whole sequences, router losses pool
         them."""
         batch = split_batch(batch, self.split)
-        if not _takes_ops(type(self._inner), "weighted_loss"):
+        if not takes_ops(type(self._inner), "weighted_loss"):
             return self._inner.weighted_loss(params, x, batch)
         return self._inner.weighted_loss(params, x, batch,
                                          extend(ops, context=Joining(self.split)))
@@ -306,7 +306,7 @@ def joins_sequences(staged) -> bool:
     graphdef = getattr(staged, "graphdef", None)
     owner = getattr(graphdef, "type", None) or getattr(
         getattr(graphdef, "nodes", [None])[0], "type", None)
-    return owner is not None and _takes_ops(owner, "loss")
+    return owner is not None and takes_ops(owner, "loss")
 
 
 def per_sequence_losses(staged) -> list[str]:
