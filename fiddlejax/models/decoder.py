@@ -263,12 +263,11 @@ class Decoder(nnx.Module):
         if seg is not None:
             mask = seg[:, :-1] > 0
         if (targets := target_mask(batch)) is not None:
-            weights = jnp.sum(targets, -1)
+            weights = jnp.sum(targets, -1).astype(jnp.float32)
         joining = getattr(ops, "context", None)  # a context split's rows join per sequence
         return moe_loss.add_router_losses(value, tally, c.num_experts_per_tok,
                                           c.router_aux_loss_coef, c.router_z_loss_coef, mask,
-                                          None if weights is None else weights.astype(
-                                              jnp.float32), report=True,
+                                          weights, report=True,
                                           sequences=joining and joining.sequences)
 
     def router_losses(self, outputs, batch: dict) -> moe_loss.RouterLosses:
