@@ -62,24 +62,30 @@ def temp_mib(seq: int, c: int, kernel: str = "auto") -> float:
     return trainer(llama(seq), c, kernel).memory(batch_size=1)["temp_bytes"] / MIB
 
 
+def step_time_ratio(a, b, batch: dict, repeats: int) -> float:
+    """Median step time of trainer ``a`` over trainer ``b`` (alternating steps, each compiled
+    and run once first)."""
+    runs = []
+    for t in (a, b):
+        state, sb = t.init(), t.shard_batch(batch)
+        step = jax.jit(lambda s, x, t=t: t.loss_and_grads(s, x))
+        jax.block_until_ready(step(state, sb))
+        runs.append((step, state, sb))
+    times = [[], []]
+    for _ in range(repeats):
+        for k, (step, state, sb) in enumerate(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, sb))
+            times[k].append(time.perf_counter() - t0)
+    return statistics.median(times[0]) / statistics.median(times[1])
+
+
 def time_ratio(seq: int, c: int, repeats: int) -> float:
     """Median step time of the ring over the all-gather (alternating steps)."""
     model = llama(seq, abstract=False)
     batch = {"tokens": np.random.default_rng(0).integers(0, 256, (1, seq + 1)).astype(np.int32)}
-    runs = {}
-    for kernel in ("ring", "allgather"):
-        t = trainer(model, c, kernel)
-        state, sb = t.init(), t.shard_batch(batch)
-        step = jax.jit(lambda s, b, t=t: t.loss_and_grads(s, b))
-        jax.block_until_ready(step(state, sb))
-        runs[kernel] = (step, state, sb)
-    times = {k: [] for k in runs}
-    for _ in range(repeats):
-        for k, (step, state, sb) in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(state, sb))
-            times[k].append(time.perf_counter() - t0)
-    return statistics.median(times["ring"]) / statistics.median(times["allgather"])
+    return step_time_ratio(trainer(model, c, "ring"), trainer(model, c, "allgather"), batch,
+                           repeats)
 
 
 def sp_slope(sp: bool, remat: str) -> float:
@@ -105,20 +111,8 @@ def short_time_ratio(seq: int, repeats: int) -> float:
     """Median step time of data=2 x context=4 over data=8 (alternating steps)."""
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, 256, (8, seq + 1)).astype(np.int32)}
-    runs = {}
-    for d, c in ((2, 4), (8, 1)):
-        t = short_step(seq, d, c, abstract=False)
-        state, sb = t.init(), t.shard_batch(batch)
-        step = jax.jit(lambda s, b, t=t: t.loss_and_grads(s, b))
-        jax.block_until_ready(step(state, sb))
-        runs[c] = (step, state, sb)
-    times = {k: [] for k in runs}
-    for _ in range(repeats):
-        for k, (step, state, sb) in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(state, sb))
-            times[k].append(time.perf_counter() - t0)
-    return statistics.median(times[4]) / statistics.median(times[1])
+    return step_time_ratio(short_step(seq, 2, 4, abstract=False),
+                           short_step(seq, 8, 1, abstract=False), batch, repeats)
 
 
 def planner_context(seq: int) -> int:
