@@ -270,7 +270,7 @@ def test_context_refuses_router_losses_a_loss_cannot_join(monkeypatch):
     monkeypatch.setattr(context, "joins_sequences", lambda staged: False)
     path = FIXTURE.with_name("hf_mixtral")
     plan = fj.Plan(mesh=fj.make_mesh(data=4, context=2))
-    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.02.*takes no `ops`"):
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.02.*takes no `ops`.*sequences="):
         fj.parallelize(models.from_pretrained(path, seq_len=8, abstract=True), optax.sgd(0.1),
                        plan)
     fj.parallelize(models.from_pretrained(path, seq_len=8, abstract=True,

@@ -106,7 +106,7 @@ def split_batch(batch: dict, split: Split) -> dict:
     before the split). Positions are added when missing: a chunk's tokens keep their place in
     the whole sequence. With ``split.ahead`` = D, ``batch["ahead"]`` holds each row's next D
     columns of every key, and ``inside`` (1 where the sequence goes on): what multi-token
-    prediction reads past a chunk (:func:`fiddlejax.models.mtp.shifted`)."""
+    prediction reads past a chunk (:func:`fiddlejax.models.mtp.ahead_of`)."""
     tokens = batch["tokens"]
     b, t1 = tokens.shape[0], tokens.shape[1]
     if t1 != split.seq + 1:
@@ -285,7 +285,7 @@ def lay_out(staged, plan, example: dict | None, kernel: str | None = None,
             f"context={size} splits each sequence into chunk rows, but this mixture of experts "
             f"adds router losses per sequence ({', '.join(losses)}) in a loss that takes no "
             "`ops` keyword, so it cannot join a sequence's rows (declare `loss(..., ops=None)` "
-            "and pass `ops.context.sequences` to moe_loss.add_router_losses as `rows=`); load "
+            "and pass `ops.context.sequences` to moe_loss.add_router_losses as `sequences=`); load "
             "it with overrides={" + ", ".join(
                 f"'{k.split('=')[0]}': 0.0" for k in losses) + "}, or use mesh context=1")
     if example is None or "tokens" not in example or len(example["tokens"].shape) != 2:
