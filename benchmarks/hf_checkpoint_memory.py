@@ -8,11 +8,13 @@ process that only imports fiddlejax and JAX:
 - ``from_pretrained``: ``models.from_pretrained(DIR)`` (float32 masters on one device: 2.0x);
 - ``job``: ``fiddlejax train model.from_pretrained=DIR plan.zero=3`` (data=8, one step, the
   final checkpoint saved): float32 parameters, AdamW's two moments and float32 gradients are
-  8x on one host that holds every simulated device;
+  8x on one host that holds every simulated device; ``job_lean``: the same with the fine-tune
+  knobs of docs/models.md (large checkpoints) (:data:`LEAN`), at a first start and at a restart
+  (``job_lean_warm``: the compile cache warm, no compiler beside the state);
 - ``export``: ``fiddlejax export`` of that run (bf16, the checkpoint's dtype), and the exported
   tensors are checked equal to the trained parameters (cast to bf16);
-- ``job_2proc``: the job as 2 processes of 4 devices each (``launch/local.py``): each process's
-  peak, against the one-process figure.
+- ``job_2proc`` (``job_lean_2proc``): the job as 2 processes of 4 devices each
+  (``launch/local.py``): each process's peak, against the one-process figure.
 
     python benchmarks/hf_checkpoint_memory.py --layers 7 14 [--from-pretrained-layers 42]
         [--export-layers 28]
@@ -127,6 +129,15 @@ LOAD = ("import sys, jax; from fiddlejax import models; "
 JOB = ["plan.zero=3", "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "plan.schedule=null",
        "plan.microbatches=1", "train.steps=1", "data.batch_size=8", "model.seq_len=64",
        "train.eval_batches=0", "run.progress=lines", "data.tokenizer=bytes"]
+# the fine-tune knobs of docs/models.md (large checkpoints): recompute each layer in the
+# backward, compute in bf16 (float32 masters, moments and gradients), a bounded save snapshot
+LEAN = ["plan.remat=full", "plan.compute_dtype=bfloat16", "checkpoint.snapshot_gb=0.2"]
+
+
+def job_argv(ckpt: Path, run_dir: Path, cache: Path, knobs: list[str]) -> list[str]:
+    """The job, compiling into its own cache directory (cold at the first start)."""
+    return ["-m", "fiddlejax", "train", f"model.from_pretrained={ckpt}", f"run.dir={run_dir}",
+            f"run.compile_cache={cache}", *JOB, *knobs]
 
 
 def check_export(run_dir: Path, out: Path) -> int:
@@ -196,9 +207,12 @@ def measure(layers: int, tmp: Path, phases: set[str]) -> dict:
         row["from_pretrained"] = ratio(run(["-c", LOAD, str(ckpt)], tmp, f"load-{layers}")[0])
     if "job" in phases:
         run_dir = tmp / f"run-{layers}"
-        job = ["-m", "fiddlejax", "train", f"model.from_pretrained={ckpt}",
-               f"run.dir={run_dir}", *JOB]
-        row["job"] = ratio(run(job, tmp, f"job-{layers}")[0])
+        row["job"] = ratio(run(job_argv(ckpt, run_dir, tmp / f"xla-{layers}", []), tmp,
+                               f"job-{layers}")[0])
+        cache = tmp / f"xla-lean-{layers}"
+        for name in ("job_lean", "job_lean_warm"):  # a first start, then a restart
+            row[name] = ratio(run(job_argv(ckpt, tmp / f"{name}-{layers}", cache, LEAN), tmp,
+                                  f"{name}-{layers}")[0])
         out = tmp / f"export-{layers}"
         row["export"] = ratio(run(["-m", "fiddlejax", "export", str(run_dir), str(out)], tmp,
                                   f"export-{layers}")[0])
@@ -210,11 +224,12 @@ def measure(layers: int, tmp: Path, phases: set[str]) -> dict:
                                   f"export-alone-{layers}")[0])
         row["export_of"] = "saved as loaded (data=1, no training)"
     if "job_2proc" in phases:
-        job = ["-m", "fiddlejax", "train", f"model.from_pretrained={ckpt}",
-               f"run.dir={tmp / f'run2-{layers}'}", "run.cpu_devices=4", *JOB]
-        peaks = run(job, tmp, f"job2-{layers}", [sys.executable, "launch/local.py", "--nproc",
-                                                  "2", "--devices-per-process", "4", "--"])
-        row["job_2proc"] = [ratio(p) for p in peaks]
+        launcher = [sys.executable, "launch/local.py", "--nproc", "2", "--devices-per-process",
+                    "4", "--"]
+        for name, knobs in (("job_2proc", []), ("job_lean_2proc", LEAN)):
+            job = job_argv(ckpt, tmp / f"{name}-{layers}", tmp / f"xla-{name}-{layers}",
+                           [*knobs, "run.cpu_devices=4"])
+            row[name] = [ratio(p) for p in run(job, tmp, f"{name}-{layers}", launcher)]
     return row
 
 
@@ -224,15 +239,23 @@ def report(rows: list[dict]) -> str:
              "ratio of the bf16 checkpoint's bytes (random Llama: vocab 32000, hidden 1024, "
              "MLP 2816, 16 heads, 4 KV heads; `python benchmarks/hf_checkpoint_memory.py`). "
              "CPU, 8 simulated devices in one process (every device's memory is this host's).",
-             "", "| layers | checkpoint | from_pretrained | zero=3 job (1 step) | export (bf16) | "
-             "2-process job, each (x of 1-process) |", "|---|---|---|---|---|---|"]
+             "", "The zero=3 job (data=8, one step, the final checkpoint saved) runs twice: with "
+             "the defaults, and with the fine-tune knobs of docs/models.md (large checkpoints) (`"
+             + " ".join(LEAN) + "`), each compiling at its first start (a cold compile "
+             "cache; the compiler's memory beside the state) and, lean, again at a restart (the "
+             "compile cache warm).", "",
+             "| layers | checkpoint | from_pretrained | job, defaults | job, fine-tune knobs "
+             "(restart) | export (bf16) | 2-process job, each (x of 1-process): defaults; "
+             "fine-tune knobs |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        two = r.get("job_2proc")
-        two_txt = ("–" if not two else ", ".join(f"{x:.2f}x" for x in two)
-                   + f" ({max(two) / r['job']:.2f})")
+        def two(key, one, r=r):
+            return ("–" if not r.get(key) else ", ".join(f"{x:.2f}x" for x in r[key])
+                    + f" ({max(r[key]) / r[one]:.2f})")
         f = lambda k, r=r: f"{r[k]:.2f}x" if k in r else "–"
+        lean = f"{f('job_lean')} ({f('job_lean_warm')})" if "job_lean" in r else "–"
         lines.append(f"| {r['layers']} | {r['checkpoint_gb']:.3f} GB | {f('from_pretrained')} | "
-                     f"{f('job')} | {f('export')} | {two_txt} |")
+                     f"{f('job')} | {lean} | {f('export')} | {two('job_2proc', 'job')}; "
+                     f"{two('job_lean_2proc', 'job_lean')} |")
     alone = [str(r["layers"]) for r in rows if "export_of" in r]
     if alone:
         lines += ["", f"Export of {', '.join(alone)} layers: a run whose checkpoint was "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import fiddlejax as fj
@@ -60,3 +61,29 @@ def test_an_async_save_followed_by_a_donating_step_writes_the_saved_state(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), b)
     assert not all(np.array_equal(np.asarray(a), b) for a, b in zip(
         jax.tree.leaves(t.params(state)), jax.tree.leaves(want)))  # the step did move them
+
+
+def test_a_bounded_snapshot_saves_the_same_state(tmp_path):
+    """``snapshot_gb`` bounds how much of a save's device-to-host snapshot the host holds at
+    once (Orbax's save_device_host_concurrent_gb); a bound below the largest array is raised
+    to it (Orbax refuses an array above its bound), and the restored state is the saved one."""
+    from fiddlejax.checkpoint import stored
+
+    t = _trainer(data=4)
+    largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(t.abstract_state()))
+    assert stored.snapshot_bound(None, t) is None
+    assert stored.snapshot_bound(1e-9, t) == (largest + 1) / 1e9
+    assert stored.snapshot_bound(5, t) == 5.0
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(ValueError, match=f"snapshot_gb={bad!r} must be a positive"):
+            fj.CheckpointManager(tmp_path / "bad", t, snapshot_gb=bad)
+    state = t.init()
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (4, 9), 0, 61), np.int32)
+    state, _ = t.step(state, {"tokens": tokens})
+    want = jax.tree.map(np.asarray, t.to_canonical_state(state))
+    with fj.CheckpointManager(tmp_path, t, snapshot_gb=1e-9) as m:
+        m.save(1, state, force=True)
+    with fj.CheckpointManager(tmp_path, t, read_only=True) as m:
+        got = t.to_canonical_state(m.restore(1))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)

@@ -1,5 +1,6 @@
-"""The GPU XLA flags: chosen only for a GPU backend, the user's own flags win, and every flag
-exists in the installed XLA (an unknown flag aborts the process at backend start)."""
+"""The XLA flags: the GPU's only for a GPU backend, the CPU's memory schedule otherwise, the
+user's own flags win, and every flag exists in the installed XLA (an unknown flag aborts the
+process at backend start)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from fiddlejax.app import xla_flags
 
 def test_gpu_flags_only_for_a_gpu_backend():
     env = {"JAX_PLATFORMS": "cpu"}
-    assert xla_flags.apply(environ=env) == {} and "XLA_FLAGS" not in env
+    assert xla_flags.apply(environ=env) == xla_flags.CPU_FLAGS
+    assert env["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    assert xla_flags.describe(xla_flags.CPU_FLAGS).startswith("XLA flags set for CPU")
     env = {"JAX_PLATFORMS": "cuda"}
     added = xla_flags.apply(environ=env)
     assert added == xla_flags.GPU_FLAGS
@@ -36,7 +39,8 @@ def test_users_own_flags_win():
 
 
 def test_every_flag_exists_in_the_installed_xla():
-    flags, _ = xla_flags.merged("", {**xla_flags.GPU_FLAGS, **xla_flags.FP8_FLAGS})
+    flags, _ = xla_flags.merged("", {**xla_flags.GPU_FLAGS, **xla_flags.FP8_FLAGS,
+                                     **xla_flags.CPU_FLAGS})
     code = "import jax; print(jax.numpy.ones(2).sum())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})

@@ -167,7 +167,7 @@ class JobCheckpoints:
             self.directory, trainer, every=every if every == "auto" else int(every or 0),
             max_to_keep=c["max_to_keep"], best_metric=c["best_metric"], best_mode=c["best_mode"],
             async_save=bool(c["async"]), checkfreq_overhead=float(c["checkfreq_overhead"]),
-            config=cfg, preemption=self.preemption)
+            config=cfg, preemption=self.preemption, snapshot_gb=c.get("snapshot_gb"))
         self.preemption.install()  # after the manager exists: a failure leaves no handler
         if every == "auto" and jax.process_count() > 1:
             _agree_on_saves(self.mgr)

@@ -291,6 +291,10 @@ class CheckpointSection:
     best_mode: str = key("min", "min | max", Spec(str, choices=("min", "max")))
     async_: bool = key(True, "write in the background after a device-to-host snapshot",
         name="async")  # a Python keyword
+    snapshot_gb: float | None = key(None, "host GB a save's snapshot holds at once per process"
+        " (at least the largest array; a save then waits on its writes); null: the whole state",
+        Spec(float, lo=0, open_lo=True, null=True),
+        fix="a size in GB such as checkpoint.snapshot_gb=2, or null for the whole snapshot")
 
 
 @dataclasses.dataclass(frozen=True)

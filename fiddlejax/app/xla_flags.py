@@ -1,9 +1,9 @@
-"""XLA flags for GPUs, from one place: what MaxText and the JAX/NVIDIA GPU performance guides
-set for transformer training, applied only where the backend will be a GPU, the user's own
-``XLA_FLAGS`` always winning.
+"""XLA flags from one place, the user's own ``XLA_FLAGS`` always winning: on a GPU what MaxText
+and the JAX/NVIDIA GPU performance guides set for transformer training; on the CPU, where every
+simulated device's memory is the host's, a schedule for memory.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts, so :func:`apply` must run before
-anything touches a device (the job calls it first thing). On a CPU run nothing is set.
+anything touches a device (the job calls it first thing).
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ GPU_FLAGS: dict[str, str] = {
 # (benchmarks/results/mfu.md): fp8 46.6% MFU with them vs 44.6% with XLA's Triton GEMMs, but
 # bf16 39.7% vs 42.7% (the hand-written bf16 step 44.0% vs 46.2%), so bf16 keeps Triton's.
 FP8_FLAGS: dict[str, str] = {"xla_gpu_enable_triton_gemm": "false"}
+# The CPU's default scheduler orders a step for concurrency and holds more buffers at once:
+# a zero=3 fine-tune of a 0.45 GB checkpoint on 8 simulated devices peaks at 9.25x its bytes
+# compiled (10.02x with it; benchmarks/results/hf_checkpoint_memory.md), at the same step time.
+CPU_FLAGS: dict[str, str] = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
 
 
 def gpu_expected(environ: Mapping[str, str] = os.environ) -> bool:
@@ -55,13 +59,12 @@ def merged(user: str, recommended: Mapping[str, str]) -> tuple[str, dict[str, st
 
 
 def apply(gpu: bool | None = None, environ=os.environ, *, fp8: bool = False) -> dict[str, str]:
-    """Set the recommended GPU flags in ``environ["XLA_FLAGS"]`` (before JAX starts) when the
-    backend will be a GPU, with :data:`FP8_FLAGS` too for fp8 matmuls; returns the flags it
-    added (empty on the CPU)."""
-    if not (gpu_expected(environ) if gpu is None else gpu):
-        return {}
-    flags, added = merged(environ.get("XLA_FLAGS", ""),
-                          {**GPU_FLAGS, **(FP8_FLAGS if fp8 else {})})
+    """Set the recommended flags in ``environ["XLA_FLAGS"]`` (before JAX starts): the GPU's
+    when the backend will be a GPU (with :data:`FP8_FLAGS` for fp8 matmuls), else the CPU's;
+    returns the flags it added."""
+    gpu = gpu_expected(environ) if gpu is None else gpu
+    recommended = {**GPU_FLAGS, **(FP8_FLAGS if fp8 else {})} if gpu else CPU_FLAGS
+    flags, added = merged(environ.get("XLA_FLAGS", ""), recommended)
     environ["XLA_FLAGS"] = flags
     return added
 
@@ -70,5 +73,6 @@ def describe(added: Mapping[str, str]) -> str:
     """One line for the job's log: what was set, and how to override it."""
     if not added:
         return ""
-    return ("XLA flags set for GPU (override any in XLA_FLAGS): "
+    gpu = any(k.startswith("xla_gpu") for k in added)
+    return (f"XLA flags set for {'GPU' if gpu else 'CPU'} (override any in XLA_FLAGS): "
             + " ".join(f"--{k}={v}" for k, v in added.items()))

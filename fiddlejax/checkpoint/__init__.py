@@ -21,14 +21,12 @@ What is saved, per step directory:
   different model or a corrupted checkpoint fails with an error naming the array
   (:mod:`fiddlejax.checkpoint.manifest`).
 
-CheckFreq (Mohan et al., FAST'21; the policy is :mod:`fiddlejax.checkpoint.checkfreq`, SIGTERM
-handling :mod:`fiddlejax.checkpoint.preemption`, the ``fiddlejax train`` glue
-:mod:`fiddlejax.app.checkpoints`): with ``every="auto"`` the manager times every ``save`` call it
-gets (call it every step): the step time, the snapshot stall, the background persist time and the
-slowdown of steps that overlap a persist, and picks the smallest interval that keeps the measured
-cost under ``checkfreq_overhead`` of training time (default 3.5%) and lets each persist finish
-before the next snapshot. :meth:`CheckpointManager.stats` reports the overhead actually incurred
-(the clock is :mod:`fiddlejax.checkpoint.timing`).
+CheckFreq (Mohan et al., FAST'21; policy :mod:`.checkfreq`, SIGTERM :mod:`.preemption`, the
+job's glue :mod:`fiddlejax.app.checkpoints`): with ``every="auto"`` the manager times each
+``save`` (call it every step): step time, snapshot stall, background persist and the slowdown of
+steps overlapping it, and picks the smallest interval that keeps the cost under
+``checkfreq_overhead`` (3.5%) with each persist done before the next snapshot;
+:meth:`CheckpointManager.stats` reports the overhead incurred (clock: :mod:`.timing`).
 """
 
 from __future__ import annotations
@@ -85,6 +83,8 @@ class CheckpointManager:
     - ``max_to_keep`` latest checkpoints are kept, plus the ``keep_best`` best by
       ``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``) when ``best_metric`` is set.
     - ``async_save``: the write runs in the background after a blocking device-to-host snapshot.
+    - ``snapshot_gb``: hold at most this much of that snapshot on the host at once (at least the
+      largest array); a save then blocks until all but that much is written. None: all of it.
     - ``config``: the job config, stored as metadata (``fiddlejax train`` passes its own).
     - ``read_only``: a reader beside a running job (eval, generate, export): it never writes
       or deletes (a writer's save in progress included) and needs no lock; ``save`` refuses.
@@ -96,7 +96,8 @@ class CheckpointManager:
                  max_to_keep: int | None = 3, best_metric: str | None = None,
                  best_mode: str = "min", keep_best: int = 1, async_save: bool = True,
                  checkfreq_overhead: float = 0.035, config: dict | None = None,
-                 preemption: Preemption | None = None, read_only: bool = False):
+                 preemption: Preemption | None = None, read_only: bool = False,
+                 snapshot_gb: float | None = None):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
@@ -109,9 +110,8 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep={max_to_keep!r} must be >= 1 (or None to keep all)")
         self.directory = Path(directory).absolute()
         self.trainer, self.every, self.config = trainer, every, config
-        self.best_metric, self.async_save = best_metric, async_save and not read_only
-        self.read_only = read_only
-        self.preemption = preemption
+        self.best_metric, self.read_only, self.preemption = best_metric, read_only, preemption
+        self.async_save = async_save and not read_only
         self.checkfreq = CheckFreq(checkfreq_overhead) if every == "auto" else None
         self.restored: Restored | None = None
         self._timing = SaveTiming(self.checkfreq)  # for CheckFreq and stats()
@@ -137,14 +137,15 @@ class CheckpointManager:
         )
         self._ocp = ocp
         logging.getLogger("absl").addFilter(_no_read_only_notice)  # added once
-        # Replica-parallel writes slice every replicated shard on device first; on CPU that is
-        # ~200 tiny dispatches (and compiles) per save, 5x the whole snapshot. Orbax already
-        # turns it off on GPU; one replica writes each shard instead.
+        # Replica-parallel writes slice every replicated shard on device first: on CPU ~200 tiny
+        # dispatches (and compiles) per save, 5x the snapshot (Orbax's GPU default is off too).
         arrays = ocp.type_handlers.create_type_handler_registry(
             (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
         self._mngr = ocp.CheckpointManager(
             self.directory, options=options,
-            item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=arrays),
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(
+                type_handler_registry=arrays,
+                save_device_host_concurrent_gb=stored.snapshot_bound(snapshot_gb, trainer)),
                            "meta": ocp.JsonCheckpointHandler()})
 
     # -- saving ----------------------------------------------------------------------------------

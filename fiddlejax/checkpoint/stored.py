@@ -144,3 +144,21 @@ def save_args(paths: list[tuple[str, ...]], leaves: list, staged):
         return ocp.SaveArgs()
 
     return [one(p, x) for p, x in zip(paths, leaves)]
+
+
+def snapshot_bound(gb: float | None, trainer) -> float | None:
+    """Orbax's ``save_device_host_concurrent_gb`` for a save that holds at most ``gb`` GB of
+    snapshot on the host at once (None: the whole state at once, the quickest async save).
+
+    Orbax moves whole arrays and refuses one above the bound, so the bound is at least the
+    largest array of the state (its global bytes: no process holds more of it)."""
+    if gb is None:
+        return None
+    if not (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0):
+        raise ValueError(f"snapshot_gb={gb!r} must be a positive number of GB (or None: the "
+                         "whole state's snapshot at once)")
+    import jax
+
+    state = trainer.abstract_state()
+    largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    return max(float(gb), (largest + 1) / 1e9)
