@@ -130,8 +130,10 @@ JOB = ["plan.zero=3", "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "plan.sched
        "plan.microbatches=1", "train.steps=1", "data.batch_size=8", "model.seq_len=64",
        "train.eval_batches=0", "run.progress=lines", "data.tokenizer=bytes"]
 # the fine-tune knobs of docs/models.md (large checkpoints): recompute each layer in the
-# backward, compute in bf16 (float32 masters, moments and gradients), a bounded save snapshot
-LEAN = ["plan.remat=full", "plan.compute_dtype=bfloat16", "checkpoint.snapshot_gb=0.2"]
+# backward, compute in bf16 (float32 masters, moments and gradients), gather one layer at a
+# time (no prefetch of the next), a bounded save snapshot
+LEAN = ["plan.remat=full", "plan.compute_dtype=bfloat16", "plan.fsdp_prefetch=false",
+        "checkpoint.snapshot_gb=0.2"]
 
 
 def job_argv(ckpt: Path, run_dir: Path, cache: Path, knobs: list[str]) -> list[str]:

@@ -59,6 +59,7 @@ class Trainer:
         shardings = (self.state_shardings, None)
         jit = dict(in_shardings=shardings, out_shardings=shardings, donate_argnums=0)
         self._step = jax.jit(self._step_impl, **jit)  # gated: a device batch's ids, in-graph
+        self._compiled: dict = {}  # precompile's executables, by the placed batch's signature
         self._gated_step = jax.jit(checks.skip_bad_ids(self._step_impl, self._value_ranges), **jit)
         self._steps = jax.jit(lambda s, b: lay.stepper.steps(self._program(), s,
                                                              self._indexed(b, s.step, steps=True)),
@@ -176,8 +177,18 @@ class Trainer:
             return state, metrics
         on_device = self._value_ranges and isinstance(batch, dict) and any(
             isinstance(x, jax.Array) for x in batch.values())
-        step = self._gated_step if on_device else self._step  # host batches: checked on host
-        return step(state, self._prepare(state, batch))
+        batch = self._prepare(state, batch)
+        step = self._gated_step if on_device else self._compiled.get(  # host batches: checked
+            _signature(batch), self._step)                              # on the host
+        return step(state, batch)
+
+    def precompile(self, state: TrainState, batch: dict) -> None:
+        """Compile :meth:`step` for batches shaped like ``batch`` now, apart from running it
+        (``state`` may be abstract); ``step`` then runs this executable for such host batches.
+        The job does so, then returns the compiler's freed memory to the system before the
+        first step allocates its temporaries (:mod:`fiddlejax.app.host_memory`)."""
+        batch = self._prepare(state, batch)
+        self._compiled[_signature(batch)] = self._step.lower(state, batch).compile()
 
     def steps(self, state: TrainState, batches_: dict) -> tuple[TrainState, dict]:
         """``K`` optimizer steps in one jitted program; ``batches_`` leaves are
@@ -314,6 +325,12 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
     if lora.has_adapters(nnx.state(model, nnx.Param)):  # LoRA: only the adapters train
         optimizer = lora.optimizer(optimizer)
     return Trainer(model, optimizer, plan, loss, layers, block_output)
+
+
+def _signature(batch: dict) -> tuple:
+    """A placed batch's structure, shapes and dtypes: which executable runs it."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
 
 
 def _compiled_memory(compiled) -> dict:

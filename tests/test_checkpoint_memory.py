@@ -87,3 +87,28 @@ def test_a_bounded_snapshot_saves_the_same_state(tmp_path):
         got = t.to_canonical_state(m.restore(1))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_step_compiled_apart_runs_as_the_jitted_one():
+    """``precompile`` (the job compiles its first step so, then returns the compiler's freed
+    memory before the step runs): ``step`` runs that executable for batches of its shape, with
+    the same losses and parameters as a trainer that compiles on the call; another shape falls
+    back to the jitted step."""
+    from fiddlejax.app import host_memory
+
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (4, 9), 0, 61), np.int32)
+    ours, theirs = _trainer(data=4), _trainer(data=4)
+    a, b = ours.init(), theirs.init()
+    ours.precompile(ours.abstract_state(), {"tokens": tokens})
+    (executable,) = ours._compiled.values()
+    calls = []
+    ours._compiled = {k: lambda *args: calls.append(1) or executable(*args)
+                      for k in ours._compiled}
+    assert host_memory.map_large_blocks() and isinstance(host_memory.release(), bool)
+    for batch in (tokens, tokens[:, ::-1], tokens[:, :5]):  # the last: another shape
+        a, ma = ours.step(a, {"tokens": np.ascontiguousarray(batch)})
+        b, mb = theirs.step(b, {"tokens": np.ascontiguousarray(batch)})
+        assert float(ma["loss"]) == float(mb["loss"])
+    assert len(calls) == 2
+    for x, y in zip(jax.tree.leaves(ours.params(a)), jax.tree.leaves(theirs.params(b))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -112,7 +112,9 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     guards.check_config(cfg)  # rules, best metric, a batch beyond this machine's memory
     flags = build.setup_devices(cfg)
     from fiddlejax import distributed
-    from fiddlejax.app import compile_cache, xla_flags
+    from fiddlejax.app import compile_cache, host_memory, xla_flags
+
+    host_memory.map_large_blocks()  # freed snapshots and temporaries leave the process
 
     try:  # joins a multi-process job (SLURM, Open MPI, Kubernetes, launch/local.py); else no-op
         distributed.initialize()
@@ -275,6 +277,8 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
     import jax
     import numpy as np
 
+    from fiddlejax.app import host_memory
+
     cfg, trainer, tcfg = job.cfg, job.trainer, job.cfg["train"]
     per_call, n_dev = int(tcfg.get("steps_per_call", 1)), jax.device_count()
     peak = float(cfg["run"]["peak_tflops"] or 0.0)
@@ -287,6 +291,9 @@ def _loop(job: Job, state, start: int, val: float, acc: float | None
         # One call runs k steps (several in one program: PipeDream-2BW's unflushed pipeline).
         k = min(per_call, tcfg["steps"] - step + 1)
         batches = [next(job.data.train) for _ in range(k)]
+        if k == 1 and step == start:  # compiled apart, its freed memory returned before the
+            trainer.precompile(state, batches[0])  # step's temporaries join the state
+            host_memory.release()
         if k == 1:
             state, metrics = trainer.step(state, batches[0])
             metrics = {name: [v] for name, v in metrics.items()}
