@@ -170,11 +170,7 @@ class Trainer:
         count, computed in-graph)."""
         checks.check_not_donated(state)
         if self.plan.check_inputs:  # opt-in: ids in range before the step, a finite loss after
-            n = int(state.step) + 1
-            checks.check_values(batch, self._value_ranges, n)
-            state, metrics = self._step(state, self._prepare(state, batch))
-            checks.check_finite(metrics, n, state)
-            return state, metrics
+            return _checked_step(self, state, batch)
         on_device = self._value_ranges and isinstance(batch, dict) and any(
             isinstance(x, jax.Array) for x in batch.values())
         batch = self._prepare(state, batch)
@@ -183,10 +179,8 @@ class Trainer:
         return step(state, batch)
 
     def precompile(self, state: TrainState, batch: dict) -> None:
-        """Compile :meth:`step` for batches shaped like ``batch`` now, apart from running it
-        (``state`` may be abstract); ``step`` then runs this executable for such host batches.
-        The job does so, then returns the compiler's freed memory to the system before the
-        first step allocates its temporaries (:mod:`fiddlejax.app.host_memory`)."""
+        """Compile :meth:`step` for host batches shaped like ``batch`` (``state`` may be
+        abstract) apart from running it: the job frees the compiler's memory in between."""
         batch = self._prepare(state, batch)
         self._compiled[_signature(batch)] = self._step.lower(state, batch).compile()
 
@@ -198,7 +192,7 @@ class Trainer:
         batches_ = batches.place_steps(batches_, self.batch_sharding, self.check_batch,
                                        self._value_ranges)
         if self._remat is None:
-            self._choose_remat(state, jax.tree.map(lambda x: x[0], batches_))
+            _choose_remat(self, state, jax.tree.map(lambda x: x[0], batches_))
         return self._steps(state, batches_)
 
     def loss_and_grads(self, state: TrainState, batch: dict) -> tuple[jax.Array, nnx.State]:
@@ -226,16 +220,8 @@ class Trainer:
             remat.check_names(self.remat_policy, self.layout.source, self.layout.template,
                               batch, self.model_name)
         if self._remat is None:
-            self._choose_remat(state, batch)
+            _choose_remat(self, state, batch)
         return batch
-
-    def _choose_remat(self, state: TrainState, batch: dict) -> None:
-        def lower(policy):
-            self._remat = remat.layer_remat(policy, self.layout.zero)
-            return jax.jit(self._step_impl).lower(state, batch)
-
-        policy = remat.choose(lower, self.plan.memory_budget)
-        self._remat, self.remat_policy = remat.layer_remat(policy, self.layout.zero), policy
 
     # -- measurement ---------------------------------------------------------------------------
     def memory(self, batch_size: int | None = None, batch: dict | None = None) -> dict:
@@ -292,7 +278,7 @@ class Trainer:
         if self.pipeline is None:
             raise ValueError("stage_flops needs a pipeline schedule")
         if self._remat is None:
-            self._choose_remat(state, self.shard_batch(batch))
+            _choose_remat(self, state, self.shard_batch(batch))
         return self.pipeline.stage_flops(state.params, batch, self._remat)
 
 
@@ -325,6 +311,26 @@ def parallelize(model: nnx.Module, optimizer: optax.GradientTransformation, plan
     if lora.has_adapters(nnx.state(model, nnx.Param)):  # LoRA: only the adapters train
         optimizer = lora.optimizer(optimizer)
     return Trainer(model, optimizer, plan, loss, layers, block_output)
+
+
+def _checked_step(trainer: Trainer, state: TrainState, batch: dict) -> tuple:
+    """``plan.check_inputs``' step: ids in range before it, a finite loss after."""
+    n = int(state.step) + 1
+    checks.check_values(batch, trainer._value_ranges, n)
+    state, metrics = trainer._step(state, trainer._prepare(state, batch))
+    checks.check_finite(metrics, n, state)
+    return state, metrics
+
+
+def _choose_remat(trainer: Trainer, state: TrainState, batch: dict) -> None:
+    """``remat="auto"``: the policy with the fewest FLOPs whose compiled step fits the budget."""
+    def lower(policy):
+        trainer._remat = remat.layer_remat(policy, trainer.layout.zero)
+        return jax.jit(trainer._step_impl).lower(state, batch)
+
+    policy = remat.choose(lower, trainer.plan.memory_budget)
+    trainer._remat = remat.layer_remat(policy, trainer.layout.zero)
+    trainer.remat_policy = policy
 
 
 def _signature(batch: dict) -> tuple:
