@@ -3,7 +3,7 @@
 glibc's malloc keeps freed memory for reuse, and raises its mapping threshold (up to 32 MB) each
 time a large block is freed, after which blocks of a few MB (a save's snapshot of each array,
 the compiler's work) come from the heap and stay there once freed. Measured on a 0.45 GB
-checkpoint's fine-tune (benchmarks/results/hf_checkpoint_memory.md): compiling the step
+checkpoint's fine-tune (benchmarks/hf_checkpoint_memory.py's job, its RSS): compiling the step
 leaves the process 0.90x the checkpoint's bytes larger (0.16x after ``malloc_trim``), and a
 save's snapshot grew it by 3.9x under a 0.2 GB bound. The step's own buffers come from fresh
 mappings and cannot reuse that memory. Linux (glibc) only; elsewhere both calls do nothing.

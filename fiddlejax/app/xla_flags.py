@@ -33,8 +33,9 @@ GPU_FLAGS: dict[str, str] = {
 # bf16 39.7% vs 42.7% (the hand-written bf16 step 44.0% vs 46.2%), so bf16 keeps Triton's.
 FP8_FLAGS: dict[str, str] = {"xla_gpu_enable_triton_gemm": "false"}
 # The CPU's default scheduler orders a step for concurrency and holds more buffers at once:
-# a zero=3 fine-tune of a 0.45 GB checkpoint on 8 simulated devices peaks at 9.25x its bytes
-# compiled (10.02x with it; benchmarks/results/hf_checkpoint_memory.md), at the same step time.
+# a zero=3 fine-tune of a 0.45 GB checkpoint on 8 simulated devices (benchmarks/
+# hf_checkpoint_memory.py's job, remat full, bf16) compiles to 9.25x its bytes (10.02x with it:
+# Trainer.memory()), at the same step time.
 CPU_FLAGS: dict[str, str] = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
 
 
