@@ -20,10 +20,19 @@ Two runtimes, two sources, every figure in tokens per second per GPU as publishe
   float32 sharded state, per-layer gathers prefetched under compute (``zero=3``,
   ``dp_overlap=1``), dropless expert dispatch (``dispatch="dropless"``).
 
+- Megatron-Bridge 25.11 performance summary (Megatron-Core + TE, DGX H100;
+  https://github.com/NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md, "25.11 NeMo
+  Container", "System: DGX-H100"): the Megatron-Core knobs above, ``FSDP`` 1 as ``zero=3``
+  (Megatron-FSDP), ``EP`` as ``expert`` with dropless dispatch (its MoE benchmarks force
+  balanced routing, token-dropless), FP8-CS (current scaling) as per-tensor fp8. Every row of
+  that table but Qwen3-235B-A22B, whose row has a column missing. GPT-OSS-120B's row prints
+  GA 2, which its PP 4 contradicts (512 / (4 x 16) = 8): taken with its layout as printed.
+
 ``held_out``: runs no change to the planner was checked against. The NeMo rows were used
 while the runtime knobs and model changes above were written (docs/planner.md, "Recent
 runs"); the AutoModel rows were predicted once before (to see how far off the planner was)
-and once after, with nothing tuned to them. Nothing is fitted per run: no constant of the
+and once after, with nothing tuned to them; the Megatron-Bridge rows were predicted once, when
+added, and nothing changed with them. Nothing is fitted per run: no constant of the
 planner was chosen from any of these figures.
 """
 
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fiddlejax.planner import workload
+from fiddlejax.planner import families, workload
 from fiddlejax.planner.cluster import cluster, nodes_for
 from fiddlejax.planner.experts import moe_llama, preset
 from fiddlejax.planner.predict import memory
@@ -40,6 +49,7 @@ from fiddlejax.planner.workload import ModelSpec
 
 NEMO_2412 = "NeMo 24.12 (Megatron-Core + TE, fp8)"
 AUTOMODEL_2602 = "NeMo AutoModel 26.02 (FSDP2 + TE + DeepEP, bf16)"
+BRIDGE_2511 = "Megatron-Bridge 25.11 (Megatron-Core + TE)"
 REMATS = ("none", "dots", "full")  # cheapest first: the planner's pick is the first that fits
 
 
@@ -87,6 +97,18 @@ def _automodel(name: str, model: ModelSpec, gpus: int, gbs: int, mbs: int, cp: i
                      tokens, held_out=True)
 
 
+def _bridge(name: str, model: ModelSpec, gpus: int, gbs: int, mbs: int, tp: int, pp: int,
+            cp: int, vp: int, ep: int, fsdp: bool, fp8: bool, tokens: float) -> RecentRun:
+    lo = Layout(tensor=tp, pipe=pp, context=cp, expert=ep, data=gpus // (tp * pp * cp * ep),
+                virtual_stages=vp, microbatch_size=mbs, global_batch=gbs,
+                precision="bf16-mixed", matmul_dtype="fp8" if fp8 else None,
+                attention="fused", master="optimizer", zero=3 if fsdp else 1, dp_overlap=1.0,
+                sequence_parallel=tp > 1, head="last-stage" if pp > 1 else "vocab-parallel",
+                rank_order="pipe-data-tensor", dispatch="dropless" if ep > 1 else "static")
+    return RecentRun(name, BRIDGE_2511, model, "h100", cheapest_remat(model, "h100", lo), tokens,
+                     held_out=True)
+
+
 GPT_OSS_20B = moe_llama(24, 2880, 64, 8, 4096, 201088, experts=32, top_k=4, expert_ffn=2880,
                         head_dim=64, name="gpt-oss-20b")  # sliding-window layers as full
 
@@ -103,6 +125,16 @@ RUNS: tuple[RecentRun, ...] = (
     _automodel("qwen3-30b-a3b", preset("qwen3-30b-a3b"), 8, 512, 4, 1, 8, 12040),
     _automodel("gpt-oss-20b", GPT_OSS_20B, 8, 256, 2, 1, 1, 13058),
     _automodel("llama3-70b-fsdp", preset("llama3-70b"), 64, 128, 1, 2, 1, 866.77),
+    _bridge("llama3-8b-fsdp-fp8", preset("llama3-8b"), 8, 128, 1, 1, 1, 1, 1, 1, True, True,
+            14451),
+    _bridge("llama3-70b@bridge", preset("llama3-70b"), 64, 128, 1, 4, 8, 1, 5, 1, False, True,
+            1602),
+    _bridge("llama3.1-405b", preset("llama3.1-405b"), 1024, 512, 1, 8, 8, 2, 8, 1, False, True,
+            292),
+    _bridge("gpt-oss-120b", families.preset("gpt-oss-120b"), 64, 512, 4, 1, 4, 1, 1, 8, False,
+            False, 5630),
+    _bridge("qwen3-30b-a3b@bridge", preset("qwen3-30b-a3b"), 16, 512, 2, 1, 2, 1, 24, 8, False,
+            True, 5275),
 )
 
 

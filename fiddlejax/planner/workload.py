@@ -277,16 +277,16 @@ LLAMA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "llama2-70b": (80, 8192, 64, 8, 28672, 4096, 32000),
     "llama3-8b": (32, 4096, 32, 8, 14336, 8192, 128256),
     "llama3-70b": (80, 8192, 64, 8, 28672, 8192, 128256),
+    "llama3.1-405b": (126, 16384, 128, 8, 53248, 8192, 128256),
 }
-
 
 # name: (layers, hidden, heads, seq, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "gpt2-small": (12, 768, 12, 1024, 50257), "gpt2-xl": (48, 1600, 25, 1024, 50257),
     "gpt3-1.3b": (24, 2048, 16, 2048, 51200), "gpt3-5b": (24, 4096, 32, 2048, 51200),
     "gpt3-6.7b": (32, 4096, 32, 2048, 51200), "gpt3-13b": (40, 5120, 40, 2048, 51200),
-    "gpt3-20b": (44, 6144, 48, 2048, 51200),
-    "gpt3-175b": (96, 12288, 96, 2048, 51200), "megatron-1t": (128, 25600, 160, 2048, 51200),
+    "gpt3-20b": (44, 6144, 48, 2048, 51200), "gpt3-175b": (96, 12288, 96, 2048, 51200),
+    "megatron-1t": (128, 25600, 160, 2048, 51200),
     "tiny": (4, 64, 4, 64, 256),  # the calibration model of tests/test_planner.py
     # BLOOM-176B (Le Scao et al. 2022): ALiBi (no position table), tied embedding; not counted:
     # the embedding's layer norm and the q/k/v biases (3.0M of 176.2B).
