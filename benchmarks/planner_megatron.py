@@ -33,7 +33,11 @@ def main() -> int:
              "## Recent runs, 2024-26 (`fiddlejax/planner/recent.py`), tokens/s per GPU", "",
              "Each run with its runtime's knobs and the cheapest remat the planner says fits; "
              "held-out runs were not used to check any change (docs/planner.md, \"Recent "
-             "runs\").", "", recent.markdown(recent.compare())]
+             "runs\").", "", recent.markdown(recent.compare()), "",
+             "### What each runtime knob moves (`python -m fiddlejax.planner.attribution`)", "",
+             "Each run's error with fiddlejax's runtime, then its runtime's knobs added one "
+             "at a time (each run keeps its final recomputation); the last column is the "
+             "table above.", "", attribution.recent_markdown()]
     text = "\n".join(lines)
     reporting.write(Path(__file__).parent / "results" / "planner_megatron.md", text)
     print(text)

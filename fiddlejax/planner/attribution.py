@@ -5,13 +5,19 @@ overlap, float32 gradients; BLOOM on the Selene preset with its layers split eve
 NVLink and HBM bandwidths, asynchronous transfers, no accumulation pass). Each later step adds
 one thing the runs did or one measured library efficiency, cumulatively, ending at the model
 ``fiddlejax plan validate`` uses. Run ``python -m fiddlejax.planner.attribution``.
+
+The recent runs (``planner.recent``) the same way, per run: step 0 predicts the layout as
+fiddlejax's runtime would run it (float32 master weights in the state, ``auto`` attention,
+static expert buffers, no overlap, the head vocabulary-parallel, devices numbered
+data-pipe-tensor), then each runtime knob of the run is added in turn. Each run keeps the
+recomputation of its final layout throughout, so the steps show time only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from fiddlejax.planner import published
+from fiddlejax.planner import published, recent
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.workload import gpt
 
@@ -73,5 +79,44 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+# (label, the Layout fields the step sets to the run's own values)
+RECENT_STEPS = (
+    ("fiddlejax's runtime", ()),
+    ("+ distributed optimizer", ("master",)),
+    ("+ fused attention", ("attention",)),
+    ("+ dropless dispatch", ("dispatch",)),
+    ("+ overlapped data comm", ("dp_overlap",)),
+    ("+ head and rank order as run", ("head", "rank_order")),
+)
+_RUNTIME = dict(master="state", attention="auto", dispatch="static", dp_overlap=0.0,
+                head="vocab-parallel", rank_order="data-pipe-tensor")
+
+
+def recent_errors(runs=recent.RUNS) -> list[tuple[str, list[float]]]:
+    """Per recent run, its error after each of ``RECENT_STEPS`` (cumulative)."""
+    out = []
+    for r in runs:
+        kept = dict(_RUNTIME)
+        errs = []
+        for _, fields in RECENT_STEPS:
+            for f in fields:
+                kept.pop(f)
+            lo = dataclasses.replace(r.layout, **kept)
+            errs.append(recent.compare((dataclasses.replace(r, layout=lo),))[0]["error"])
+        out.append((r.name, errs))
+    return out
+
+
+def recent_markdown() -> str:
+    """Runs as rows, the cumulative steps as columns (the last is ``plan validate``'s)."""
+    lines = ["| run | " + " | ".join(label for label, _ in RECENT_STEPS) + " |",
+             "|" + "---|" * (len(RECENT_STEPS) + 1)]
+    for name, errs in recent_errors():
+        lines.append(f"| {name} | " + " | ".join(f"{e:+.1%}" for e in errs) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(markdown())
+    print()
+    print(recent_markdown())
