@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from fiddlejax.planner import families, workload
+from fiddlejax.planner import families, hf_config, workload
 from fiddlejax.planner.attention import ATTENTIONS
 from fiddlejax.planner.attention import kind as attention_kind
 from fiddlejax.planner.cluster import PRESETS as CLUSTERS
@@ -51,7 +52,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     presets = ", ".join(families.names())
     g.add_argument("--model", default="gpt",
-                   help=f"'gpt' or 'llama' (with the flags below) or a preset: {presets}")
+                   help=f"'gpt' or 'llama' (with the flags below), a preset: {presets}; "
+                        "or a Hugging Face checkpoint directory (or its config.json) of a "
+                        "family models.from_pretrained imports")
     for f in ("layers", "hidden", "heads", "kv-heads", "seq", "vocab", "ffn"):
         g.add_argument(f"--{f}", type=int)
     g.add_argument("--tied", action="store_true",
@@ -74,6 +77,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _model(a: argparse.Namespace) -> workload.ModelSpec:
+    if a.model not in families.names() and ("/" in a.model or a.model.endswith(".json")
+                                            or os.path.isdir(a.model)):
+        return hf_config.load(a.model, seq=a.seq)  # a Hugging Face checkpoint's config.json
     if a.model not in ("gpt", "llama"):
         return families.preset(a.model, seq=a.seq)
     need = ("layers", "hidden", "heads", "seq", "vocab") + (
