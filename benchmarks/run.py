@@ -35,7 +35,11 @@ GPT = ("fiddlejax/models/gpt.py", "fiddlejax/models/common.py")
 LLAMA = ("fiddlejax/models/llama.py", "fiddlejax/models/decoder.py",
          "fiddlejax/models/decoder_config.py", "fiddlejax/models/rope.py",
          "fiddlejax/models/common.py")
-MOE = ("fiddlejax/models/moe.py", "fiddlejax/models/moe_lm.py", "fiddlejax/models/moe_loss.py")
+MOE = ("fiddlejax/models/moe.py", "fiddlejax/models/moe_lm.py", "fiddlejax/models/moe_loss.py",
+       "fiddlejax/models/grouped.py")
+# The shared decoder the Hugging Face families build on (Mixtral, Qwen3-MoE, GPT-OSS, ...)
+DECODER = ("fiddlejax/models/decoder.py", "fiddlejax/models/decoder_config.py",
+           "fiddlejax/models/rope.py", "fiddlejax/models/common.py")
 PLANNER = ("fiddlejax/planner",)
 APP = ("fiddlejax/app", "fiddlejax/cli.py", "fiddlejax/configs", "fiddlejax/data")
 CKPT = ("fiddlejax/checkpoint", "fiddlejax/memory/storage.py")
@@ -49,6 +53,10 @@ class Report:
     args: str = ""
     inputs: tuple[str, ...] = ()
     companions: tuple[str, ...] = ()  # other files of results/ the same run writes
+    # modules the script imports that this report's figures do not run (another report's
+    # model, a mode of the script this command does not take): tests/test_reports.py
+    # checks every other fiddlejax module the script imports is among the inputs
+    unmeasured: tuple[str, ...] = ()
 
     @property
     def command(self) -> str:
@@ -68,7 +76,8 @@ REPORTS: dict[str, Report] = {
                                 STEP + PIPE + GPT + ("fiddlejax/memory",)),
     "pipeline_efficiency.md": Report("pipeline_efficiency.py", "--quick",
                                      STEP + PIPE + GPT + ("fiddlejax/memory",)),
-    "pipeline_2bw.md": Report("pipeline_2bw.py", "--quick", STEP + PIPE + GPT),
+    "pipeline_2bw.md": Report("pipeline_2bw.py", "--quick", STEP + PIPE + GPT,
+                              unmeasured=("fiddlejax/app/build.py", "fiddlejax/app/config.py")),
     "pipeline_2bw_train.md": Report("pipeline_2bw.py", "--train-table", STEP + PIPE + GPT + APP),
     "overhead.md": Report("overhead.py", "", STEP + GPT),
     "lockstep.md": Report("lockstep.py", "", STEP + PIPE + GPT),
@@ -82,11 +91,12 @@ REPORTS: dict[str, Report] = {
     "topk.md": Report("topk.py", "--dense-warmup 60",
                       STEP + APP + GPT + ("fiddlejax/collectives",)),
     "checkpoint.md": Report("checkpoint.py", "", STEP + GPT + CKPT),
-    "context.md": Report("context.py", "", STEP + LLAMA),
+    "context.md": Report("context.py", "", STEP + LLAMA + PLANNER),
     "context_state.md": Report("context_state.py", "",
                                STEP + LLAMA + ("fiddlejax/app/build.py",)),
-    "expert_parallel.md": Report("expert_parallel.py", "--check", STEP + MOE),
-    "moe_dispatch.md": Report("moe_dispatch.py", "", MOE),
+    "expert_parallel.md": Report("expert_parallel.py", "--check",
+                                 STEP + MOE + ("fiddlejax/models/common.py",)),
+    "moe_dispatch.md": Report("moe_dispatch.py", "", MOE + ("fiddlejax/parallel/expert.py",)),
     "fsdp_gather_dtype.md": Report(
         "fsdp_gather_dtype.py", "--hidden 512 --layers 8 --shapes 256x16,32x8", STEP + LLAMA),
     "fsdp_gather_once.md": Report("fsdp_gather_once.py", "--compile",
@@ -94,24 +104,28 @@ REPORTS: dict[str, Report] = {
     "fsdp_prefetch.md": Report("fsdp_prefetch.py",
                                "--hidden 512 --layers 8 --seq 256 --batch 16", STEP + LLAMA),
     "long_context.md": Report("long_context.py", "--platform cpu",
-                              STEP + PIPE + LLAMA + PLANNER),
+                              STEP + PIPE + LLAMA + PLANNER + ("fiddlejax/app/xla_flags.py",)),
     "scale.md": Report("scale.py", "", STEP + PIPE + LLAMA + PLANNER),
     "scale_families.md": Report("scale_families.py", "--pipelined",
                                 STEP + PIPE + LLAMA + PLANNER + ("fiddlejax/models/families.py",)),
     "scale_moe.md": Report("scale_moe.py", "--layout 1,2,1,8,1 --layout 2,2,1,4,1",
-                           STEP + PIPE + MOE + PLANNER),
+                           STEP + PIPE + MOE + PLANNER + DECODER,
+                           unmeasured=("fiddlejax/models/deepseek.py",
+                                       "fiddlejax/models/gpt_oss.py")),
     "scale_gpt_oss_120b.md": Report(
         "scale_moe.py", "--model gpt-oss-120b",
         STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/gpt_oss.py",
                                        "fiddlejax/models/gpt_oss_config.py",
-                                       "fiddlejax/models/decoder.py")),
+                                       "fiddlejax/models/decoder.py"),
+        unmeasured=("fiddlejax/models/deepseek.py",)),
     "scale_deepseek_v3.md": Report(
         "scale_moe.py", "--model deepseek-v3",
         STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/deepseek.py",
                                        "fiddlejax/models/deepseek_config.py",
                                        "fiddlejax/models/deepseek_moe.py",
                                        "fiddlejax/models/mla.py", "fiddlejax/models/mtp.py",
-                                       "fiddlejax/models/decoder.py")),
+                                       "fiddlejax/models/decoder.py"),
+        unmeasured=("fiddlejax/models/gpt_oss.py",)),
     "fp8.md": Report("fp8.py", "", STEP + PIPE + APP + GPT + ("fiddlejax/compute/fp8.py",)),
     "hf_checkpoint_memory.md": Report("hf_checkpoint_memory.py", "",
                                       STEP + APP + LLAMA + CKPT + ("fiddlejax/models/hub.py",
@@ -134,7 +148,8 @@ GPU_REPORTS: dict[str, tuple[Report, str]] = {
     "mfu.md": (Report("mfu.py", "", STEP + PIPE + LLAMA + ("fiddlejax/app/xla_flags.py",)),
                "step times and MFU of one NVIDIA H200 (jax 0.11.2); a CPU has no MFU"),
     "long_context_gpu.md": (Report("long_context.py", "--platform gpu",
-                                   STEP + PIPE + LLAMA + PLANNER),
+                                   STEP + PIPE + LLAMA + PLANNER
+                                   + ("fiddlejax/app/xla_flags.py",)),
                             "XLA's GPU compiler (one H200 and 7 mock GPUs); needs a GPU"),
 }
 

@@ -8,6 +8,7 @@ or row (``0.23x``, ``14.24 MiB``, ``+8.9%``) must appear in X.md.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -89,6 +90,39 @@ def test_declared_inputs_exist():
     reps = [*REPORTS.values(), *(r for r, _ in GPU_REPORTS.values())]
     absent = sorted({p for r in reps for p in r.paths() if not (ROOT / p).exists()})
     assert not absent, f"benchmarks/run.py names inputs that do not exist: {absent}"
+
+
+def _imported_modules(script: Path) -> set[str]:
+    """The fiddlejax module files ``script`` names in its imports (any depth in the file),
+    package ``__init__.py`` files left out (they re-export; the code they name is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                 else [])
+        for name in filter(None, names):
+            path = Path(*name.split(".")).with_suffix(".py")
+            if name.startswith("fiddlejax.") and (ROOT / path).is_file():
+                found.add(path.as_posix())
+    return found
+
+
+@pytest.mark.parametrize("name", [*REPORTS, *GPU_REPORTS])
+def test_inputs_hold_every_module_the_script_imports(name):
+    """A report's inputs are hand-declared: the module a script imports by name and its
+    report does not declare would change the figures without making the report stale."""
+    rep = REPORTS[name] if name in REPORTS else GPU_REPORTS[name][0]
+    imported = _imported_modules(ROOT / "benchmarks" / rep.script)
+    inside = [p for p in imported
+              if not any(p == i or p.startswith(i.rstrip("/") + "/") for i in rep.inputs)]
+    undeclared = sorted(set(inside) - set(rep.unmeasured))
+    assert not undeclared, (
+        f"benchmarks/{rep.script} imports {undeclared}, not among {name}'s inputs in "
+        "benchmarks/run.py: add them (or, when this report's command never runs them, to "
+        "its unmeasured=)")
+    stale = sorted(set(rep.unmeasured) - imported)
+    assert not stale, f"{name}: unmeasured= names {stale}, which the script does not import"
 
 
 def _cpu_params():
