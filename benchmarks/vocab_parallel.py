@@ -30,10 +30,23 @@ MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _gpt_module():
+    """The GPT of the fiddlejax being run: ``fiddlejax.models.gpt``, or, in a checkout from
+    before the models moved into the package (8b19b81; b7c3edd is one), its top-level
+    ``models.gpt`` (``fiddlejax.models`` would then resolve to the installed fiddlejax's)."""
+    import importlib
+
+    import fiddlejax
+
+    inside = (Path(fiddlejax.__file__).parent / "models").is_dir()
+    return importlib.import_module("fiddlejax.models.gpt" if inside else "models.gpt")
+
+
 def _model(vocab: int, tie: bool, abstract: bool):
     from flax import nnx
 
-    from fiddlejax.models.gpt import GPT, GPTConfig
+    gpt = _gpt_module()
+    GPT, GPTConfig = gpt.GPT, gpt.GPTConfig  # noqa: N806
 
     cfg = GPTConfig(vocab_size=vocab, seq_len=64, d_model=256, n_heads=4, n_layers=8,
                     d_ff=1024, tie_embeddings=tie)
