@@ -26,10 +26,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What a compiled training step runs: the Trainer, the plan, the parallel layouts, remat.
+# What a compiled training step runs: the Trainer, the plan, the parallel layouts, remat, and
+# every other module a Trainer's step imports (sys.modules after GPT's first step).
 STEP = ("fiddlejax/train.py", "fiddlejax/plan.py", "fiddlejax/mesh.py", "fiddlejax/sharding.py",
         "fiddlejax/staged.py", "fiddlejax/state.py", "fiddlejax/batches.py", "fiddlejax/adaptation",
-        "fiddlejax/compute", "fiddlejax/memory", "fiddlejax/parallel")
+        "fiddlejax/compute", "fiddlejax/memory", "fiddlejax/parallel", "fiddlejax/canonical.py",
+        "fiddlejax/checks.py", "fiddlejax/intercept.py", "fiddlejax/layout.py",
+        "fiddlejax/message.py", "fiddlejax/collectives", "fiddlejax/finetune",
+        "fiddlejax/models/feed.py", "fiddlejax/models/model_names.py")
 PIPE = ("fiddlejax/pipeline",)
 GPT = ("fiddlejax/models/gpt.py", "fiddlejax/models/common.py")
 LLAMA = ("fiddlejax/models/llama.py", "fiddlejax/models/decoder.py",
