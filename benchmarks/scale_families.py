@@ -8,9 +8,9 @@ around the family's model made from its published ``config.json`` shape
 (``fiddlejax.models.decoder.Qwen3`` / ``Gemma2`` with ``nnx.eval_shape``: no weights exist),
 compiled on 16 simulated CPU devices, and ``trainer.memory(global_batch)`` gives the
 per-device bytes of one step, printed beside the planner's figure (the bar: within 10%). The
-planner models both as its analytic Llama (``planner.llama`` with ``head_dim``); it does not
-model Gemma 2's soft-capped attention (float32 scores and their tanh kept for the backward)
-or its extra norms, which is where Gemma's larger gap comes from. Writes
+planner reads the same config.json (``planner.hf_config``): its analytic Llama with
+``head_dim``, Gemma 2's soft-capped attention as XLA's with the cap's float32 copies
+(``planner.attention.capped``); Gemma 2's extra norms are not counted. Writes
 ``benchmarks/results/scale_families.md``.
 
     python benchmarks/scale_families.py [--layers N] [--seq 4096] [--only qwen3-32b|gemma2-27b]
@@ -61,11 +61,10 @@ GPUS, GLOBAL_BATCH = 16, 64
 
 
 def spec(name: str, seq: int, layers: int | None = None) -> planner.ModelSpec:
-    c = CONFIGS[name]
-    return planner.llama(layers or c["num_hidden_layers"], c["hidden_size"],
-                         c["num_attention_heads"], c["num_key_value_heads"],
-                         c["intermediate_size"], seq, c["vocab_size"], head_dim=c["head_dim"],
-                         tied=c.get("tie_word_embeddings", True), name=name)
+    from fiddlejax.planner import hf_config
+
+    c = {**CONFIGS[name], **({"num_hidden_layers": layers} if layers else {})}
+    return hf_config.spec(c, seq, name=name)
 
 
 def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec,

@@ -3,6 +3,7 @@ config.json (``fiddlejax/planner/hf_config.py``) is the preset built from the sa
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +63,6 @@ def test_every_imported_family_counts_the_checkpoints_parameters(family):
     DeepSeek-V3's fixture, written by transformers, holds no MTP module (the planner counts
     one: fiddlejax trains it), so it is compared without."""
     import math
-    from pathlib import Path
 
     from safetensors import safe_open
 
@@ -96,3 +96,41 @@ def test_plan_predict_reads_a_checkpoint_directory(tmp_path, capsys):
                          "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == tmp_path.name
+
+
+def test_soft_capped_scores_run_xla_attention_with_two_more_float32_copies():
+    """Gemma 2's attn_logit_softcapping: no fused kernel (refused by name, auto runs XLA's),
+    and, without remat, the capped scores before and after the tanh kept per head (two
+    float32 s x s arrays: ``saved_residuals`` of ``models.common.capped_attention``)."""
+    import jax.numpy as jnp
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from fiddlejax import planner
+    from fiddlejax.models.common import capped_attention
+    from fiddlejax.planner import attention
+
+    cfg = json.loads((Path(__file__).parent / "fixtures/hf_gemma2/config.json").read_text())
+    capped, plain = hf_config.spec(cfg), hf_config.spec({**cfg, "attn_logit_softcapping": None})
+    square = capped.heads * capped.seq_len ** 2
+    assert capped.softcap and not plain.softcap
+    assert capped.act["none"][0] - plain.act["none"][0] == 2 * square
+    assert capped.act["full"] == plain.act["full"]
+    lo = planner.Layout(data=8, global_batch=8, precision="bf16-mixed")
+    assert attention.kind(capped, lo) == "xla" and attention.kind(plain, lo) == "fused"
+    with pytest.raises(ValueError, match="soft-capped scores have no fused kernel"):
+        attention.check("fused", "bf16-mixed", capped, None)
+
+    q = jnp.ones((1, 16, 4, 8), jnp.bfloat16)
+    kv = jnp.ones((1, 16, 2, 8), jnp.bfloat16)
+
+    def squares(cap):
+        f = lambda q, k, v: capped_attention(  # noqa: E731
+            q, k, v, causal=True, segment_ids=None, window=None, softcap=cap,
+            scale=None).astype(jnp.float32).sum()
+        return sorted(str(r[0].dtype) for r in saved_residuals(f, q, kv, kv)
+                      if r[0].size == 4 * 16 * 16)
+
+    more = list(squares(50.0))
+    for d in squares(None):
+        more.remove(d)
+    assert more == ["float32", "float32"] == ["float32"] * attention.CAPPED_COPIES["none"]

@@ -19,8 +19,10 @@ fp16 inputs it runs cuDNN's fused kernel, elsewhere (CPU, float32) XLA's impleme
 Sequences split over ``context`` run the ring's tiled kernel (``footprint.layer_activations``);
 ``fused`` there prices its blocks in a fused kernel (no score traffic: Transformer Engine's
 context parallelism, ``timing.step_time``), ``auto`` and ``xla`` as fiddlejax's tiles.
-Softcapped scores (Gemma 2) have no fused kernel; the
-planner's model descriptions cannot express softcap, so they never ask for one.
+Soft-capped scores (Gemma 2, ``models.common.capped_attention``) have no fused kernel: a
+model marked by :func:`capped` runs XLA's attention whatever the layout asks, and keeps two
+more float32 s x s arrays per head for its backward without remat (the capped scores before
+and after the tanh; ``CAPPED_COPIES``, measured with ``saved_residuals``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ATTENTIONS = ("auto", "fused", "xla")
 SCORE_COPIES = {"none": 4, "dots": 1}  # s x s arrays per head XLA's attention keeps (residuals)
 SCORE_F32 = {"none": 3, "dots": 1}  # of which float32 (workload._scores_f32)
 STATS = {"none": 2}  # XLA's per-head, per-query softmax statistics kept
+CAPPED_COPIES = {"none": 2}  # float32 s x s arrays per head a soft cap adds (residuals)
 
 
 def check(attention: str, precision: str, model: ModelSpec | None,
@@ -53,6 +56,9 @@ def check(attention: str, precision: str, model: ModelSpec | None,
     if cluster is not None and not cluster.gpu.fused_attention:
         raise ValueError(f"attention='fused' on {cluster.name} ({cluster.gpu.name}): no fused "
                          "attention kernel there (XLA's runs); use attention='xla' or 'auto'")
+    if model is not None and model.softcap:
+        raise ValueError(f"attention='fused': {model.name}'s soft-capped scores have no fused "
+                         "kernel (XLA's runs them); use attention='xla' or 'auto'")
     if model is not None and model.heads is None:
         raise ValueError(f"attention='fused' needs {model.name}'s number of heads (ModelSpec."
                          "heads) to take out its scores; use attention='xla'")
@@ -63,8 +69,8 @@ def kind(model: ModelSpec, layout: Any, cluster: ClusterSpec | None = None) -> s
     module) runs: ``ring`` (``context`` > 1), ``fused`` or ``xla``."""
     if layout.context > 1 and model.heads is not None:
         return "ring"
-    if layout.attention != "auto":
-        return layout.attention
+    if layout.attention != "auto" or model.softcap:
+        return "xla" if model.softcap else layout.attention
     gpu = cluster is None or cluster.gpu.fused_attention
     fused = gpu and layout.precision == "bf16-mixed" and model.heads is not None
     return "fused" if fused else "xla"
@@ -95,6 +101,22 @@ def fused(model: ModelSpec) -> ModelSpec:
         stashed = (drop("none", stashed[0]) + row, stashed[1])
     return dataclasses.replace(model, act=act, act_f32=f32, act_stashed=stashed,
                                act_none_full=float(sum(act["none"])))
+
+
+def capped(model: ModelSpec) -> ModelSpec:
+    """``model`` with soft-capped attention scores: marked (XLA's attention, ``kind``) and
+    keeping ``CAPPED_COPIES`` more float32 s x s arrays per head (split over tensor)."""
+    if model.heads is None:
+        raise ValueError(f"capped({model.name}): needs the number of heads (ModelSpec.heads)")
+    square = float(model.heads * model.seq_len * model.seq_len)
+    act = {p: (sp + CAPPED_COPIES.get(p, 0) * square, rp) for p, (sp, rp) in model.act.items()}
+    f32 = {**model.act_f32, **{p: model.act_f32.get(p, 0.0) + n * square
+                               for p, n in CAPPED_COPIES.items()}}
+    stashed = model.act_stashed
+    if stashed is not None:
+        stashed = (stashed[0] + CAPPED_COPIES["none"] * square, stashed[1])
+    return dataclasses.replace(model, act=act, act_f32=f32, act_stashed=stashed,
+                               act_none_full=float(sum(act["none"])), softcap=True)
 
 
 def live_bytes(model: ModelSpec, layout: Any) -> float:

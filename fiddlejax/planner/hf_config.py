@@ -4,9 +4,10 @@
 builds the planner's analytic model of the families ``models.from_pretrained`` imports: the
 dense decoders (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3) as :func:`workload.llama`, Mixtral
 and Qwen3-MoE as :func:`experts.moe_llama`, DeepSeek-V3 and GPT-OSS with their own builders
-(``planner.families``). Shapes only: sliding windows of the dense families and softcaps are
-priced as full attention (an upper bound on their attention FLOPs), GPT-OSS's windows as it
-runs them. The training sequence is ``seq``, else the config's ``max_position_embeddings`` up
+(``planner.families``). Shapes, and how attention runs: Gemma 2's soft-capped scores as XLA's
+attention with the cap's float32 copies (``attention.capped``); sliding windows of the dense
+families as full attention (an upper bound on their attention FLOPs), GPT-OSS's as it runs
+them. The training sequence is ``seq``, else the config's ``max_position_embeddings`` up
 to :data:`DEFAULT_SEQ` (a checkpoint's context window is rarely its training length).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fiddlejax.planner import families
+from fiddlejax.planner import attention, families
 from fiddlejax.planner.experts import moe_llama
 from fiddlejax.planner.workload import ModelSpec, llama
 
@@ -51,8 +52,9 @@ def spec(cfg: dict, seq: int | None = None, name: str | None = None) -> ModelSpe
     tied = bool(cfg.get("tie_word_embeddings", DENSE.get(kind, False)))
     name = name or cfg.get("_name_or_path") or kind
     if kind in DENSE:
-        return llama(layers, h, heads, kv, cfg["intermediate_size"], s, vocab,
+        dense = llama(layers, h, heads, kv, cfg["intermediate_size"], s, vocab,
                      head_dim=head_dim, tied=tied, name=name)
+        return attention.capped(dense) if cfg.get("attn_logit_softcapping") else dense
     if kind in MOE:
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"{kind}: mlp_only_layers / decoder_sparse_step (dense layers "

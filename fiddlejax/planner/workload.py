@@ -80,6 +80,7 @@ class ModelSpec:
     moe: Any = None  # planner.experts.MoESpec
     dense: DenseMatmuls | None = None
     attn_width: int | None = None
+    softcap: bool = False  # soft-capped attention scores (Gemma 2): planner.attention.capped
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -395,6 +396,5 @@ def from_flax(model: Any, example: dict, *, name: str | None = None,
         layer_params=(ls // n_layers, lr // n_layers), prologue_params=pro, epilogue_params=epi,
         layer_flops=layer_cost / 3.0, prologue_flops=pro_cost / 3.0, epilogue_flops=epi_cost / 3.0,
         act=act, act_none_full=float(sum(act["none"])), boundary=int(math.prod(x.shape[1:])),
-        logits=0, heads=getattr(getattr(model, "config", None), "n_heads", None),
-        vocab=getattr(getattr(model, "config", None), "vocab_size", None),
-        outer_leaves=outer_leaves)
+        heads=getattr(getattr(model, "config", None), "n_heads", None), outer_leaves=outer_leaves,
+        vocab=getattr(getattr(model, "config", None), "vocab_size", None))
