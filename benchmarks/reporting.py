@@ -91,13 +91,14 @@ def imported_modules() -> list[str]:
     return sorted(found)
 
 
-def header(name: str) -> str:
-    """The two header lines (and a blank one) of report ``name``, made by this process."""
+def header(name: str, modules: list[str]) -> str:
+    """The two header lines (and a blank one) of report ``name``, made by this process, whose
+    imported fiddlejax ``modules`` count as inputs for the dirty mark."""
     from run import GPU_REPORTS, REPORTS
 
     cmd, script = command()
     rep = REPORTS.get(name) or GPU_REPORTS.get(name, (None,))[0]
-    inputs = [script, *(rep.paths() if rep else ()), *imported_modules()]
+    inputs = [script, *(rep.paths() if rep else ()), *modules]
     dirty = any(c == p or c.startswith(p.rstrip("/") + "/") for c in _CHANGED for p in inputs)
     commit = _COMMIT
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -114,8 +115,9 @@ def write(path: str | Path, text: str) -> Path:
     imported (an HTML comment, last: :func:`imported_modules`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    modules = f"{MODULES} {' '.join(imported_modules())} -->"
-    path.write_text(header(path.name) + text.lstrip("\n").rstrip("\n") + "\n\n" + modules + "\n")
+    modules = imported_modules()
+    path.write_text(header(path.name, modules) + text.lstrip("\n").rstrip("\n") + "\n\n"
+                    + f"{MODULES} {' '.join(modules)} -->\n")
     return path
 
 

@@ -97,11 +97,13 @@ def _imported_modules(script: Path) -> set[str]:
     package ``__init__.py`` files left out (they re-export; the code they name is a module)."""
     found = set()
     for node in ast.walk(ast.parse(script.read_text())):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-                 if isinstance(node, ast.ImportFrom) and node.module and not node.level
-                 else [])
-        for name in filter(None, names):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
             path = Path(*name.split(".")).with_suffix(".py")
             if name.startswith("fiddlejax.") and (ROOT / path).is_file():
                 found.add(path.as_posix())
