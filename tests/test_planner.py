@@ -358,6 +358,29 @@ def test_overlap_hides_the_reduction_only_under_the_last_backward():
     assert t.data_comm_exposed > 0
 
 
+def test_hidden_communication_slows_the_compute_beneath_it():
+    """``GPUSpec.overlap_slowdown`` (0.19, Lee et al. 2025): each second of hidden data-
+    parallel traffic, and of the context ring's hidden transfers, lengthens the step by 0.19 s;
+    none without overlap or with the slowdown at 0."""
+    import dataclasses
+
+    spec = planner.preset("llama3-8b")
+    c = planner.cluster("h100", nodes=4)
+    lo = Layout(data=16, context=2, zero=3, dp_overlap=1.0, global_batch=32,
+                precision="bf16-mixed", attention="fused", remat="full")
+    t = planner.predict(spec, c, lo).time
+    quiet = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, overlap_slowdown=0.0))
+    t0 = planner.predict(spec, quiet, lo).time
+    assert c.gpu.overlap_slowdown == 0.19 and t0.contention == 0.0
+    assert t.overlapped > 0 and t.contention > 0.19 * t.overlapped  # the ring's share too
+    assert t.total - t0.total == pytest.approx(t.contention, rel=1e-9)
+    one = dataclasses.replace(lo, context=1, data=32)
+    t1 = planner.predict(spec, c, one).time
+    assert t1.contention == pytest.approx(0.19 * t1.overlapped, rel=1e-12)
+    exposed = planner.predict(spec, c, dataclasses.replace(one, dp_overlap=0.0)).time
+    assert exposed.contention == 0.0 and exposed.overlapped == 0.0
+
+
 def test_search_uses_pipedream_partition_for_uneven_layers():
     import dataclasses
 

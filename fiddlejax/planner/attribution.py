@@ -85,7 +85,7 @@ RECENT_STEPS = (
     ("+ distributed optimizer", ("master",)),
     ("+ fused attention", ("attention",)),
     ("+ dropless dispatch", ("dispatch",)),
-    ("+ overlapped data comm", ("dp_overlap",)),
+    ("+ overlapped data comm (slowing the compute beneath it)", ("dp_overlap",)),
     ("+ head and rank order as run", ("head", "rank_order")),
 )
 _RUNTIME = dict(master="state", attention="auto", dispatch="static", dp_overlap=0.0,

@@ -29,6 +29,14 @@ counterpart for memory-bound kernels: STREAM-style kernels reach about 85-90% of
 datasheet bandwidth (NVIDIA CCCL's babelstream benchmarks report 87-88% utilisation, PR #9881),
 never all of it.
 
+``overlap_slowdown`` is how much longer compute takes while a collective runs beside it (its
+kernels hold SMs and HBM bandwidth): 0.19, the average slowdown Lee et al. measured for GPT and
+LLaMA layers overlapped with their collectives on A100, H100, MI250 and MI210 ("Characterizing
+Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114,
+2025: 18.9% on average, 40% at most). Hidden communication is therefore not free: each second
+of it lengthens the compute beneath it by this share. A library measurement like the others,
+not fitted to the runs.
+
 ``fp8_flops`` is the dense fp8 tensor-core peak (NVIDIA's H100/H200 SXM datasheets: 1979
 TFLOP/s without sparsity, twice bf16); ``None`` where the device has no fp8 tensor cores (A100,
 the simulated CPU), so ``matmul_dtype="fp8"`` is refused there by name. fp8 GEMMs are priced at
@@ -57,6 +65,7 @@ class GPUSpec:
     hbm_efficiency: float = 0.9  # share of hbm_bandwidth a streaming (elementwise) kernel reaches
     fp8_flops: float | None = None  # dense fp8 FLOP/s; None: no fp8 tensor cores
     fused_attention: bool = True  # cuDNN's fused attention runs there in bf16 (planner.attention)
+    overlap_slowdown: float = 0.19  # compute's slowdown while a collective runs beside it
 
     @property
     def hbm_achieved(self) -> float:
@@ -128,7 +137,7 @@ A100_80GB = GPUSpec("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12, 0.8)
 H100 = GPUSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 0.75, fp8_flops=1979e12)
 H200 = GPUSpec("H200-SXM-141GB", 989e12, 141e9, 4.8e12, 0.75, fp8_flops=1979e12)
 CPU_SIM = GPUSpec("simulated CPU device", 1e11, 64 * GIB, 2e10, 1.0, 1.0,
-                  fused_attention=False)
+                  fused_attention=False, overlap_slowdown=0.0)
 
 PRESETS = {
     "a100-80gb": dict(gpu=A100_80GB, nvlink_bandwidth=300 * GB, nic_bandwidth=25 * GB,

@@ -200,6 +200,7 @@ def _print_predict(pr: Prediction) -> None:
                                                      tm.data_comm_exposed),
                     ("data-parallel comm (overlapped)", tm.overlapped),
                     ("pipeline transfers (blocking)", tm.pipe_comm),
+                    ("compute slowed by hidden comm", tm.contention),
                     ("optimizer", tm.optimizer), ("step", tm.total)):
         share = "" if name.endswith("(overlapped)") else f"{v / tm.total:.1%}"
         t.add_row(name, f"{v:.4f}", share)

@@ -32,8 +32,11 @@ Two runtimes, two sources, every figure in tokens per second per GPU as publishe
 while the runtime knobs and model changes above were written (docs/planner.md, "Recent
 runs"); the AutoModel rows were predicted once before (to see how far off the planner was)
 and once after, with nothing tuned to them; the Megatron-Bridge rows were predicted once, when
-added, and nothing changed with them. Nothing is fitted per run: no constant of the
-planner was chosen from any of these figures.
+added, and nothing changed with them. One model change came after seeing held-out misses:
+hidden communication slowing the compute beneath it (``GPUSpec.overlap_slowdown``, added
+2026-11-29 after the FSDP2 rows came out 22-30% fast); its constant is a published
+measurement (Lee et al. 2025), not fitted to them. Nothing is fitted per run: no constant of
+the planner was chosen from any of these figures.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ stage's busy time is the bubble. ``2bw`` runs 1F1B over the K x m microbatches o
 schedule, divided by K, is the time per step, so the fill and drain are amortized over K
 steps. The data-parallel gradient all-reduce follows (exposed, except the ``dp_overlap`` share,
 which can hide at most under the last microbatch's backward), then the optimizer update (HBM
-bound). How a published run executed adds to this (``Layout`` docstring): blocking
+bound). Hidden communication (that share, and the context ring's transfers) still slows the
+compute beneath it by ``GPUSpec.overlap_slowdown`` of its duration (``StepTime.contention``).
+How a published run executed adds to this (``Layout`` docstring): blocking
 stage-to-stage transfers charged to every action (``p2p``), a separate gradient-accumulation
 pass per microbatch, fp16 gradients in the reduction, Megatron-DeepSpeed's partition.
 
@@ -76,11 +78,12 @@ class StepTime:
     data_comm_exposed: float  # the part not hidden under the backward
     optimizer: float
     pipe_comm: float = 0.0  # blocking stage-to-stage transfers (``p2p`` "batched"/"blocking")
+    contention: float = 0.0  # compute slowed by the communication hidden beneath it
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor_comm + self.bubble + self.data_comm_exposed
-                + self.optimizer + self.pipe_comm)
+                + self.optimizer + self.pipe_comm + self.contention)
 
     @property
     def overlapped(self) -> float:
@@ -372,7 +375,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     # (forward: K/V; backward: K/V and their gradients, beside twice the compute).
     f_ar = layers * (ar + max(0.0, ring - mm))
     b_ar = layers * (ar + recompute_ar + max(0.0, 2 * ring - 2 * mm))
-    f, b = f_comp + f_ar, b_comp + b_ar  # zb-h1: I + W = b (W reuses I's cotangents)
+    # the compute beneath the hidden transfers runs slower (``GPUSpec.overlap_slowdown``)
+    f_slow, b_slow = (layers * gpu.overlap_slowdown * min(r, c) for r, c in
+                      ((ring, mm), (2 * ring, 2 * mm)))
+    f, b = f_comp + f_ar + f_slow, b_comp + b_ar + b_slow  # zb-h1: I + W = b
     p2p = xfer = 0.0
     if p > 1:
         p2p, xfer = _stage_transfer(model, cluster, layout, ab)
@@ -389,5 +395,6 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
         compute=m * (v * (f_comp + b_comp) + outside),
         tensor_comm=m * (v * (f_ar + b_ar) + vocab_ar), bubble=bubble,
         data_comm=dp, data_comm_exposed=dp - hidden, optimizer=opt,
-        pipe_comm=m * v * 2 * p2p)
+        pipe_comm=m * v * 2 * p2p,
+        contention=m * v * (f_slow + b_slow) + hidden * gpu.overlap_slowdown)
     return time, (bubble / makespan if makespan else 0.0)
