@@ -61,6 +61,15 @@ class Report:
     # model, a mode of the script this command does not take): tests/test_reports.py
     # checks every other fiddlejax module the script imports is among the inputs
     unmeasured: tuple[str, ...] = ()
+    # modules (or folders) its process imports through the fiddlejax package but never runs:
+    # left out of the modules its report records (tests/test_reports.py's staleness); the
+    # declared inputs count whatever this says
+    not_run: tuple[str, ...] = ()
+
+    def runs(self, module: str) -> bool:
+        """Whether a module the run recorded importing can change this report's figures."""
+        return module in self.paths() or not any(
+            module == p or module.startswith(p.rstrip("/") + "/") for p in self.not_run)
 
     @property
     def command(self) -> str:
@@ -83,6 +92,15 @@ REPORTS: dict[str, Report] = {
     "pipeline_2bw.md": Report("pipeline_2bw.py", "--quick", STEP + PIPE + GPT,
                               unmeasured=("fiddlejax/app/build.py", "fiddlejax/app/config.py")),
     "pipeline_2bw_train.md": Report("pipeline_2bw.py", "--train-table", STEP + PIPE + GPT + APP),
+    # one device, no Trainer: the config, data, model and optimizer (stale_correction
+    # included), every module a profiled row calls (tests/test_reports.py checks it)
+    "pipeline_2bw_reference.md": Report(
+        "pipeline_2bw.py", "--reference-table",
+        APP + GPT + ("fiddlejax/__init__.py", "fiddlejax/intercept.py",
+                     "fiddlejax/models/__init__.py", "fiddlejax/models/feed.py",
+                     "fiddlejax/models/model_names.py", "fiddlejax/pipeline/staleness.py",
+                     "fiddlejax/pipeline/schedules/registry.py"),
+        not_run=STEP + PIPE),
     "overhead.md": Report("overhead.py", "", STEP + GPT),
     "lockstep.md": Report("lockstep.py", "", STEP + PIPE + GPT),
     "vocab_parallel.md": Report("vocab_parallel.py", "--baseline-commit b7c3edd",
