@@ -67,9 +67,10 @@ class Report:
     not_run: tuple[str, ...] = ()
 
     def runs(self, module: str) -> bool:
-        """Whether a module the run recorded importing can change this report's figures."""
-        return module in self.paths() or not any(
-            module == p or module.startswith(p.rstrip("/") + "/") for p in self.not_run)
+        """Whether a module the run recorded importing counts toward its staleness (it is not
+        under ``not_run``; the declared inputs count regardless)."""
+        return not any(module == p or module.startswith(p.rstrip("/") + "/")
+                       for p in self.not_run)
 
     @property
     def command(self) -> str:
