@@ -9,7 +9,8 @@ second weight version (``memory_analysis``), and convergence on the stdlib corpu
 default run otherwise) and prints their final validation losses (``--reference``: the same
 update rules on one device); ``--train-table`` does so for every row of ``TRAIN_ROWS`` and
 writes results/pipeline_2bw_train.md (about 15 minutes on 2 CPU cores), ``--reference-table``
-for ``REFERENCE_ROWS`` on one device, results/pipeline_2bw_reference.md (about 1.5 hours).
+for ``REFERENCE_ROWS`` on one device, results/pipeline_2bw_reference.md (``--jobs 2``: two
+rows at once, one core each).
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ def main() -> None:
     ap.add_argument("--reference-table", action="store_true",
                     help="instead: every row of REFERENCE_ROWS (one device), written to "
                          "pipeline_2bw_reference.md")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="--reference-table: rows trained at once (one process each)")
     ap.add_argument("--train-steps", type=int, default=150)
     ap.add_argument("--overrides", default="",
                     help="--train: config overrides for both runs, e.g. 'optimizer.name=muon'")
@@ -169,7 +172,7 @@ def main() -> None:
                     help="--train on one device: fresh vs 2BW rule (same numbers, much faster)")
     args = ap.parse_args()
     if args.train_table or args.reference_table:
-        convergence_table(args.reference_table)
+        convergence_table(args.reference_table, args.jobs)
         return
     if args.train:  # one row, printed (the report is written whole by --train-table)
         print(convergence_row(args.train_steps, args.overrides, args.stale_correction,
@@ -238,9 +241,11 @@ def convergence_row(steps: int, overrides: str, correction: float, k) -> str:
             f"{v['1f1b']:.4f} | {v['2bw']:.4f} | {v['2bw'] / v['1f1b'] - 1:+.2%} |")
 
 
-def convergence_table(reference_rows: bool) -> None:
+def convergence_table(reference_rows: bool, jobs: int = 1) -> None:
     """Write results/pipeline_2bw_train.md (``TRAIN_ROWS``, the pipelined runtime) or
-    results/pipeline_2bw_reference.md (``REFERENCE_ROWS``, one device) whole."""
+    results/pipeline_2bw_reference.md (``REFERENCE_ROWS``, one device) whole. ``jobs``: rows
+    trained at once, each in a process of its own (a one-device training keeps one core
+    busy); the table keeps the rows' order."""
     if reference_rows:
         name, rows = "pipeline_2bw_reference.md", [(*r, "reference") for r in REFERENCE_ROWS]
         how = ("Each row on one device, with fresh gradients (1f1b) or PipeDream-2BW's rule "
@@ -258,9 +263,19 @@ def convergence_table(reference_rows: bool) -> None:
              how + " Final validation loss.", "",
              "| steps | overrides | 2bw correction, K | 1f1b | 2bw | gap |",
              "|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(convergence_row(*row))
-        print(lines[-1], flush=True)
+    if jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = pool.map(convergence_row, *zip(*rows, strict=True))
+            for line in done:
+                lines.append(line)
+                print(line, flush=True)
+    else:
+        for row in rows:
+            lines.append(convergence_row(*row))
+            print(lines[-1], flush=True)
     reporting.write(ROOT / "benchmarks" / "results" / name, "\n".join(lines))
 
 

@@ -96,7 +96,7 @@ REPORTS: dict[str, Report] = {
     # one device, no Trainer: the config, data, model and optimizer (stale_correction
     # included), every module a profiled row calls (tests/test_reports.py checks it)
     "pipeline_2bw_reference.md": Report(
-        "pipeline_2bw.py", "--reference-table",
+        "pipeline_2bw.py", "--reference-table --jobs 2",
         APP + GPT + ("fiddlejax/__init__.py", "fiddlejax/intercept.py",
                      "fiddlejax/models/__init__.py", "fiddlejax/models/feed.py",
                      "fiddlejax/models/model_names.py", "fiddlejax/pipeline/staleness.py",
