@@ -30,7 +30,6 @@ from run import GPU_REPORTS, REPORTS  # noqa: E402
 # them; strict, so a regenerated report must leave this set. Empty it with one `--cpu` run.
 PENDING: set[str] = {
     "pipeline_2bw_train.md",  # split from the reference rows (below): not yet rerun
-    "pipeline_2bw_reference.md",  # 13 one-device trainings, ~1.5 h on the 2-core machine
 }
 
 CITE = re.compile(r"benchmarks/results/([\w.-]+\.md)")
