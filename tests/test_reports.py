@@ -28,9 +28,7 @@ from run import GPU_REPORTS, REPORTS  # noqa: E402
 # Reports not yet regenerated since the header and the runner came (issue 51): expected to fail
 # (no header: stale and unattributed) until `python benchmarks/run.py --cpu --only NAME` writes
 # them; strict, so a regenerated report must leave this set. Empty it with one `--cpu` run.
-PENDING: set[str] = {
-    "pipeline_2bw_train.md",  # split from the reference rows (below): not yet rerun
-}
+PENDING: set[str] = set()
 
 CITE = re.compile(r"benchmarks/results/([\w.-]+\.md)")
 FIGURE = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+\.\d+(?!\d)")  # not Llama-3.2
