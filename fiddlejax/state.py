@@ -31,3 +31,12 @@ class TrainState:
     def advanced(self, **changes) -> TrainState:
         """The next step's state: the counter + 1 (or ``step=``) and the fields ``changes``."""
         return dataclasses.replace(self, **{"step": self.step + 1, **changes})
+
+
+def in_param_dtypes(grads: Any, params: Any) -> Any:
+    """Each gradient in its parameter's dtype, as ``jax.grad`` gives it. The runtime accumulates
+    and reduces gradients in float32 whatever the parameters' dtype; 16-bit parameters get
+    theirs rounded once, before the optimizer, so its state (AdamW's moments follow the
+    parameters) keeps the dtype it was made with."""
+    return jax.tree.map(lambda g, p: g if g.dtype == p.dtype else g.astype(p.dtype),
+                        grads, params)

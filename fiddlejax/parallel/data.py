@@ -26,6 +26,7 @@ from fiddlejax.memory import remat as remat_
 from fiddlejax.parallel import zero as zero_
 from fiddlejax.plan import Plan
 from fiddlejax.staged import Sums
+from fiddlejax.state import in_param_dtypes
 
 if TYPE_CHECKING:
     from fiddlejax.parallel.layout import Layout
@@ -152,8 +153,14 @@ def reduce_sums(lay: Layout, total, sums: Sums, grads):
 
 
 def loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
-    """The step's exact loss, gradients (in the trainer's layout) and the loss's reported
-    metrics (a dict, empty for most models), inside ``jit``."""
+    """The step's exact loss, gradients (in the trainer's layout, each in its parameter's
+    dtype: ``fiddlejax.state.in_param_dtypes``) and the loss's reported metrics (a dict, empty
+    for most models), inside ``jit``."""
+    loss, grads, metrics = _loss_and_grads(lay, remat, params, batch)
+    return loss, in_param_dtypes(grads, params), metrics
+
+
+def _loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict):
     plan, zero = lay.plan, lay.zero
     if lay.pipeline is not None:
         return lay.pipeline.loss_and_grads(
@@ -176,7 +183,7 @@ def loss_and_grads(lay: Layout, remat: Callable, params: nnx.State, batch: dict)
 def loss(lay: Layout, remat: Callable, params: nnx.State, batch: dict) -> jax.Array:
     """The step's mean loss without gradients (validation)."""
     if lay.pipeline is not None:  # the pipeline runs forward and backward together
-        return loss_and_grads(lay, remat, params, batch)[0]
+        return _loss_and_grads(lay, remat, params, batch)[0]
     zero = lay.zero
     if zero.dims is None:
         total, sums = microbatch_loss(lay, remat, params, batch)

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from fiddlejax.parallel import balance, data
 from fiddlejax.parallel.concern import Draft
+from fiddlejax.state import in_param_dtypes
 
 if TYPE_CHECKING:
     from fiddlejax.parallel.layout import Layout
@@ -70,7 +71,8 @@ class DenseExchange:
         rows = pipe.stack_rows if pipe is not None else (lambda a: a)
 
         def update(s):
-            updates, opt_state = prog.optimizer.update(grads, s.opt_state, s.params)
+            updates, opt_state = prog.optimizer.update(in_param_dtypes(grads, s.params),
+                                                       s.opt_state, s.params)
             # a router bias moves by its loads only (parallel.balance), never by the optimizer
             params = balance.steer(optax.apply_updates(s.params, updates), s.params, loads, rows)
             return s.advanced(params=params, opt_state=opt_state, **changes)
@@ -134,7 +136,8 @@ class TopKExchange(DenseExchange):
             r = jax.tree.map(lambda x: x[0], r)  # this replica's slice [1, ...] -> [...]
             if local_opt:
                 norm = optax.tree.norm(grads)
-                grads, o = prog.optimizer.update(grads, jax.tree.map(lambda x: x[0], o[0]), p)
+                grads, o = prog.optimizer.update(in_param_dtypes(grads, p),
+                                                 jax.tree.map(lambda x: x[0], o[0]), p)
                 o = (jax.tree.map(lambda x: x[None], o),
                      jax.lax.pmean(norm, "data") if n > 1 else norm)
             if n > 1:

@@ -33,6 +33,7 @@ from fiddlejax.pipeline import costs, executor, measure, schedules
 from fiddlejax.pipeline.partition import partition
 from fiddlejax.pipeline.tables import Row, Tables, build_tables
 from fiddlejax.sharding import logical_to_spec
+from fiddlejax.state import in_param_dtypes
 
 
 def _is_var(x) -> bool:
@@ -310,7 +311,8 @@ class Pipeline:
 
             def update(k, current, grads, total, sums):
                 loss, grads, metrics = reduce(total, sums, grads)
-                updates, box["opt"] = optimizer.update(grads, box["opt"], current)
+                updates, box["opt"] = optimizer.update(in_param_dtypes(grads, current),
+                                                       box["opt"], current)
                 box["norms"].append(optax.tree.norm(grads))
                 return optax.apply_updates(current, updates), (loss, metrics)
 
