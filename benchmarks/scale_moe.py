@@ -111,10 +111,13 @@ def decoder_class(family: str):
     return FAMILIES[family]
 
 
-def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec) -> planner.Prediction:
-    """The planner's fastest bf16, full-remat layout that fits (1F1B when pipelined)."""
-    return planner.search(model, cluster, GLOBAL_BATCH, precision="bf16-mixed",
-                          remats=("full",), schedules=("1f1b",), microbatch_sizes=(1, 2, 4),
+def pick_layout(model: planner.ModelSpec, cluster: planner.ClusterSpec,
+                precision: str = "bf16-mixed",
+                schedules: tuple[str, ...] = ("1f1b",)) -> planner.Prediction:
+    """The planner's fastest bf16, full-remat layout that fits (1F1B, or ``schedules``, when
+    pipelined)."""
+    return planner.search(model, cluster, GLOBAL_BATCH, precision=precision,
+                          remats=("full",), schedules=schedules, microbatch_sizes=(1, 2, 4),
                           fsdp_gathers=("layer",), attention="xla",  # XLA's CPU compile
                           experts=None if has_expert_axis() else (1,))[0]
 
@@ -125,6 +128,9 @@ def compiled_memory(layout: planner.Layout, seq: int, layers: int, name: str) ->
     dense = hf_config.get("first_k_dense_replace", 0)  # kept whole: N layers are N MoE ones
     config = cls.config_from_hf({**hf_config, "num_hidden_layers": dense + layers}, seq_len=seq)
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    if layout.precision == "bf16":  # 16-bit parameters (docs/precision.md)
+        nnx.update(model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "bfloat16"),
+                                       nnx.state(model, nnx.Param)))
     axes = dict(data=layout.data, pipe=layout.pipe, tensor=layout.tensor)
     if layout.expert > 1:
         axes["expert"] = layout.expert
@@ -137,18 +143,19 @@ def compiled_memory(layout: planner.Layout, seq: int, layers: int, name: str) ->
 
 
 def measure(seq: int, layers: int | None, given: tuple[int, ...] | None,
-            name: str = "mixtral-8x7b") -> dict:
-    cluster = planner.cluster("h100", nodes=MODELS[name][2] // 8)
+            name: str = "mixtral-8x7b", precision: str = "bf16-mixed",
+            gpus: int | None = None) -> dict:
+    cluster = planner.cluster("h100", nodes=(gpus or MODELS[name][2]) // 8)
     model = planner.preset(name, seq=seq)
     if given:
         t, p, d, e, mb = given
         lo = planner.validate(planner.Layout(
             tensor=t, pipe=p, data=d, expert=e, microbatch_size=mb, global_batch=GLOBAL_BATCH,
-            schedule="1f1b" if p > 1 else None, remat="full", precision="bf16-mixed",
+            schedule="1f1b" if p > 1 else None, remat="full", precision=precision,
             attention="xla"),
             model, cluster)
     else:
-        lo = pick_layout(model, cluster).layout
+        lo = pick_layout(model, cluster, precision).layout
     hf = MODELS[name][1]
     total = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)
     t0 = time.perf_counter()
@@ -191,27 +198,37 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--layout", action="append", default=[],
                     help="T,P,D,E,MB: also compile this layout (repeatable)")
+    ap.add_argument("--precision", choices=("bf16-mixed", "bf16"), default="bf16-mixed",
+                    help="bf16: 16-bit parameters and Adam moments (docs/precision.md)")
+    ap.add_argument("--gpus", type=int, help="default: the model's (16, 32 or 256)")
     ap.add_argument("--out", help="default: results/scale_moe.md (Mixtral), else "
-                    "results/scale_<model>.md")
+                    "results/scale_<model>[_bf16].md")
     a = ap.parse_args()
     family, _, gpus, title = MODELS[a.model]
+    gpus = a.gpus or gpus
     stem = "scale_moe" if a.model == "mixtral-8x7b" else "scale_" + a.model.replace("-", "_")
+    stem += "_bf16" if a.precision == "bf16" else ""
     out = Path(a.out or Path(__file__).parent / "results" / f"{stem}.md")
     rows = []
     for given in [None, *(tuple(int(x) for x in g.split(",")) for g in a.layout)]:
-        rows.append(row := measure(a.seq, a.layers, given, a.model))
+        rows.append(row := measure(a.seq, a.layers, given, a.model, a.precision, gpus))
         print(markdown([row]).splitlines()[-1], f"({row['compile_s']:.0f} s)", flush=True)
         print("predicted parts (GiB):",
               {k: round(v / 2**30, 2) for k, v in row["parts"].items()})
     cmd = "python benchmarks/scale_moe.py" + (
         f" --model {a.model}" if a.model != "mixtral-8x7b" else "") + (
         f" --layers {a.layers}" if a.layers else "") + "".join(
-        f" --layout {g}" for g in a.layout)
+        f" --layout {g}" for g in a.layout) + (
+        f" --precision {a.precision}" if a.precision != "bf16-mixed" else "") + (
+        f" --gpus {a.gpus}" if a.gpus else "")
+    state = ("16-bit parameters and Adam moments (`--precision bf16`)"
+             if a.precision == "bf16" else "float32 master weights and moments")
     axis = ("expert sizes dividing the experts considered" if has_expert_axis() else
             "no expert axis (this fiddlejax has none: experts replicated over data and pipe)")
     given = "; the rows after the first: layouts given with --layout" if a.layout else ""
     reporting.write(out,
         f"# Scale: {title} in bf16 on {gpus} x 80 GB, compile only\n\n"
+        f"State: {state}. "
         f"`{cmd}`: the planner's fastest bf16 full-remat layout of {gpus // 8} 8 x H100 nodes "
         f"(90% of 80 GiB usable; 1F1B when pipelined; {axis}{given}), compiled as one "
         f"training step of the {title} decoder (`nnx.eval_shape`, real shapes, dropless "

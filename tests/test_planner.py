@@ -582,3 +582,32 @@ def test_bloom_176b_fits_its_published_layout(capsys):
     assert r["time"]["tensor_comm"] > 2 * megatron["time"]["tensor_comm"]
     code, _, err = run_cli(capsys, *flags, "--partition", "layers+head")
     assert code == 2 and "partition='layers+head'" in err and "head='last-stage'" in err
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_bf16_parameters_state_matches_the_compiled_arguments(zero):
+    """``precision="bf16"`` (16-bit parameters, docs/precision.md): 2-byte parameters and Adam
+    moments, half of float32's state; the planner's parameters + optimizer state per device
+    against the compiled step's argument bytes (the state and the batch), within 5%. Temps are
+    not compared: XLA's CPU computes bf16 in float32."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import fiddlejax as fj
+    from fiddlejax.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda x: x.astype("bfloat16"), nnx.state(model, nnx.Param)))
+    trainer = fj.parallelize(model, optax.adamw(1e-3), fj.Plan(mesh=fj.make_mesh(data=8),
+                                                               zero=zero))
+    shape = (8 * MB, TINY["seq_len"] + 1)
+    compiled = trainer.compiled_step(jax.eval_shape(trainer.init),
+                                     {"tokens": np.zeros(shape, np.int32)})
+    args = compiled.memory_analysis().argument_size_in_bytes
+    lo = dict(data=8, microbatch_size=MB, global_batch=8 * MB, zero=zero, attention="xla")
+    half, full = (planner.memory(planner.preset("tiny"), Layout(**lo, precision=p))
+                  for p in ("bf16", "fp32"))
+    assert half.params + half.optimizer == pytest.approx((full.params + full.optimizer) / 2)
+    assert half.grads == full.grads  # accumulated and reduced in float32
+    assert half.params + half.optimizer == pytest.approx(args, rel=0.05)

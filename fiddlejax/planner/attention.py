@@ -12,7 +12,7 @@ fp16 inputs it runs cuDNN's fused kernel, elsewhere (CPU, float32) XLA's impleme
   head_dim per token) and a float32 log-sum-exp per query and head. Under ``dots`` the fused
   call is not a dot, so nothing of attention beyond q, k and v is saved (it is recomputed).
   Its backward holds a float32 dQ accumulator (``live_bytes``). FLOPs are unchanged.
-- ``auto`` (the default): ``fused`` for ``bf16-mixed`` on a GPU (``GPUSpec.fused_attention``),
+- ``auto`` (the default): ``fused`` for 16-bit precisions on a GPU (``GPUSpec.fused_attention``),
   ``xla`` for ``fp32`` or on the simulated CPU. Without a cluster (``footprint.memory`` called
   alone) ``auto`` assumes a GPU.
 
@@ -49,7 +49,7 @@ def check(attention: str, precision: str, model: ModelSpec | None,
         raise ValueError(f"attention={attention!r} must be one of {ATTENTIONS}")
     if attention != "fused":
         return
-    if precision != "bf16-mixed":
+    if precision == "fp32":
         raise ValueError(f"attention='fused' is cuDNN's flash attention, which runs in 16-bit "
                          f"only; precision={precision!r} runs XLA's: use attention='xla' or "
                          "precision='bf16-mixed'")
@@ -72,7 +72,7 @@ def kind(model: ModelSpec, layout: Any, cluster: ClusterSpec | None = None) -> s
     if layout.attention != "auto" or model.softcap:
         return "xla" if model.softcap else layout.attention
     gpu = cluster is None or cluster.gpu.fused_attention
-    fused = gpu and layout.precision == "bf16-mixed" and model.heads is not None
+    fused = gpu and layout.precision != "fp32" and model.heads is not None
     return "fused" if fused else "xla"
 
 

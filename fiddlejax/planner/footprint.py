@@ -88,11 +88,14 @@ class Memory:
 
 
 def state_bytes(layout: Layout) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes per parameter: float32 in both precisions
-    (``bf16-mixed`` keeps float32 master weights in the state and casts each layer to bf16 just
-    before use, a transient counted in the working set)."""
+    """(parameter, gradient, optimizer-state) bytes per parameter: float32 in ``fp32`` and
+    ``bf16-mixed`` (which keeps float32 master weights in the state and casts each layer to
+    bf16 just before use, a transient counted in the working set); ``bf16`` parameters hold 2
+    bytes and so do each of Adam's moments, their gradients accumulate in float32."""
     if layout.master == "optimizer":  # Megatron-Core: bf16 weights, fp32 main_grad, fp32
         return 2, 4, 12 if layout.optimizer == "adam" else 4  # master + moments in the state
+    if layout.precision == "bf16":  # 16-bit parameters: moments follow, gradients float32
+        return 2, 4, (4 if layout.optimizer == "adam" else 0)
     return 4, 4, (8 if layout.optimizer == "adam" else 0)
 
 

@@ -14,7 +14,8 @@ from fiddlejax.planner import attention
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.workload import ModelSpec
 
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+SIXTEEN_BIT = ("bf16-mixed", "bf16")  # activations, stashes and messages in bf16
 MATMUL_DTYPES = (None, "fp8")  # fj.Plan(matmul_dtype=)
 HEADS = ("vocab-parallel", "last-stage")
 P2PS = ("async", "batched", "blocking")  # how stage-to-stage transfers wait (Layout.p2p)
@@ -52,7 +53,10 @@ class Layout:
     ``precision``: ``fp32`` is ``fj.Plan()`` (4-byte parameters, gradients, Adam moments and
     activations); ``bf16-mixed`` is ``fj.Plan(compute_dtype="bfloat16")``: the same float32
     parameters (master weights), gradients and moments in the state, each layer's weights cast to
-    bf16 just before use, bf16 activations, stashes and stage-to-stage messages. ``zero``: 1
+    bf16 just before use, bf16 activations, stashes and stage-to-stage messages; ``bf16`` is a
+    model whose parameters are bf16 themselves (``docs/precision.md``, "16-bit parameters"):
+    2-byte parameters and Adam moments (optax's follow the parameters), gradients still
+    accumulated and reduced in float32, bf16 activations. ``zero``: 1
     shards the optimizer state over ``data`` (the gradients all-reduced, the updated parameters
     all-gathered); 2 also the reduced gradients (a reduce-scatter instead); 3 (FSDP) shards
     parameters, gradients and optimizer state, and all-gathers each layer's weights just
@@ -252,7 +256,7 @@ def check_matmul_dtype(matmul_dtype: str | None, precision: str, model: ModelSpe
                          "dtype) or 'fp8'")
     if matmul_dtype is None:
         return
-    if precision != "bf16-mixed":
+    if precision not in SIXTEEN_BIT:
         raise ValueError(f"matmul_dtype='fp8' keeps everything but the dense matmuls in bf16; "
                          f"precision={precision!r} does not: use precision='bf16-mixed' "
                          "(--precision bf16-mixed)")

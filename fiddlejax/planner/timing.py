@@ -2,8 +2,7 @@
 
 One microbatch through one chunk (``layers / (pipe x virtual)`` layers) costs
   forward  = matmul FLOPs / (tensor x peak x gemm_efficiency)
-           + elementwise bytes / achieved HBM bandwidth  (a roofline: every residual written and
-                                                           read once)
+           + elementwise bytes / achieved HBM bandwidth  (each residual written and read once)
            + tensor-parallel all-reduces                  (``collectives.cost``, on NVLink at the
                                                            bandwidth NCCL reaches, or NICs)
   backward = 2 x forward compute + the same all-reduces, plus the recomputation the remat policy
@@ -17,30 +16,24 @@ steps. The data-parallel gradient all-reduce follows (exposed, except the ``dp_o
 which can hide at most under the last microbatch's backward), then the optimizer update (HBM
 bound). Hidden communication (that share, and the context ring's transfers) still slows the
 compute beneath it by ``GPUSpec.overlap_slowdown`` of its duration (``StepTime.contention``).
-How a published run executed adds to this (``Layout`` docstring): blocking
-stage-to-stage transfers charged to every action (``p2p``), a separate gradient-accumulation
-pass per microbatch, fp16 gradients in the reduction, Megatron-DeepSpeed's partition.
+How a published run executed adds to this (``Layout`` docstring): blocking stage-to-stage
+transfers (``p2p``), a gradient-accumulation pass per microbatch, fp16 reductions, a partition.
 
-The embedding and head of a pipeline run vocabulary-parallel over
-every device of ``pipe`` x ``tensor`` once per microbatch, between the stage programs: each
-device pays 1/(pipe x tensor) of their FLOPs per microbatch, serially with the ticks, plus
-their activation-sized all-reduces (``vocab_allreduces``). ``head="last-stage"`` (Megatron's
-placement, for published runs) charges them to every stage instead (the slowest sets the pace).
+The embedding and head of a pipeline run vocabulary-parallel over every device of ``pipe`` x
+``tensor`` once per microbatch, between the stage programs: each device pays 1/(pipe x tensor)
+of their FLOPs, serially with the ticks, plus activation-sized all-reduces
+(``vocab_allreduces``); ``head="last-stage"`` (Megatron's) charges them to every stage.
 
 ZeRO-3 (FSDP) pays, per microbatch, an all-gather forward and backward and a reduce-scatter of
-the stage's weights instead of one gradient all-reduce per step; gathered once per step
-(``fsdp_gather="step"``), one all-gather and one reduce-scatter per step.
+the stage's weights instead of one gradient all-reduce per step (``fsdp_gather="step"``: one
+all-gather and one reduce-scatter per step). Attention as the target runs it
+(``planner.attention``): cuDNN's fused kernel writes no s x s scores, XLA's pays their traffic.
 
-Attention as the target runs it (``planner.attention``): cuDNN's fused kernel writes no s x s
-scores, so only XLA's attention pays their elementwise traffic.
-
-fp8 matmuls (``matmul_dtype="fp8"``, :func:`fp8_layer`): a layer's dense matmuls at the fp8
-peak, plus their per-tensor quantization as elementwise HBM traffic; attention's dots, the
-embedding and the head stay at the bf16 peak.
+fp8 (:func:`fp8_layer`): dense matmuls at the fp8 peak plus their quantization's HBM traffic.
 
 zb-h1's I and W split one backward: I runs the input-gradient chain and keeps every layer's
-output cotangent, W turns each into its layer's weight gradient without re-running the chain
-(``Pipeline._layerwise_fns``), so I + W cost one backward (I = W = B/2 in the simulator).
+output cotangent, W turns each into its layer's weight gradient (``Pipeline._layerwise_fns``),
+so I + W cost one backward (I = W = B/2 in the simulator).
 """
 
 from __future__ import annotations
@@ -315,6 +308,30 @@ def _data_and_optimizer(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     return dp, hidden, opt_bytes / cluster.gpu.hbm_achieved
 
 
+def _layer_seconds(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> tuple[float, ...]:
+    """One layer, one microbatch, one tensor rank (and 1/context of each sequence): (matmuls,
+    forward, backward, recomputation, its exposed all-reduces and all-to-alls, their
+    recomputation's, the context ring's transfers) in seconds."""
+    gpu, t, mb, c = cluster.gpu, layout.tensor, layout.microbatch_size, layout.context
+    ab = activation_bytes(layout)
+    flop_rate = gpu.peak_flops * gpu.gemm_efficiency
+    pad = experts.padded_flops(model, layout.expert, layout.dispatch)
+    mm = mb * (model.layer_flops + pad) / t / c / flop_rate
+    mm, q_fwd, q_bwd = (fp8_layer(model, cluster, layout) if layout.matmul_dtype == "fp8"
+                        else (mm, 0.0, 0.0))
+    split, rep = model.act["none"]
+    rep = rep / t if layout.sequence_parallel else rep
+    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved / c
+    # plus an MoE layer's dispatch and combine (the backward sends as much; full remat re-sends)
+    ar = (allreduce_seconds(cluster, t, 1, mb * model.boundary * ab / c) * model.tp_allreduces
+          + experts.alltoall_seconds(model, cluster, layout, mb * model.seq_len / c, ab))
+    ring = ring_seconds(model, cluster, layout)
+    fwd, bwd = mm + ew + q_fwd, 2 * (mm + ew) + q_bwd  # one layer, one microbatch
+    recompute = {"none": 0.0, "full": fwd}.get(layout.remat, ew)
+    recompute_ar = ar if layout.remat == "full" else 0.0
+    return mm, fwd, bwd, recompute, ar, recompute_ar, ring
+
+
 def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
               simulate: bool = True) -> tuple[StepTime, float]:
     """(predicted step time breakdown, bubble fraction of the pipeline). ``simulate=False`` uses
@@ -327,32 +344,15 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
                       layout.microbatch_size, layout.microbatches)
     k = schedule_steps(layout)
     ab = activation_bytes(layout)
-    flop_rate = gpu.peak_flops * gpu.gemm_efficiency
-    layers = _chunk_cost_scale(model, layout)
-    # One layer, one microbatch, one tensor rank (and 1/context of each sequence).
-    c = layout.context
-    pad = experts.padded_flops(model, layout.expert, layout.dispatch)
-    mm = mb * (model.layer_flops + pad) / t / c / flop_rate
-    q_fwd, q_bwd = 0.0, 0.0
-    if layout.matmul_dtype == "fp8":
-        mm, q_fwd, q_bwd = fp8_layer(model, cluster, layout)
-    split, rep = model.act["none"]
-    rep = rep / t if layout.sequence_parallel else rep
-    ew = mb * (split / t + rep) * ab * 2 / gpu.hbm_achieved / c
-    ar = allreduce_seconds(cluster, t, 1, mb * model.boundary * ab / c) * model.tp_allreduces
-    ring = ring_seconds(model, cluster, layout)
-    # an MoE layer's dispatch and combine (the backward sends as much; full remat re-sends)
-    a2a = experts.alltoall_seconds(model, cluster, layout, mb * model.seq_len / c, ab)
-    ar += a2a
-    fwd, bwd = mm + ew + q_fwd, 2 * (mm + ew) + q_bwd  # one layer, one microbatch
-    recompute = {"none": 0.0, "full": fwd}.get(layout.remat, ew)
-    recompute_ar = ar if layout.remat == "full" else 0.0
+    layers, c = _chunk_cost_scale(model, layout), layout.context
+    mm, fwd, bwd, recompute, ar, recompute_ar, ring = _layer_seconds(model, cluster, layout)
     # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)
     # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
     # outside the stages' switch on every device of pipe x tensor (serial with the ticks: all
     # devices take part), plus their activation-sized all-reduces (``vocab_allreduces``).
     # once per microbatch: with v chunks per stage, a share 1/v of it to each chunk
-    head = mb * (model.epilogue_flops + model.prologue_flops) / t / c / flop_rate / v
+    head = (mb * (model.epilogue_flops + model.prologue_flops) / t / c / v
+            / (gpu.peak_flops * gpu.gemm_efficiency))
     outside = 0.0
     if vocab_parallel(layout):
         head, outside = 0.0, 3 * head / p
