@@ -1,6 +1,7 @@
 """Pipelines over unequal blocks (issue 50): an MLP whose widths change and a small CNN whose
 blocks downsample, grouped one group per pipeline chunk (:mod:`fiddlejax.adaptation.hetero`),
-exact against one device on data x pipe and pipe=4, under GPipe and 1F1B."""
+exact against one device on data x pipe and pipe=4, under GPipe, 1F1B, ZB-H1, ZB-V and
+interleaved 1F1B; PipeDream-2BW follows its one-step-stale rule."""
 
 from __future__ import annotations
 
@@ -66,12 +67,45 @@ BATCH = {"x": jax.random.normal(jax.random.key(0), (8, 6)),
          "y": jax.random.normal(jax.random.key(1), (8, 3))}
 
 
-@pytest.mark.parametrize("layout_", [(2, 2, 2, "gpipe", 4, 1), (2, 4, 1, "1f1b", 4, 1)],
-                         ids=["gpipe-2x2x2", "1f1b-pipe4"])
+@pytest.mark.parametrize("layout_", [(2, 2, 2, "gpipe", 4, 1), (2, 4, 1, "1f1b", 4, 1),
+                                     (2, 2, 2, "zb-h1", 4, 1), (4, 2, 1, "zb-v", 2, 2)],
+                         ids=["gpipe-2x2x2", "1f1b-pipe4", "zb-h1-2x2x2", "zb-v-4x2"])
 def test_unequal_mlp_exact(layout_):
     model = MLP(rngs=nnx.Rngs(0))
     trainer = check_exact(model, lambda m: m(BATCH["x"]), mse, BATCH, "blocks", layout_)
-    assert trainer.staged.num_layers == layout_[1]
+    assert trainer.staged.num_layers == layout_[1] * layout_[5]
+
+
+def test_unequal_mlp_2bw_follows_the_one_step_stale_rule():
+    """PipeDream-2BW over unequal blocks: W(t+1) = W(t) + update(grad f(W(t-1))), W(-1) = W(0),
+    two steps in one unflushed program then one more call, against one device's emulation."""
+    opt = optax.adamw(1e-2)
+    ref = MLP(rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(ref, nnx.Param, ...)
+    batches = [{"x": jax.random.normal(jax.random.key(10 + i), (8, 6)),
+                "y": jax.random.normal(jax.random.key(20 + i), (8, 3))} for i in range(4)]
+
+    def loss(p, b):
+        return mse(nnx.merge(graphdef, p, rest, copy=True)(b["x"]), b)
+
+    grad = jax.jit(jax.value_and_grad(loss))
+    prev, cur, st, want = params, params, opt.init(params), []
+    for b in batches:
+        value, g = grad(prev, b)
+        u, st = opt.update(g, st, cur)
+        prev, cur = cur, optax.apply_updates(cur, u)
+        want.append(float(value))
+    plan = plan_for((2, 2, 2, "2bw", 2, 1))
+    trainer = fj.parallelize(MLP(rngs=nnx.Rngs(0)), opt, plan, loss=mse, layers="blocks")
+    stacked = {k: jnp.stack([b[k] for b in batches[:2]]) for k in batches[0]}
+    state, m = trainer.steps(trainer.init(), stacked)
+    got = [float(x) for x in m["loss"]]
+    for b in batches[2:]:
+        state, m = trainer.step(state, b)
+        got.append(float(m["loss"]))
+    assert got == pytest.approx(want, rel=1e-5)
+    assert int(state.step) == 4
+    assert_close(jax.tree.leaves(trainer.params(state)), jax.tree.leaves(cur))
 
 
 class Conv(nnx.Module):
