@@ -141,6 +141,13 @@ REPORTS: dict[str, Report] = {
                                        "fiddlejax/models/gpt_oss_config.py",
                                        "fiddlejax/models/decoder.py"),
         unmeasured=("fiddlejax/models/deepseek.py",)),
+    "scale_gpt_oss_120b_bf16.md": Report(
+        "scale_moe.py",
+        "--model gpt-oss-120b --precision bf16 --gpus 16 --schedule 1f1b --schedule zb-h1",
+        STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/gpt_oss.py",
+                                       "fiddlejax/models/gpt_oss_config.py",
+                                       "fiddlejax/models/decoder.py"),
+        unmeasured=("fiddlejax/models/deepseek.py",)),
     "scale_deepseek_v3.md": Report(
         "scale_moe.py", "--model deepseek-v3",
         STEP + PIPE + MOE + PLANNER + ("fiddlejax/models/deepseek.py",
