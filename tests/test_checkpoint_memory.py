@@ -64,8 +64,9 @@ def test_an_async_save_followed_by_a_donating_step_writes_the_saved_state(tmp_pa
 
 
 def test_a_bounded_snapshot_saves_the_same_state(tmp_path):
-    """``snapshot_gb`` bounds how much of a save's device-to-host snapshot the host holds at
-    once (Orbax's save_device_host_concurrent_gb); a bound below the largest array is raised
+    """``snapshot_gb`` bounds how much of a save's device-to-host snapshot (Orbax's
+    save_device_host_concurrent_gb) and of its writes (save_concurrent_gb) the host holds at
+    once; a bound below the largest array is raised
     to it (Orbax refuses an array above its bound), and the restored state is the saved one."""
     from fiddlejax.checkpoint import stored
 
@@ -74,6 +75,9 @@ def test_a_bounded_snapshot_saves_the_same_state(tmp_path):
     assert stored.snapshot_bound(None, t) is None
     assert stored.snapshot_bound(1e-9, t) == (largest + 1) / 1e9
     assert stored.snapshot_bound(5, t) == 5.0
+    assert stored.snapshot_limits(None, t) == {}  # the write path bounded as the snapshot
+    assert stored.snapshot_limits(5, t) == {"save_device_host_concurrent_gb": 5.0,
+                                            "save_concurrent_gb": 5.0}
     for bad in (0, -1, True, "2"):
         with pytest.raises(ValueError, match=f"snapshot_gb={bad!r} must be a positive"):
             fj.CheckpointManager(tmp_path / "bad", t, snapshot_gb=bad)

@@ -83,8 +83,8 @@ class CheckpointManager:
     - ``max_to_keep`` latest checkpoints are kept, plus the ``keep_best`` best by
       ``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``) when ``best_metric`` is set.
     - ``async_save``: the write runs in the background after a blocking device-to-host snapshot.
-    - ``snapshot_gb``: hold at most this much of that snapshot on the host at once (at least the
-      largest array); a save then blocks until all but that much is written. None: all of it.
+    - ``snapshot_gb``: hold at most this much of that snapshot and of its writes on the host at
+      once (at least the largest array); a save then waits on its writes. None: all of it.
     - ``config``: the job config, stored as metadata (``fiddlejax train`` passes its own).
     - ``read_only``: a reader beside a running job (eval, generate, export): it never writes
       or deletes (a writer's save in progress included) and needs no lock; ``save`` refuses.
@@ -145,7 +145,7 @@ class CheckpointManager:
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(
                 type_handler_registry=arrays,
-                save_device_host_concurrent_gb=stored.snapshot_bound(snapshot_gb, trainer)),
+                **stored.snapshot_limits(snapshot_gb, trainer)),
                            "meta": ocp.JsonCheckpointHandler()})
 
     # -- saving ----------------------------------------------------------------------------------

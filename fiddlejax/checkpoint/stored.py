@@ -162,3 +162,14 @@ def snapshot_bound(gb: float | None, trainer) -> float | None:
     state = trainer.abstract_state()
     largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     return max(float(gb), (largest + 1) / 1e9)
+
+
+def snapshot_limits(gb: float | None, trainer) -> dict:
+    """Orbax's handler limits for ``snapshot_gb`` (:func:`snapshot_bound`; {} for None): the
+    device-to-host snapshot and the write path both held to the bound. Bounding only the
+    snapshot let tensorstore's writes gather 2.8x the bf16 checkpoint's bytes above the state
+    in the fine-tune job's final save (a 14-layer Llama, RSS sampled every 20 ms), more than
+    the step itself held."""
+    bound = snapshot_bound(gb, trainer)
+    return {} if bound is None else {"save_device_host_concurrent_gb": bound,
+                                     "save_concurrent_gb": bound}
