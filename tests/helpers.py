@@ -129,6 +129,19 @@ def reference_loss_and_grads(model: nnx.Module, batch: dict):
     return jax.jit(jax.value_and_grad(loss))(params, batch)
 
 
+def stale_reference(loss, optimizer: optax.GradientTransformation, params, batches):
+    """PipeDream-2BW's rule on one device: W(t+1) = W(t) + update(grad loss(W(t-1))), with
+    W(-1) = W(0). Returns (each step's loss, the last W(t-1), the last W(t))."""
+    grad = jax.jit(jax.value_and_grad(loss))
+    prev, cur, state, losses = params, params, optimizer.init(params), []
+    for b in batches:
+        value, g = grad(prev, b)
+        updates, state = optimizer.update(g, state, cur)
+        prev, cur = cur, optax.apply_updates(cur, updates)
+        losses.append(float(value))
+    return losses, prev, cur
+
+
 def reference_train(model: nnx.Module, optimizer: optax.GradientTransformation, batches):
     """Plain single-device optax training; returns the losses and final parameters."""
     loss, params = reference_loss_fn(model)

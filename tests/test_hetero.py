@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_close, assert_loss_and_grads
+from helpers import assert_close, assert_loss_and_grads, stale_reference
 from test_any_model import plan_for
 
 import fiddlejax as fj
@@ -88,13 +88,7 @@ def test_unequal_mlp_2bw_follows_the_one_step_stale_rule():
     def loss(p, b):
         return mse(nnx.merge(graphdef, p, rest, copy=True)(b["x"]), b)
 
-    grad = jax.jit(jax.value_and_grad(loss))
-    prev, cur, st, want = params, params, opt.init(params), []
-    for b in batches:
-        value, g = grad(prev, b)
-        u, st = opt.update(g, st, cur)
-        prev, cur = cur, optax.apply_updates(cur, u)
-        want.append(float(value))
+    want, _, cur = stale_reference(loss, opt, params, batches)
     plan = plan_for((2, 2, 2, "2bw", 2, 1))
     trainer = fj.parallelize(MLP(rngs=nnx.Rngs(0)), opt, plan, loss=mse, layers="blocks")
     stacked = {k: jnp.stack([b[k] for b in batches[:2]]) for k in batches[0]}

@@ -213,18 +213,12 @@ def test_2bw_equals_the_one_step_stale_update_rule(make_opt, layout):
     the one-step program): the older weight version carries over from call to call.
     """
     import numpy as np
-    from helpers import reference_loss_fn
+    from helpers import reference_loss_fn, stale_reference
 
     opt = make_opt()
     batches = [tokens(20 + i, 8, 16, 256) for i in range(4)]
-    loss, ref = reference_loss_fn(gpt(4))
-    grad = jax.jit(jax.value_and_grad(loss))
-    prev, cur, st, ref_losses = ref, ref, opt.init(ref), []
-    for b in batches:
-        value, g = grad(prev, b)
-        u, st = opt.update(g, st, cur)
-        prev, cur = cur, optax.apply_updates(cur, u)
-        ref_losses.append(float(value))
+    loss, params = reference_loss_fn(gpt(4))
+    ref_losses, prev, cur = stale_reference(loss, opt, params, batches)
 
     trainer = fj.parallelize(gpt(4), opt, plan(*layout, schedule="2bw", microbatches=2,
                                                remat="full"))
