@@ -86,7 +86,8 @@ class Plan:
       ``fiddlejax.sharding.DEFAULT_RULES``, so a model annotated with its own names (``fsdp``,
       ``kv``, ...) is sharded as it is: ``Plan(rules={"kv": "tensor", "fsdp": None})``.
     - ``partition``: how layers map to pipeline stages (``uniform``, ``params``, ``cost``).
-    - ``memory_budget``: bytes per device, for ``remat="auto"``.
+    - ``memory_budget``: bytes per device, for ``remat="auto"``, and the bound on each group's
+      training state when ``partition`` splits unequal blocks (docs/byom.md).
     - ``split_backward``: run each whole backward B as I then W on consecutive ticks, so every
       lockstep tick costs one unit and 1F1B-style schedules reach their timeline bubble.
       ``None`` (default): split when that lowers the lockstep bubble and the backend is not the

@@ -22,9 +22,9 @@ from fiddlejax.adaptation import grouping
 from fiddlejax.pipeline.partition import balanced, chunk_costs
 
 
-def check_exact(model, call, loss_fn, batch, layers, layout_, partition="uniform"):
+def check_exact(model, call, loss_fn, batch, layers, layout_, partition="uniform", **plan_kw):
     """Loss and every gradient leaf equal one device's ``jax.value_and_grad``."""
-    plan = dataclasses.replace(plan_for(layout_), partition=partition)
+    plan = dataclasses.replace(plan_for(layout_), partition=partition, **plan_kw)
     trainer = fj.parallelize(model, optax.sgd(0.1), plan, loss=loss_fn, layers=layers)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -187,3 +187,57 @@ def test_partitioner_is_optimal_against_brute_force():
         assert max(chunk_costs(counts, costs)) == pytest.approx(_brute(costs, k), rel=1e-9)
     # a known uneven list: one heavy block alone on a stage, the rest shared
     assert balanced([1, 1, 1, 1, 8, 1, 1, 1, 1, 2], 3) == [4, 1, 5]
+
+
+def _brute_bounded(costs, memory, budget, k):
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), k - 1):
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, len(costs)])]
+        if max(chunk_costs(counts, memory)) > budget:
+            continue
+        m = max(chunk_costs(counts, costs))
+        best = m if best is None else min(best, m)
+    return best
+
+
+def test_partitioner_with_a_memory_budget_is_optimal_against_brute_force():
+    """PipeDream's memory constraint: the smallest slowest stage among the splits whose every
+    chunk's memory fits the budget; a budget no split meets is refused with the one it needs."""
+    rng = random.Random(1)
+    for _ in range(60):
+        n = rng.randint(2, 9)
+        k = rng.randint(1, n)
+        costs = [rng.uniform(0.1, 10.0) for _ in range(n)]
+        memory = [rng.uniform(0.1, 10.0) for _ in range(n)]
+        need = max(chunk_costs(balanced(memory, k), memory))
+        budget = need * rng.uniform(1.0, 1.6)
+        counts = balanced(costs, k, layer_memory=memory, memory_budget=budget)
+        assert max(chunk_costs(counts, memory)) <= budget * (1 + 1e-9)
+        assert max(chunk_costs(counts, costs)) == pytest.approx(
+            _brute_bounded(costs, memory, budget, k), rel=1e-9)
+        if k < n:
+            with pytest.raises(ValueError, match="memory_budget=.*needs"):
+                balanced(costs, k, layer_memory=memory, memory_budget=need * 0.99)
+    # costs alone put the two heavy-memory layers together; the budget splits them
+    assert balanced([5, 1, 1, 1], 2) == [1, 3]
+    assert balanced([5, 1, 1, 1], 2, layer_memory=[1, 4, 4, 1], memory_budget=6) == [2, 2]
+
+
+def test_cnn_groups_keep_their_training_state_within_the_memory_budget():
+    """Plan(memory_budget=) bounds each group's parameters, float32 gradients and optimizer
+    state (grouping.state_bytes): the split moves off the FLOPs-only one and stays exact."""
+    model = CNN(rngs=nnx.Rngs(0))
+    layout_ = (2, 2, 2, "1f1b", 4, 1)
+    free = check_exact(model, lambda m: m(IMAGES["images"]), labels_ce, IMAGES, "blocks",
+                       layout_, "cost")
+    state = grouping.state_bytes(free.staged, optax.sgd(0.1))
+    sizes = lambda t: [sum(state[a:b]) for a, b in t.staged.groups]  # noqa: E731
+    budget = int(0.9 * max(sizes(free)))
+    bounded = check_exact(model, lambda m: m(IMAGES["images"]), labels_ce, IMAGES, "blocks",
+                          layout_, "cost", memory_budget=budget)
+    assert bounded.staged.groups != free.staged.groups
+    assert max(sizes(bounded)) <= budget
+    tight = dataclasses.replace(plan_for(layout_), partition="cost",
+                                memory_budget=int(0.4 * max(state)))
+    with pytest.raises(ValueError, match="memory_budget"):
+        fj.parallelize(model, optax.sgd(0.1), tight, loss=labels_ce, layers="blocks")

@@ -86,13 +86,30 @@ def _compiled(f, *args):
     return jax.jit(f).lower(*abstract).compile()
 
 
+def state_bytes(model: HeteroModel, optimizer: Any) -> list[float]:
+    """Per block, the bytes of its training state: parameters, their float32 gradient
+    accumulators and ``optimizer``'s state for them (``jax.eval_shape`` of its ``init``)."""
+    out = []
+    for leaves in model._block_leaves():
+        tree = {str(i): jax.ShapeDtypeStruct(v.shape, v.dtype) for i, (_, v) in enumerate(leaves)}
+        state = jax.eval_shape(optimizer.init, tree)
+        out.append(float(sum(math.prod(x.shape) * (x.dtype.itemsize + 4)
+                             for x in tree.values())
+                         + sum(math.prod(x.shape) * x.dtype.itemsize
+                               for x in jax.tree.leaves(state))))
+    return out
+
+
 def for_plan(model: HeteroModel, params: nnx.State, plan: Any,
-             example: dict | None = None) -> HeteroModel:
+             example: dict | None = None, optimizer: Any = None) -> HeteroModel:
     """``model`` grouped for ``plan``: one group per pipeline chunk (``pipe x
     virtual_stages``), or one group without a pipeline; blocks per group by ``plan.partition``
     (:func:`fiddlejax.pipeline.partition.partition`): ``uniform`` counts, or PipeDream's
     dynamic program over each block's parameter count (``params``) or measured training FLOPs
-    (``cost``, on the model's ``batch_spec(1)``)."""
+    (``cost``, on the model's ``batch_spec(1)``). With ``plan.memory_budget`` (and
+    ``optimizer``), each group's training state (:func:`state_bytes`) must fit the budget: a
+    per-device bound on what the partition decides (activations depend on the batch, which is
+    not known yet)."""
     chunks = plan.pipe * plan.virtual_stages if plan.schedule else 1
     if chunks > model.unit:
         raise ValueError(f"{model.callsite}: {model.unit} unequal blocks cannot fill "
@@ -105,7 +122,18 @@ def for_plan(model: HeteroModel, params: nnx.State, plan: Any,
                          "jax.ShapeDtypeStruct), or use partition='params' or 'uniform'")
     field = "flops" if plan.partition == "cost" else "params"
     costs = [c[field] for c in block_costs(model, params, example, plan.partition)]
-    return model.regrouped(partition(model.unit, chunks, plan.partition, layer_costs=costs))
+    bound = plan.memory_budget if optimizer is not None else None
+    memory = state_bytes(model, optimizer) if bound is not None else None
+    try:
+        counts = partition(model.unit, chunks, plan.partition, layer_costs=costs,
+                           layer_memory=memory, memory_budget=bound)
+    except ValueError as e:
+        if bound is None:
+            raise
+        raise ValueError(f"{model.callsite}: the training state of its unequal blocks (parameters,"
+                         f" float32 gradients, optimizer state) does not fit Plan(memory_budget="
+                         f"{bound}) in any split: {e}") from None
+    return model.regrouped(counts)
 
 
-__all__ = ["block_costs", "for_plan"]
+__all__ = ["block_costs", "for_plan", "state_bytes"]

@@ -110,7 +110,7 @@ def lay_out(staged: StagedModel, canonical: nnx.State, plan: Plan,
     """Apply the parallel concerns to ``staged`` in the documented order (unequal blocks
     first grouped one group per pipeline chunk: :mod:`fiddlejax.adaptation.grouping`)."""
     if isinstance(staged, hetero.HeteroModel):
-        staged = grouping.for_plan(staged, canonical, plan, example)
+        staged = grouping.for_plan(staged, canonical, plan, example, optimizer)
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), canonical)
     return assemble(fold(CONCERNS, Draft(plan, name, canonical, template, example, optimizer,
                                          staged)))

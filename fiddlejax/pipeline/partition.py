@@ -28,10 +28,13 @@ def partition(
     layer_costs: Sequence[float] | None = None,
     first_extra: float = 0.0,
     last_extra: float = 0.0,
+    layer_memory: Sequence[float] | None = None,
+    memory_budget: float | None = None,
 ) -> list[int]:
     """Layer counts per chunk, in model order: ``len == num_chunks``, each >= 1, sum == layers.
 
-    ``layer_costs`` (one per layer) defaults to equal costs; it is used by ``params``/``cost``.
+    ``layer_costs`` (one per layer) defaults to equal costs; it is used by ``params``/``cost``,
+    as are ``layer_memory`` and ``memory_budget`` (:func:`balanced`).
     """
     _check(num_layers, num_chunks, method)
     if method == "uniform":
@@ -44,7 +47,8 @@ def partition(
                         ("first_extra", first_extra), ("last_extra", last_extra)]:
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value} must be a finite cost >= 0")
-    return balanced(costs, num_chunks, first_extra=first_extra, last_extra=last_extra)
+    return balanced(costs, num_chunks, first_extra=first_extra, last_extra=last_extra,
+                    layer_memory=layer_memory, memory_budget=memory_budget)
 
 
 def _check(num_layers: int, num_chunks: int, method: str) -> None:
@@ -89,17 +93,22 @@ def chunk_costs(counts: Sequence[int], layer_costs: Sequence[float], *, first_ex
 
 
 def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: float = 0.0,
-             last_extra: float = 0.0) -> list[int]:
+             last_extra: float = 0.0, layer_memory: Sequence[float] | None = None,
+             memory_budget: float | None = None) -> list[int]:
     """The contiguous split minimising the maximum chunk cost (PipeDream's dynamic program).
 
     Among the optimal splits it takes the one with the smallest sum of squared chunk costs (the
     most even), then the one closest to :func:`uniform`, so equal costs give uniform's answer.
+    ``layer_memory`` and ``memory_budget``: only chunks whose layers' memory sums to at most
+    the budget are allowed (PipeDream's memory constraint); a ValueError names the smallest
+    budget any split meets when none meets this one.
     """
     n, k = len(layer_costs), num_chunks
     _check(n, k, "cost")
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
+    fits = _memory_fits(layer_memory, memory_budget, n, k)
 
     def cost(j: int, a: int, b: int) -> float:  # chunk j holds layers a..b-1
         return (prefix[b] - prefix[a] + (first_extra if j == 0 else 0.0)
@@ -109,10 +118,11 @@ def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: floa
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(k)]
     for i in range(1, n - k + 2):
-        best[0][i] = cost(0, 0, i)
+        best[0][i] = cost(0, 0, i) if fits(0, i) else inf
     for j in range(1, k):
         for i in range(j + 1, n - (k - 1 - j) + 1):
-            best[j][i] = min(max(best[j - 1][a], cost(j, a, i)) for a in range(j, i))
+            best[j][i] = min((max(best[j - 1][a], cost(j, a, i)) for a in range(j, i)
+                              if fits(a, i)), default=inf)
     bound = best[k - 1][n]
     bound += 1e-9 * max(1.0, abs(bound))  # float slack: sums in another order may differ
 
@@ -122,13 +132,13 @@ def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: floa
     score: list[list[tuple[float, int] | None]] = [[None] * (n + 1) for _ in range(k)]
     back = [[0] * (n + 1) for _ in range(k)]
     for i in range(1, n - k + 2):
-        if cost(0, 0, i) <= bound:
+        if cost(0, 0, i) <= bound and fits(0, i):
             score[0][i] = (cost(0, 0, i) ** 2, abs(i - target[0]))
     for j in range(1, k):
         for i in range(j + 1, n - (k - 1 - j) + 1):
             for a in range(j, i):
                 prev, c = score[j - 1][a], cost(j, a, i)
-                if prev is None or c > bound:
+                if prev is None or c > bound or not fits(a, i):
                     continue
                 cand = (prev[0] + c * c, prev[1] + abs(i - a - target[j]))
                 if score[j][i] is None or cand < score[j][i]:
@@ -140,3 +150,26 @@ def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: floa
         i = a
     counts.append(i)
     return counts[::-1]
+
+
+def _memory_fits(memory: Sequence[float] | None, budget: float | None, n: int, k: int):
+    """``fits(a, b)``: whether layers a..b-1 fit ``budget`` together (always, without one);
+    a ValueError naming the smallest budget a split of n layers into k chunks meets, if this
+    one is below it."""
+    if budget is None:
+        return lambda a, b: True
+    if memory is None or len(memory) != n:
+        raise ValueError(f"memory_budget needs layer_memory, one entry per layer ({n}); got "
+                         f"{None if memory is None else len(memory)}")
+    for i, m in enumerate(memory):
+        if not math.isfinite(m) or m < 0:
+            raise ValueError(f"layer_memory[{i}]={m} must be finite bytes >= 0")
+    prefix = [0.0]
+    for m in memory:
+        prefix.append(prefix[-1] + m)
+    need = max(chunk_costs(balanced(list(memory), k), memory))
+    if need > budget * (1 + 1e-12):
+        raise ValueError(f"no split of {n} layers into {k} chunks keeps each within "
+                         f"memory_budget={budget:.6g}: the most even by memory needs {need:.6g} "
+                         "in its largest chunk; raise the budget or use more chunks")
+    return lambda a, b: prefix[b] - prefix[a] <= budget * (1 + 1e-12)
