@@ -5,9 +5,10 @@ The blocks are ResNet-50's bottlenecks ([3, 4, 6, 3], the first of each stage pr
 after the first stage, halving the image), at narrow widths on tiny images: 16 blocks that
 differ in width, stride and shape. ``partition="cost"`` measures each block's compiled training
 FLOPs (``cost_analysis``) and the dynamic program cuts 4 stages; the report gives each stage's
-measured cost, the pipeline's loss and gradients against one device's ``jax.value_and_grad``,
-and the compiled step's per-device memory (``memory_analysis``) on data=2 x pipe=4 (1F1B)
-against data=8. Writes benchmarks/results/hetero_pipeline.md.
+measured cost (on interleaved 1F1B, each stage's two chunks together), each layout's loss and
+gradients against one device's ``jax.value_and_grad``, and the compiled step's per-device
+memory (``memory_analysis``) on data=2 x pipe=4 (1F1B and interleaved) against data=8.
+Writes benchmarks/results/hetero_pipeline.md.
 
     python benchmarks/hetero_pipeline.py
 """
@@ -106,75 +107,108 @@ def most_even(costs: list[float], stages: int) -> tuple[float, list[int]]:
     return min(found)
 
 
+def exactness(run, model, batch) -> tuple[float, float, int]:
+    """(loss relative error, worst gradient leaf's, leaves) of ``run`` against one device."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    want = jax.jit(jax.value_and_grad(
+        lambda p: ce(nnx.merge(graphdef, p, rest, copy=True)(batch["images"]), batch)))(params)
+    loss, grads = run.loss_and_grads(run.init(), batch)
+    loss_err = abs(float(loss) - float(want[0])) / abs(float(want[0]))
+    return loss_err, max(leaf_errors(grads, want[1])), len(jax.tree.leaves(grads))
+
+
+def stage_loads(run, costs: list[float]) -> tuple[list[list[int]], list[float]]:
+    """Per pipeline stage: its chunks (the schedule's placement) and their summed FLOPs."""
+    counts = [b - a for a, b in run.staged.groups]
+    chunk = chunk_costs(counts, costs)
+    placement = run.pipeline.schedule.placement if run.pipeline else range(len(counts))
+    held: dict[int, list[int]] = {}
+    for c, st in enumerate(placement):
+        held.setdefault(st, []).append(c)
+    return [held[st] for st in sorted(held)], [sum(chunk[c] for c in held[st])
+                                               for st in sorted(held)]
+
+
+def stage_table(run, costs: list[float]) -> tuple[list[str], float]:
+    """Rows of the stages a run's partitioner picked, and its slowest / fastest stage."""
+    chunks, loads = stage_loads(run, costs)
+    groups, mean = run.staged.groups, sum(costs) / len(loads)
+    rows = ["| stage | chunks: blocks | measured FLOPs (one example) | / mean stage |",
+            "|---|---|---|---|"]
+    for st, (held, load) in enumerate(zip(chunks, loads)):
+        spans = ", ".join(f"{groups[c][0]}..{groups[c][1] - 1}" for c in held)
+        rows.append(f"| {st} | {spans} | {load:.0f} | {load / mean:.3f} |")
+    return rows, max(loads) / min(loads)
+
+
 def main() -> int:
     model = ResNet50ish(rngs=nnx.Rngs(0))
     batch = {"images": jax.random.normal(jax.random.key(1), (BATCH, IMAGE, IMAGE, 3)),
              "labels": jax.random.randint(jax.random.key(2), (BATCH,), 0, CLASSES)}
-    pipe_plan = fj.Plan(mesh=fj.make_mesh(data=2, pipe=4, tensor=1), schedule="1f1b",
-                        microbatches=4, partition="cost")
-    dp_plan = fj.Plan(mesh=fj.make_mesh(data=8, pipe=1, tensor=1))
-    pipe = fj.parallelize(model, optax.sgd(0.1), pipe_plan, loss=ce, layers="blocks")
-    groups = pipe.staged.groups
-    counts = [b - a for a, b in groups]
+    mesh = fj.make_mesh(data=2, pipe=4, tensor=1)
+    plans = {"1F1B": fj.Plan(mesh=mesh, schedule="1f1b", microbatches=4, partition="cost"),
+             "interleaved 1F1B, 2 chunks a stage": fj.Plan(
+                 mesh=mesh, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4,
+                 partition="cost"),
+             "data=8": fj.Plan(mesh=fj.make_mesh(data=8, pipe=1, tensor=1))}
+    runs = {k: fj.parallelize(model, optax.sgd(0.1), p, loss=ce, layers="blocks")
+            for k, p in plans.items()}
     staged, canonical = fj.split_model(model, ce, layers="blocks")
     costs = [c["flops"] for c in grouping.block_costs(staged, canonical, model.batch_spec(1))]
-    stage = chunk_costs(counts, costs)
-    print("blocks per stage", counts, "stage FLOPs", stage, flush=True)
-
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    want = jax.jit(jax.value_and_grad(
-        lambda p: ce(nnx.merge(graphdef, p, rest, copy=True)(batch["images"]), batch)))(params)
-    loss, grads = pipe.loss_and_grads(pipe.init(), batch)
-    loss_err = abs(float(loss) - float(want[0])) / abs(float(want[0]))
-    worst = max(leaf_errors(grads, want[1]))
-    print(f"loss rel {loss_err:.2e}, worst gradient leaf rel {worst:.2e}", flush=True)
-
-    dp = fj.parallelize(model, optax.sgd(0.1), dp_plan, loss=ce, layers="blocks")
+    exact = {k: exactness(r, model, batch) for k, r in runs.items()}
+    print("exactness", exact, flush=True)
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    mem_dp = dp.memory(batch=abstract)
-    print("data", mem_dp, flush=True)
-    mem_pipe = pipe.memory(batch=abstract)
-    print("pipe", mem_pipe, flush=True)
+    mem = {k: r.memory(batch=abstract) for k, r in runs.items()}
+    print("memory", mem, flush=True)
+    out = report(runs, costs, exact, mem)
+    path = Path(__file__).parent / "results" / "hetero_pipeline.md"
+    reporting.write(path, "\n".join(out) + "\n")
+    print("\n".join(out))
+    return 0
 
+
+def report(runs: dict, costs: list[float], exact: dict, mem: dict) -> list[str]:
+    plain, inter = list(runs)[:2]
     total = sum(costs)
     out = [
         "# A ResNet-50-shaped CNN over 4 pipeline stages (unequal blocks), against data "
         "parallelism", "",
         f"ResNet-50's 16 bottlenecks ([3, 4, 6, 3]) at width {WIDTH} (stage widths "
         f"{WIDTH}..{8 * WIDTH}, outputs {4 * WIDTH}..{32 * WIDTH} channels), {IMAGE}x{IMAGE} "
-        f"images, global batch {BATCH}; GroupNorm. Pipeline: data=2 x pipe=4, 1F1B, 4 "
-        "microbatches, `partition=\"cost\"` (PipeDream's dynamic program over each block's "
-        "compiled training FLOPs on one example). Data parallelism: data=8.", "",
-        "## Stages the partitioner picked", "",
-        "| stage | blocks | measured FLOPs (one example) | / mean stage |", "|---|---|---|---|"]
-    mean = total / len(stage)
-    for s, ((a, b), f) in enumerate(zip(groups, stage)):
-        out.append(f"| {s} | {a}..{b - 1} | {f:.0f} | {f / mean:.3f} |")
-    spread, best = most_even(costs, len(stage))
-    out += ["", f"Slowest / fastest stage: **{max(stage) / min(stage):.3f}** (target <= 1.15); "
-            f"slowest / mean stage {max(stage) / mean:.3f}; slowest stage / whole model: "
-            f"{max(stage) / total:.3f} (ideal 0.25).", "",
-            f"The most even contiguous split of these {len(costs)} blocks (all "
-            f"{math.comb(len(costs) - 1, len(stage) - 1)} tried): {best} blocks per stage, "
-            f"slowest / fastest {spread:.3f}; whole blocks cannot come closer. Each block's "
-            f"FLOPs: {', '.join(f'{c / 1e6:.2f}M' for c in costs)} (the first block of each "
-            "ResNet stage downsamples and widens).", "",
+        f"images, global batch {BATCH}; GroupNorm. Pipelines: data=2 x pipe=4, 4 microbatches, "
+        "`partition=\"cost\"` (PipeDream's dynamic program over each block's compiled training "
+        "FLOPs on one example), on 1F1B (one chunk a stage) and on interleaved 1F1B (two "
+        "chunks a stage, `virtual_stages=2`: the partitioner balances each stage's two chunks "
+        "together, `partition.balanced(placement=)`). Data parallelism: data=8.", ""]
+    for name in (plain, inter):
+        rows, spread = stage_table(runs[name], costs)
+        loads = stage_loads(runs[name], costs)[1]
+        out += [f"## Stages the partitioner picked: {name}", "", *rows, "",
+                f"Slowest / fastest stage: **{spread:.3f}** (target <= 1.15); slowest stage / "
+                f"whole model {max(loads) / total:.3f} (ideal 0.25).", ""]
+    spread, best = most_even(costs, 4)
+    out += [f"Whole blocks over 4 stages of one chunk cannot come closer than {spread:.3f}: "
+            f"the most even contiguous split of these {len(costs)} blocks (all "
+            f"{math.comb(len(costs) - 1, 3)} tried) is {best} blocks per stage. With two chunks "
+            "a stage, an uneven chunk pairs with one that evens it out. Each block's FLOPs: "
+            f"{', '.join(f'{c / 1e6:.2f}M' for c in costs)} (the first block of each ResNet "
+            "stage downsamples and widens).", "",
             "## Exactness (float32, against one device's jax.value_and_grad)", "",
-            f"Loss relative error {loss_err:.1e}; worst gradient leaf {worst:.1e} "
-            f"(of {len(jax.tree.leaves(grads))} leaves, each against max(its norm, 1e-4 x the "
-            "gradient's), as tests/helpers.py; target < 1e-5).", "",
+            "| layout | loss rel. error | worst gradient leaf (of the leaves) |", "|---|---|---|"]
+    for name, (loss_err, worst, leaves) in exact.items():
+        out.append(f"| {name} | {loss_err:.1e} | {worst:.1e} (of {leaves}) |")
+    out += ["", "Each leaf against max(its norm, 1e-4 x the gradient's), as tests/helpers.py; "
+            "target < 1e-5.", "",
             "## Per-device memory of the compiled step (memory_analysis)", "",
-            "| | data=8 | data=2 x pipe=4 | pipe / data |", "|---|---|---|---|"]
+            f"| | data=8 | {plain} | {inter} |", "|---|---|---|---|"]
     for key in ("argument_bytes", "temp_bytes", "peak_bytes"):
-        a, b = mem_dp[key], mem_pipe[key]
-        out.append(f"| {key} | {a / 2**10:.0f} KiB | {b / 2**10:.0f} KiB | {b / a:.2f}x |")
+        a = mem["data=8"][key]
+        cells = [f"{mem[n][key] / 2**10:.0f} KiB ({mem[n][key] / a:.2f}x)" for n in (plain, inter)]
+        out.append(f"| {key} | {a / 2**10:.0f} KiB | {' | '.join(cells)} |")
     out += ["", "Arguments hold the parameters and the optimizer state: a pipeline stage holds "
-            "its own blocks' (padded to the largest stage's flat buffer), data parallelism "
+            "its own blocks' (padded to the largest chunk's flat buffer), data parallelism "
             "every block's. The pipeline's temporaries hold its stash and transfer buffers."]
-    path = Path(__file__).parent / "results" / "hetero_pipeline.md"
-    reporting.write(path, "\n".join(out) + "\n")
-    print("\n".join(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

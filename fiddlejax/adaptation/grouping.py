@@ -22,6 +22,7 @@ from fiddlejax.adaptation import dropout
 from fiddlejax.adaptation.adapt import _shape_key
 from fiddlejax.adaptation.hetero import HeteroModel
 from fiddlejax.adaptation.side_inputs import activation
+from fiddlejax.pipeline import schedules
 from fiddlejax.pipeline.partition import partition
 
 
@@ -109,7 +110,8 @@ def for_plan(model: HeteroModel, params: nnx.State, plan: Any,
     (``cost``, on the model's ``batch_spec(1)``). With ``plan.memory_budget`` (and
     ``optimizer``), each group's training state (:func:`state_bytes`) must fit the budget: a
     per-device bound on what the partition decides (activations depend on the batch, which is
-    not known yet)."""
+    not known yet). With ``virtual_stages`` > 1 the split balances each pipeline stage's
+    chunks together (the schedule's placement), not each chunk alone."""
     chunks = plan.pipe * plan.virtual_stages if plan.schedule else 1
     if chunks > model.unit:
         raise ValueError(f"{model.callsite}: {model.unit} unequal blocks cannot fill "
@@ -124,9 +126,13 @@ def for_plan(model: HeteroModel, params: nnx.State, plan: Any,
     costs = [c[field] for c in block_costs(model, params, example, plan.partition)]
     bound = plan.memory_budget if optimizer is not None else None
     memory = state_bytes(model, optimizer) if bound is not None else None
+    placement = None  # interleaved: a stage runs several chunks, their sum sets its pace
+    if plan.virtual_stages > 1:
+        placement = schedules.build(plan.schedule, plan.pipe, plan.microbatches,
+                                    plan.virtual_stages).placement
     try:
         counts = partition(model.unit, chunks, plan.partition, layer_costs=costs,
-                           layer_memory=memory, memory_budget=bound)
+                           layer_memory=memory, memory_budget=bound, placement=placement)
     except ValueError as e:
         if bound is None:
             raise

@@ -8,12 +8,15 @@ head, loss), so those two carry extra cost.
   the first chunk, and the last chunk (which runs the head) last.
 - ``params`` / ``cost``: PipeDream's dynamic program over per-layer costs (parameter counts, or
   measured times), minimising the maximum chunk cost including ``first_extra`` / ``last_extra``.
+  Where a stage holds several chunks (interleaved schedules: ``placement``), a stage runs at
+  the pace of its chunks' sum, and the split is refined to the smallest maximum stage load.
 
 Pure Python: no JAX, so the planner and tests can call it anywhere.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -30,11 +33,12 @@ def partition(
     last_extra: float = 0.0,
     layer_memory: Sequence[float] | None = None,
     memory_budget: float | None = None,
+    placement: Sequence[int] | None = None,
 ) -> list[int]:
     """Layer counts per chunk, in model order: ``len == num_chunks``, each >= 1, sum == layers.
 
     ``layer_costs`` (one per layer) defaults to equal costs; it is used by ``params``/``cost``,
-    as are ``layer_memory`` and ``memory_budget`` (:func:`balanced`).
+    as are ``layer_memory``, ``memory_budget`` and ``placement`` (:func:`balanced`).
     """
     _check(num_layers, num_chunks, method)
     if method == "uniform":
@@ -48,7 +52,8 @@ def partition(
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value} must be a finite cost >= 0")
     return balanced(costs, num_chunks, first_extra=first_extra, last_extra=last_extra,
-                    layer_memory=layer_memory, memory_budget=memory_budget)
+                    layer_memory=layer_memory, memory_budget=memory_budget,
+                    placement=placement)
 
 
 def _check(num_layers: int, num_chunks: int, method: str) -> None:
@@ -94,7 +99,8 @@ def chunk_costs(counts: Sequence[int], layer_costs: Sequence[float], *, first_ex
 
 def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: float = 0.0,
              last_extra: float = 0.0, layer_memory: Sequence[float] | None = None,
-             memory_budget: float | None = None) -> list[int]:
+             memory_budget: float | None = None,
+             placement: Sequence[int] | None = None) -> list[int]:
     """The contiguous split minimising the maximum chunk cost (PipeDream's dynamic program).
 
     Among the optimal splits it takes the one with the smallest sum of squared chunk costs (the
@@ -102,6 +108,8 @@ def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: floa
     ``layer_memory`` and ``memory_budget``: only chunks whose layers' memory sums to at most
     the budget are allowed (PipeDream's memory constraint); a ValueError names the smallest
     budget any split meets when none meets this one.
+    ``placement`` (chunk -> pipeline stage, a schedule's): where a stage holds several chunks,
+    the split is then refined by :func:`_stage_balanced`.
     """
     n, k = len(layer_costs), num_chunks
     _check(n, k, "cost")
@@ -149,7 +157,61 @@ def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: floa
         counts.append(i - a)
         i = a
     counts.append(i)
-    return counts[::-1]
+    counts = counts[::-1]
+    if placement is None or len(set(placement)) == len(placement):
+        return counts
+    if len(placement) != k:
+        raise ValueError(f"placement has {len(placement)} entries for {k} chunks; give each "
+                         "chunk's stage (a schedule's placement)")
+    return _stage_balanced(counts, placement, lambda j, a, b: cost(j, a, b), fits)
+
+
+def _stage_balanced(counts: list[int], placement: Sequence[int], cost, fits,
+                    budget: int = 200_000) -> list[int]:
+    """``counts`` refined to the smallest maximum *stage* load, a stage's load being the sum of
+    its chunks' costs: a stage of an interleaved schedule runs all its chunks for every
+    microbatch, so the sum sets the pace, and uneven chunks can pair up into even stages.
+
+    No dynamic program covers sums over non-contiguous chunks, so this is a depth-first branch
+    and bound over the chunk boundaries, in model order, seeded with the chunk-balanced split
+    and cutting every branch whose stage already exceeds the best maximum; ties go to the
+    smaller sum of squared stage loads. Exact when it finishes within ``budget`` visited
+    boundaries (always for tens of blocks), else the best split found, never worse than the
+    seed."""
+    k, n, stages = len(counts), sum(counts), max(placement) + 1
+
+    def score(bounds: list[int]) -> tuple[float, float]:
+        load = [0.0] * stages
+        for j in range(k):
+            load[placement[j]] += cost(j, bounds[j], bounds[j + 1])
+        return (round(max(load), 9), round(sum(x * x for x in load), 9))
+
+    seed = [0, *itertools.accumulate(counts)]
+    best = {"bounds": seed, "score": score(seed), "left": budget}
+
+    def visit(j: int, a: int, bounds: list[int], load: list[float]) -> None:
+        ends = [n] if j == k - 1 else range(a + 1, n - (k - 1 - j) + 1)
+        for e in ends:
+            best["left"] -= 1
+            if best["left"] < 0:
+                return
+            stage_load = load[placement[j]] + cost(j, a, e)
+            if round(stage_load, 9) > best["score"][0]:
+                return  # costs are >= 0: a later end only adds
+            if not fits(a, e):
+                continue
+            load[placement[j]] = stage_load
+            if j == k - 1:
+                s = score([*bounds, e])
+                if s < best["score"]:
+                    best["bounds"], best["score"] = [*bounds, e], s
+            else:
+                visit(j + 1, e, [*bounds, e], load)
+            load[placement[j]] -= cost(j, a, e)
+
+    visit(0, 0, [0], [0.0] * stages)
+    b = best["bounds"]
+    return [y - x for x, y in zip(b, b[1:])]
 
 
 def _memory_fits(memory: Sequence[float] | None, budget: float | None, n: int, k: int):
