@@ -7,7 +7,8 @@ differ in width, stride and shape. ``partition="cost"`` measures each block's co
 FLOPs (``cost_analysis``) and the dynamic program cuts 4 stages; the report gives each stage's
 measured cost (on interleaved 1F1B, each stage's two chunks together), each layout's loss and
 gradients against one device's ``jax.value_and_grad``, and the compiled step's per-device
-memory (``memory_analysis``) on data=2 x pipe=4 (1F1B and interleaved) against data=8.
+memory (``memory_analysis``) on data=2 x pipe=4 (1F1B and interleaved) against data=8, and
+the planner's price for each pipeline (``fiddlejax.planner.unequal``) beside it.
 Writes benchmarks/results/hetero_pipeline.md.
 
     python benchmarks/hetero_pipeline.py
@@ -31,8 +32,11 @@ import reporting  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fiddlejax as fj  # noqa: E402
+from fiddlejax import planner  # noqa: E402
 from fiddlejax.adaptation import grouping  # noqa: E402
 from fiddlejax.pipeline.partition import chunk_costs  # noqa: E402
+from fiddlejax.planner import unequal  # noqa: E402
+from fiddlejax.planner.footprint import chunk_cost_scale  # noqa: E402
 
 WIDTH, IMAGE, BATCH, CLASSES = 4, 16, 16, 10
 
@@ -160,11 +164,42 @@ def main() -> int:
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     mem = {k: r.memory(batch=abstract) for k, r in runs.items()}
     print("memory", mem, flush=True)
-    out = report(runs, costs, exact, mem)
+    inputs = sum(a.size * a.dtype.itemsize for a in abstract.values()) / 2  # data=2's share
+    priced = {k: priced_by_planner(runs[k], plans[k], model, canonical, mem[k], inputs)
+              for k in list(runs)[:2]}
+    print("planner", priced, flush=True)
+    out = report(runs, costs, exact, mem) + planner_section(priced)
     path = Path(__file__).parent / "results" / "hetero_pipeline.md"
     reporting.write(path, "\n".join(out) + "\n")
     print("\n".join(out))
     return 0
+
+
+def priced_by_planner(run, plan, model, canonical, compiled: dict, inputs: float) -> dict:
+    """The planner's prediction for a pipeline (``planner.unequal.spec`` of its groups) beside
+    the compiled step's figures (the batch's own bytes left out: the planner counts none)."""
+    spec = unequal.spec(run.staged, canonical, model.batch_spec(1))
+    pred = planner.predict(spec, planner.cluster("h100", nodes=1), unequal.layout(plan, BATCH))
+    m = pred.memory
+    return {"state": (m.params + m.optimizer, compiled["argument_bytes"] - inputs),
+            "peak": (m.total, compiled["peak_bytes"] - inputs),
+            "slowest": chunk_cost_scale(spec, unequal.layout(plan, BATCH))}
+
+
+def planner_section(priced: dict) -> list[str]:
+    out = ["", "## The planner's price (`fiddlejax.planner.unequal.spec`)", "",
+           "Per device, the planner's prediction for each pipeline's groups (the padded "
+           "parameter rows, the largest group's residuals and boundary, each group's measured "
+           "FLOPs) against the compiled step (less the batch's own bytes, which the planner "
+           "does not count).", "",
+           "| pipeline | parameters + optimizer: planner / compiled | peak: planner / compiled "
+           "| slowest stage, in mean stages |", "|---|---|---|---|"]
+    for name, got in priced.items():
+        (ps, cs), (pp, cp) = got["state"], got["peak"]
+        out.append(f"| {name} | {ps / 2**10:.0f} / {cs / 2**10:.0f} KiB ({ps / cs - 1:+.1%}) | "
+                   f"{pp / 2**10:.0f} / {cp / 2**10:.0f} KiB ({pp / cp - 1:+.1%}) | "
+                   f"{got['slowest']:.3f} |")
+    return out
 
 
 def report(runs: dict, costs: list[float], exact: dict, mem: dict) -> list[str]:

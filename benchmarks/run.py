@@ -82,7 +82,7 @@ class Report:
 
 REPORTS: dict[str, Report] = {
     "pipeline_memory.md": Report("pipeline_memory.py", "--quick", STEP + PIPE + GPT),
-    "hetero_pipeline.md": Report("hetero_pipeline.py", "", STEP + PIPE),
+    "hetero_pipeline.md": Report("hetero_pipeline.py", "", STEP + PIPE + PLANNER),
     "dpo_reference_memory.md": Report("dpo_reference_memory.py", "",
                                       STEP + PIPE + LLAMA + ("fiddlejax/finetune",)),
     "pipeline_vs_baseline.md": Report("pipeline_vs_baseline.py", "--quick", STEP + PIPE + GPT),

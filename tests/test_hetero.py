@@ -288,3 +288,38 @@ def test_cnn_groups_keep_their_training_state_within_the_memory_budget():
                                 memory_budget=int(0.4 * max(state)))
     with pytest.raises(ValueError, match="memory_budget"):
         fj.parallelize(model, optax.sgd(0.1), tight, loss=labels_ce, layers="blocks")
+
+
+@pytest.mark.parametrize("schedule,mesh,v", [("1f1b", (4, 2), 1),
+                                             ("interleaved-1f1b", (4, 2), 2)],
+                         ids=["1f1b", "interleaved"])
+def test_planner_prices_unequal_blocks_as_compiled(schedule, mesh, v):
+    """planner.unequal.spec: the groups as the pipeline runs them (padded parameter rows,
+    residual buffers sized for the largest group, each group's measured FLOPs). Its predicted
+    parameters and optimizer state equal the compiled step's arguments within 5% (the batch
+    is the rest), its total the compiled peak within 10%; a stage's pace is its groups'
+    sum."""
+    from fiddlejax import planner
+    from fiddlejax.planner import unequal
+    from fiddlejax.planner.footprint import chunk_cost_scale
+
+    model = CNN(rngs=nnx.Rngs(0))
+    plan = fj.Plan(mesh=fj.make_mesh(data=mesh[0], pipe=mesh[1], tensor=1), schedule=schedule,
+                   virtual_stages=v, microbatches=2, partition="cost")
+    trainer = fj.parallelize(model, optax.adam(1e-3), plan, loss=labels_ce, layers="blocks")
+    _, canonical = fj.split_model(model, labels_ce, layers="blocks")
+    spec = unequal.spec(trainer.staged, canonical, model.batch_spec(1))
+    batch = 64  # activations the larger part, as at scale (compiled, never run)
+    layout_ = unequal.layout(plan, batch)
+    got = planner.predict(spec, planner.cluster("h100", nodes=1), layout_).memory
+    compiled = trainer.memory(batch=model.batch_spec(batch))
+    inputs = sum(a.size * a.dtype.itemsize for a in model.batch_spec(batch).values()) / mesh[0]
+    assert got.params + got.optimizer == pytest.approx(compiled["argument_bytes"] - inputs,
+                                                       rel=0.05)
+    assert got.total == pytest.approx(compiled["peak_bytes"] - inputs, rel=0.10)
+    costs = [c["flops"] for c in grouping.block_costs(trainer.staged, canonical,
+                                                     model.batch_spec(1))]
+    counts = [b - a for a, b in trainer.staged.groups]
+    loads = _stage_loads(counts, costs, trainer.pipeline.schedule.placement)
+    assert chunk_cost_scale(spec, layout_) == pytest.approx(
+        max(loads) / v / (sum(costs) / len(counts)), rel=1e-6)

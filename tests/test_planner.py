@@ -387,10 +387,10 @@ def test_search_uses_pipedream_partition_for_uneven_layers():
     spec = dataclasses.replace(planner.gpt(8, 512, 8, 512, 1000),
                                layer_costs=(1, 1, 1, 1, 1, 1, 4, 4))
     lo = Layout(pipe=2, data=4, microbatch_size=1, global_batch=8, schedule="1f1b")
-    from fiddlejax.planner.predict import _chunk_cost_scale
+    from fiddlejax.planner.footprint import chunk_cost_scale
 
     # PipeDream split [1 x 6 | 4, 4]: the slowest chunk costs 8, i.e. 8 / 1.75 average layers
-    assert _chunk_cost_scale(spec, lo) == pytest.approx(8 / (14 / 8))
+    assert chunk_cost_scale(spec, lo) == pytest.approx(8 / (14 / 8))
 
 
 def test_analytic_llama_matches_the_flax_model():

@@ -150,14 +150,38 @@ def schedule_steps(layout: Layout) -> int:
 
 
 def chunk_layers(model: ModelSpec, layout: Layout) -> int:
-    """Layers in the largest chunk; with per-layer costs, PipeDream's balanced partition."""
+    """Layers in the largest chunk; with per-layer costs, PipeDream's balanced partition (over
+    the schedule's placement, as the runtime's: ``grouping.for_plan``)."""
     chunks = layout.pipe * layout.virtual_stages
     if model.layer_costs is None:
         return math.ceil(model.num_layers / chunks)
     from fiddlejax.pipeline.partition import balanced
 
-    counts = balanced(list(model.layer_costs), chunks)
-    return max(counts)
+    return max(balanced(list(model.layer_costs), chunks, placement=stage_placement(layout)))
+
+
+def chunk_cost_scale(model: ModelSpec, layout: Layout) -> float:
+    """The slowest chunk's cost in average layers (uneven layers): of several a stage, their
+    mean (their sum sets the stage's pace)."""
+    if model.layer_costs is None:
+        return float(chunk_layers(model, layout))
+    from fiddlejax.pipeline.partition import balanced, chunk_costs
+
+    costs, place = list(model.layer_costs), stage_placement(layout)
+    counts = balanced(costs, layout.pipe * layout.virtual_stages, placement=place)
+    loads = [0.0] * layout.pipe  # each stage's chunks, summed
+    for chunk, cost in enumerate(chunk_costs(counts, costs)):
+        loads[place[chunk] if place else chunk] += cost
+    slowest = max(loads) / layout.virtual_stages
+    return slowest / (sum(costs) / len(costs))
+
+
+def stage_placement(layout: Layout) -> tuple[int, ...] | None:
+    """Chunk -> stage of the layout's schedule, where a stage holds several chunks."""
+    if layout.pipe == 1 or layout.virtual_stages == 1:
+        return None
+    return schedule_for(layout.kind, layout.pipe, layout.microbatches,
+                        layout.virtual_stages).placement
 
 
 def held_microbatches(layout: Layout) -> int:

@@ -33,7 +33,6 @@ from fiddlejax.planner.timing import (
     step_time,
     vocab_allreduces,
 )
-from fiddlejax.planner.timing import _chunk_cost_scale as _chunk_cost_scale  # tests use it
 from fiddlejax.planner.workload import ModelSpec
 
 

@@ -285,7 +285,7 @@ def _check_sizes(lo: Layout, model: ModelSpec, cluster: ClusterSpec | None) -> N
     if n % lo.expert:
         raise ValueError(f"expert={lo.expert} does not divide the {n} experts of {model.name}"
                          f"; use one of {[x for x in range(1, n + 1) if n % x == 0]}")
-    if model.seq_len % (2 * lo.context):
+    if lo.context > 1 and model.seq_len % (2 * lo.context):
         raise ValueError(f"context={lo.context} cuts each sequence into {2 * lo.context} equal "
                          f"chunks, but seq_len={model.seq_len} is not a multiple of "
                          f"{2 * lo.context}; use a context size that divides seq_len / 2")

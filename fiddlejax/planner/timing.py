@@ -46,7 +46,7 @@ from fiddlejax.planner import attention, experts
 from fiddlejax.planner.cluster import ClusterSpec
 from fiddlejax.planner.footprint import (
     activation_bytes,
-    chunk_layers,
+    chunk_cost_scale,
     schedule_steps,
     stage_expert_params,
     stage_params,
@@ -87,18 +87,6 @@ class StepTime:
         d["total"] = self.total
         d["overlapped"] = self.overlapped
         return d
-
-
-def _chunk_cost_scale(model: ModelSpec, layout: Layout) -> float:
-    """The slowest chunk's cost in units of an average layer (uneven layers)."""
-    if model.layer_costs is None:
-        return float(chunk_layers(model, layout))
-    from fiddlejax.pipeline.partition import balanced, chunk_costs
-
-    costs = list(model.layer_costs)
-    counts = balanced(costs, layout.pipe * layout.virtual_stages)
-    mean = sum(costs) / len(costs)
-    return max(chunk_costs(counts, costs)) / mean
 
 
 @functools.lru_cache(maxsize=4096)
@@ -344,7 +332,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
                       layout.microbatch_size, layout.microbatches)
     k = schedule_steps(layout)
     ab = activation_bytes(layout)
-    layers, c = _chunk_cost_scale(model, layout), layout.context
+    layers, c = chunk_cost_scale(model, layout), layout.context
     mm, fwd, bwd, recompute, ar, recompute_ar, ring = _layer_seconds(model, cluster, layout)
     # Prologue and head: charged to every stage's chunk (the slowest stage sets the pace)
     # without a pipeline or with head="last-stage"; vocabulary-parallel, once per microbatch
