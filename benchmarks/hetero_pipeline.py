@@ -16,6 +16,7 @@ Writes benchmarks/results/hetero_pipeline.md.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -179,11 +180,12 @@ def priced_by_planner(run, plan, model, canonical, compiled: dict, inputs: float
     """The planner's prediction for a pipeline (``planner.unequal.spec`` of its groups) beside
     the compiled step's figures (the batch's own bytes left out: the planner counts none)."""
     spec = unequal.spec(run.staged, canonical, model.batch_spec(1))
-    pred = planner.predict(spec, planner.cluster("h100", nodes=1), unequal.layout(plan, BATCH))
-    m = pred.memory
+    # the runs' optimizer is optax.sgd: no optimizer state
+    layout = dataclasses.replace(unequal.layout(plan, BATCH), optimizer="sgd")
+    m = planner.predict(spec, planner.cluster("h100", nodes=1), layout).memory
     return {"state": (m.params + m.optimizer, compiled["argument_bytes"] - inputs),
             "peak": (m.total, compiled["peak_bytes"] - inputs),
-            "slowest": chunk_cost_scale(spec, unequal.layout(plan, BATCH))}
+            "slowest": chunk_cost_scale(spec, layout)}
 
 
 def planner_section(priced: dict) -> list[str]:
