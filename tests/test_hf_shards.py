@@ -195,3 +195,34 @@ def test_save_from_two_processes_writes_the_same_files(saved, tmp_path):
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint16),
                                                            b[k].view(np.uint16)), k
+
+
+def test_bf16_parameters_read_straight_from_a_bf16_checkpoint(saved):
+    """``models.with_param_dtype`` on an abstract model (``model.param_dtype=bfloat16``): the
+    loader reads each shard into bf16 (no float32 copy), bit-equal to the checkpoint's
+    tensors; AdamW's moments follow; the job's build does the same."""
+    import jax.numpy as jnp
+
+    from fiddlejax import models
+    from fiddlejax.app import build, config
+
+    plan = fj.Plan(mesh=fj.make_mesh(data=8, pipe=1, tensor=1), zero=3)
+    abstract = models.with_param_dtype(from_pretrained(saved, abstract=True), "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))} == {
+        jnp.dtype(jnp.bfloat16)}
+    state = fj.parallelize(abstract, optax.adamw(1e-3), plan).init(abstract.pretrained_params)
+    want = nnx.state(from_pretrained(saved, dtype=jnp.bfloat16), nnx.Param)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}
+
+    cfg = config.load(None, [f"model.from_pretrained={saved}", "model.param_dtype=bfloat16",
+                             "model.seq_len=16"])
+    model = build.build_model(cfg["model"], 0, weights=False)
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+    assert build.initial_params(model) is not None  # still abstract: read by shards at init
+    with pytest.raises(config.ConfigError, match="model.param_dtype"):
+        config.load(None, ["model.param_dtype=float16"])

@@ -57,3 +57,27 @@ def test_bf16_parameters_train_with_bf16_state_on_every_exchange(models, axes, k
     assert int(metrics["nonfinite_skipped"]) == 0
     np.testing.assert_allclose(losses[0], float(loss), rtol=1e-6)
     assert losses[2] < losses[0]
+
+
+def test_the_job_trains_bf16_parameters():
+    """``model.param_dtype=bfloat16`` in the job: parameters and AdamW's moments bf16 from
+    init, kept so through steps with the job's clip and schedule, the loss finite and falling
+    on a repeated batch."""
+    from fiddlejax.app import config, train
+
+    cfg = config.load(None, [
+        "run.cpu_devices=0", "mesh.data=4", "mesh.pipe=1", "mesh.tensor=2",
+        "plan.schedule=null", "plan.microbatches=1", "plan.zero=3", "model.name=llama",
+        "model.param_dtype=bfloat16",
+        "model.seq_len=16", "model.d_model=32", "model.n_layers=2", "model.d_ff=64",
+        "data.batch_size=8", "optimizer.warmup_steps=1", "checkpoint.dir=null"])
+    job = train._start(cfg)
+    state = job.trainer.init(job.loader)
+    half = jnp.dtype(jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {half}
+    batch, losses = next(job.data.train), []
+    for _ in range(3):
+        state, metrics = job.trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state)) if x.ndim} == {half}
+    assert np.isfinite(losses).all() and losses[2] < losses[0]

@@ -78,7 +78,8 @@ def build_model(mcfg: dict, seed: int, weights: bool = True, lora: dict | None =
                          f"({', '.join(models.HF_FAMILIES)})"
                          f" or auto (its config.json's family); got {name!r}")
     try:
-        model = models.get(name).build(mcfg, seed)
+        model = models.with_param_dtype(models.get(name).build(mcfg, seed),
+                                        mcfg.get("param_dtype"))
         loader = initial_params(model)
         if weights and loader is not None:
             from flax import nnx

@@ -93,6 +93,10 @@ class ModelSection:
     from_pretrained: str | None = key(None, "a Hugging Face directory to fine-tune (any family"
         " of docs/models.md), or a hub id in the local cache (org/name; nothing downloads); "
         "its config.json sets the family and dims", Spec(str, null=True))
+    param_dtype: str = key("float32", "float32 | bfloat16: the parameters' own dtype (and, "
+        "with AdamW, its moments'); bfloat16 halves the state, no float32 masters "
+        "(docs/precision.md, 16-bit parameters); model.from_pretrained reads into it",
+        Spec(str, choices=("float32", "bfloat16")))
     channels: int = key(32, "cnn only", POSITIVE)
     bias_update_speed: float = key(0.001, "deepseek_v3: loss-free balancing, each MoE layer's"
         " router bias moves by this per step towards balance (bias += speed x sign(mean load "

@@ -318,6 +318,29 @@ def generate_text(model, prompt, max_new_tokens: int, **kw):
     return run(model, prompt, max_new_tokens, **kw)
 
 
+def with_param_dtype(model, dtype: Any):
+    """``model`` with every floating parameter in ``dtype`` (``model.param_dtype``; None or
+    float32: as it is). Abstract parameters (``from_pretrained(..., abstract=True)``) change
+    dtype too, so ``model.pretrained_params`` then reads the checkpoint straight into it: a
+    bf16 checkpoint trains as bf16 parameters with no float32 copy (docs/precision.md)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    if dtype is None or jnp.dtype(dtype) == jnp.float32:
+        return model
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    nnx.update(model, jax.tree.map(cast, nnx.state(model, nnx.Param)))
+    return model
+
+
 def from_pretrained(path, *, seq_len: int | None = None, dtype=None, abstract: bool = False,
                     shardings=None, overrides: dict | None = None):
     """The model of a Hugging Face directory, whatever its family (``config.json``'s

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -330,7 +329,7 @@ def check_shapes(tensors: dict, config: Any, template: nnx.State, what: str = "L
 def load_params(tensors: dict, config: Any, template: nnx.State, what: str = "Llama",
                 dtype: Any = None, shardings: Any = None) -> nnx.State:
     """Canonical parameters (the tree of ``template``) from Hugging Face tensors (a name ->
-    :mod:`.hf_io` source or array), as float32 (or ``dtype``), each leaf placed by
+    :mod:`.hf_io` source or array), in the template's dtypes (or ``dtype``), each leaf placed by
     ``shardings`` (a function of our leaf's key, or None: the default device) and read by
     the slices this process's devices hold. ``what``: the model's name, for the messages."""
     if shardings is not None and not callable(shardings):  # a tree like the parameters'
@@ -348,7 +347,7 @@ def load_params(tensors: dict, config: Any, template: nnx.State, what: str = "Ll
         shape = tuple(v.shape)
         reader = hf_io.leaf_reader(src, tr, shape, stacked, experts)
         sharding = shardings(key) if shardings is not None else None
-        return v.replace(hf_io.leaf_array(shape, sharding, reader, dtype or jnp.float32))
+        return v.replace(hf_io.leaf_array(shape, sharding, reader, dtype or v.get_value().dtype))
 
     return jax.tree_util.tree_map_with_path(fill, template,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
