@@ -177,8 +177,10 @@ class StagedModel:
         return self.loss_layout(outputs, batch)
 
     def epilogue(self, params: nnx.State, x: Any, batch: dict, ops: Any = None) -> jax.Array:
-        """Head and loss on the activations leaving the last layer (the scalar loss)."""
-        total, sums = self.weighted_loss(params, x, batch, ops)
+        """Head and loss on the activations leaving the last layer (the scalar loss). ``ops`` is
+        passed on only when given: an adapted model's ``weighted_loss`` takes none (its
+        services reach it through :mod:`fiddlejax.intercept`)."""
+        total, sums = self.weighted_loss(params, x, batch, *(() if ops is None else (ops,)))
         return total / sums.weight
 
     # The canonical tree (the model's own ``nnx.state(model, nnx.Param)``) and the staged tree

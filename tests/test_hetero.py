@@ -323,3 +323,17 @@ def test_planner_prices_unequal_blocks_as_compiled(schedule, mesh, v):
     loads = _stage_loads(counts, costs, trainer.pipeline.schedule.placement)
     assert chunk_cost_scale(spec, layout_) == pytest.approx(
         max(loads) / v / (sum(costs) / len(counts)), rel=1e-6)
+
+
+def test_epilogue_of_unequal_blocks_is_the_loss():
+    """``StagedModel.epilogue`` on an adapted model (whose ``weighted_loss`` takes no ``ops``):
+    the prologue, every group, then the epilogue give one device's loss."""
+    model = CNN(rngs=nnx.Rngs(0))
+    staged, canonical = fj.split_model(model, labels_ce, layers="blocks")
+    grouped = staged.regrouped([staged.unit])
+    params = grouped.to_staged(canonical)
+    x = grouped.prologue(params, IMAGES)
+    layer = jax.tree.map(lambda a: a[0], params[grouped.stack])
+    got = grouped.epilogue(params, grouped.layer(layer, x), IMAGES)
+    assert float(got) == pytest.approx(float(labels_ce(model(IMAGES["images"]), IMAGES)),
+                                       rel=1e-6)
