@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 import fiddlejax as fj  # noqa: E402
 from fiddlejax import planner  # noqa: E402
 from fiddlejax.adaptation import grouping  # noqa: E402
-from fiddlejax.pipeline.partition import chunk_costs  # noqa: E402
+from fiddlejax.pipeline.partition import chunk_costs, stage_loads  # noqa: E402
 from fiddlejax.planner import unequal  # noqa: E402
 from fiddlejax.planner.footprint import chunk_cost_scale  # noqa: E402
 
@@ -122,21 +122,19 @@ def exactness(run, model, batch) -> tuple[float, float, int]:
     return loss_err, max(leaf_errors(grads, want[1])), len(jax.tree.leaves(grads))
 
 
-def stage_loads(run, costs: list[float]) -> tuple[list[list[int]], list[float]]:
+def run_stage_loads(run, costs: list[float]) -> tuple[list[list[int]], list[float]]:
     """Per pipeline stage: its chunks (the schedule's placement) and their summed FLOPs."""
     counts = [b - a for a, b in run.staged.groups]
-    chunk = chunk_costs(counts, costs)
     placement = run.pipeline.schedule.placement if run.pipeline else range(len(counts))
     held: dict[int, list[int]] = {}
     for c, st in enumerate(placement):
         held.setdefault(st, []).append(c)
-    return [held[st] for st in sorted(held)], [sum(chunk[c] for c in held[st])
-                                               for st in sorted(held)]
+    return [held[st] for st in sorted(held)], stage_loads(counts, costs, list(placement))
 
 
 def stage_table(run, costs: list[float]) -> tuple[list[str], float]:
     """Rows of the stages a run's partitioner picked, and its slowest / fastest stage."""
-    chunks, loads = stage_loads(run, costs)
+    chunks, loads = run_stage_loads(run, costs)
     groups, mean = run.staged.groups, sum(costs) / len(loads)
     rows = ["| stage | chunks: blocks | measured FLOPs (one example) | / mean stage |",
             "|---|---|---|---|"]
@@ -219,7 +217,7 @@ def report(runs: dict, costs: list[float], exact: dict, mem: dict) -> list[str]:
         "together, `partition.balanced(placement=)`). Data parallelism: data=8.", ""]
     for name in (plain, inter):
         rows, spread = stage_table(runs[name], costs)
-        loads = stage_loads(runs[name], costs)[1]
+        loads = run_stage_loads(runs[name], costs)[1]
         out += [f"## Stages the partitioner picked: {name}", "", *rows, "",
                 f"Slowest / fastest stage: **{spread:.3f}** (target <= 1.15); slowest stage / "
                 f"whole model {max(loads) / total:.3f} (ideal 0.25).", ""]

@@ -19,7 +19,7 @@ from test_any_model import plan_for
 
 import fiddlejax as fj
 from fiddlejax.adaptation import grouping
-from fiddlejax.pipeline.partition import balanced, chunk_costs
+from fiddlejax.pipeline.partition import balanced, chunk_costs, stage_loads
 
 
 def check_exact(model, call, loss_fn, batch, layers, layout_, partition="uniform", **plan_kw):
@@ -155,7 +155,7 @@ def test_downsampling_cnn_partitioned_by_cost_exact(layout_):
     costs = [c["flops"] for c in grouping.block_costs(staged, canonical, model.batch_spec(1))]
     placement = trainer.pipeline.schedule.placement
     counts = [b - a for a, b in trainer.staged.groups]
-    assert max(_stage_loads(counts, costs, placement)) == pytest.approx(
+    assert max(stage_loads(counts, costs, placement)) == pytest.approx(
         _brute_stages(costs, placement), rel=1e-9)
 
 
@@ -196,16 +196,9 @@ def test_partitioner_is_optimal_against_brute_force():
     assert balanced([1, 1, 1, 1, 8, 1, 1, 1, 1, 2], 3) == [4, 1, 5]
 
 
-def _stage_loads(counts, costs, placement):
-    loads = [0.0] * (max(placement) + 1)
-    for c, load in zip(placement, chunk_costs(counts, costs)):
-        loads[c] += load
-    return loads
-
-
 def _brute_stages(costs, placement):
     n, k = len(costs), len(placement)
-    return min(max(_stage_loads([b - a for a, b in zip([0, *cuts], [*cuts, n])], costs,
+    return min(max(stage_loads([b - a for a, b in zip([0, *cuts], [*cuts, n])], costs,
                                 placement))
                for cuts in itertools.combinations(range(1, n), k - 1))
 
@@ -224,15 +217,15 @@ def test_interleaved_partitioner_balances_stages_against_brute_force():
         counts = balanced(costs, 2 * p, placement=placement)
         assert len(counts) == 2 * p and sum(counts) == n and min(counts) >= 1
         best = _brute_stages(costs, placement)
-        assert max(_stage_loads(counts, costs, placement)) == pytest.approx(best, rel=1e-9)
-        missed += max(_stage_loads(balanced(costs, 2 * p), costs, placement)) > best * 1.001
+        assert max(stage_loads(counts, costs, placement)) == pytest.approx(best, rel=1e-9)
+        missed += max(stage_loads(balanced(costs, 2 * p), costs, placement)) > best * 1.001
     assert missed > 10
     # ResNet-50's 16 bottleneck costs (benchmarks/hetero_pipeline.md, in 10 kFLOPs) on 4
     # stages: whole blocks, one chunk a stage, cannot beat 1.25 slowest / fastest; two chunks
     # a stage come within 15%
     resnet = [68, 68, 68, 95, 54, 54, 54, 81, 43, 43, 43, 43, 43, 71, 34, 34]
     one = chunk_costs(balanced(resnet, 4), resnet)
-    two = _stage_loads(balanced(resnet, 8, placement=[0, 1, 2, 3] * 2), resnet, [0, 1, 2, 3] * 2)
+    two = stage_loads(balanced(resnet, 8, placement=[0, 1, 2, 3] * 2), resnet, [0, 1, 2, 3] * 2)
     assert max(one) / min(one) > 1.2 and max(two) / min(two) < 1.15
 
 
@@ -320,7 +313,7 @@ def test_planner_prices_unequal_blocks_as_compiled(schedule, mesh, v):
     costs = [c["flops"] for c in grouping.block_costs(trainer.staged, canonical,
                                                      model.batch_spec(1))]
     counts = [b - a for a, b in trainer.staged.groups]
-    loads = _stage_loads(counts, costs, trainer.pipeline.schedule.placement)
+    loads = stage_loads(counts, costs, trainer.pipeline.schedule.placement)
     assert chunk_cost_scale(spec, layout_) == pytest.approx(
         max(loads) / v / (sum(costs) / len(counts)), rel=1e-6)
 

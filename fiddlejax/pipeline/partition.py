@@ -97,6 +97,19 @@ def chunk_costs(counts: Sequence[int], layer_costs: Sequence[float], *, first_ex
     return out
 
 
+def stage_loads(counts: Sequence[int], layer_costs: Sequence[float],
+                placement: Sequence[int] | None = None) -> list[float]:
+    """Each pipeline stage's cost: the sum of its chunks' (``placement``: chunk -> stage, a
+    schedule's; ``None``: one chunk a stage)."""
+    chunks = chunk_costs(counts, layer_costs)
+    if placement is None:
+        return chunks
+    out = [0.0] * (max(placement) + 1)
+    for stage, c in zip(placement, chunks, strict=True):
+        out[stage] += c
+    return out
+
+
 def balanced(layer_costs: Sequence[float], num_chunks: int, *, first_extra: float = 0.0,
              last_extra: float = 0.0, layer_memory: Sequence[float] | None = None,
              memory_budget: float | None = None,

@@ -165,14 +165,11 @@ def chunk_cost_scale(model: ModelSpec, layout: Layout) -> float:
     mean (their sum sets the stage's pace)."""
     if model.layer_costs is None:
         return float(chunk_layers(model, layout))
-    from fiddlejax.pipeline.partition import balanced, chunk_costs
+    from fiddlejax.pipeline.partition import balanced, stage_loads
 
     costs, place = list(model.layer_costs), stage_placement(layout)
     counts = balanced(costs, layout.pipe * layout.virtual_stages, placement=place)
-    loads = [0.0] * layout.pipe  # each stage's chunks, summed
-    for chunk, cost in enumerate(chunk_costs(counts, costs)):
-        loads[place[chunk] if place else chunk] += cost
-    slowest = max(loads) / layout.virtual_stages
+    slowest = max(stage_loads(counts, costs, place)) / layout.virtual_stages
     return slowest / (sum(costs) / len(costs))
 
 
