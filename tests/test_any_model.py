@@ -358,6 +358,39 @@ def test_unsplittable_forward_is_named(cls, match):
         trainer.loss_and_grads(trainer.init(), batch)
 
 
+class Stages(Local):
+    """Two stages of blocks with code between them (a norm): ``layers="stage*.blocks"``."""
+
+    def __init__(self, rngs):
+        super().__init__(pattern=(None,), repeats=1, rngs=rngs)
+        self.stage0, self.stage1 = (nnx.Module(), nnx.Module())
+        for s in (self.stage0, self.stage1):
+            s.blocks = nnx.List([Attn(16, None, rngs), Attn(16, None, rngs)])
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for k, stage in enumerate((self.stage0, self.stage1)):
+            for block in stage.blocks:
+                x = block(x, positions)
+            x = self.norm(x) if k == 0 else x
+        return self.head(x)
+
+
+def test_blocks_of_several_stages_are_found_in_order_and_code_between_is_named():
+    model = Stages(nnx.Rngs(0))
+    staged, _ = fj.split_model(model, next_token, layers="stage*.blocks")
+    assert staged.block_keys == (("stage0", "blocks", 0), ("stage0", "blocks", 1),
+                                 ("stage1", "blocks", 0), ("stage1", "blocks", 1))
+    trainer = parallelize(model, optax.sgd(0.1), plan_for((8, 1, 1, None, 1, 1)),
+                          loss=next_token, layers="stage*.blocks")
+    with pytest.raises(ValueError, match="changes the activation between block 1 and block 2"):
+        trainer.loss_and_grads(trainer.init(), {"tokens": jnp.zeros((8, 9), jnp.int32)})
+    with pytest.raises(ValueError, match=r"no 'stage\*.layers'.*'stage\*.blocks'"):
+        fj.split_model(model, next_token, layers="stage*.layers")
+
+
 def test_missing_path_names_the_submodules():
     model = Local(rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"no 'decoder'.*\['blocks', 'embed', 'head'\]"):

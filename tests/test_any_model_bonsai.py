@@ -47,13 +47,16 @@ def labels_ce(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
 
-@pytest.mark.parametrize("layout_", LAYOUTS, ids=IDS)
-def test_bonsai_resnet_with_frozen_statistics_exact(layout_):
-    """ResNet-50's code at one bottleneck a stage (``ModelConfig([1, 1, 1, 1])``), its stages
-    as unequal blocks (``layers="layer*"``), BatchNorm statistics moved off their init so that
-    each stage's own matter (a stage reading another's would be far off)."""
+@pytest.mark.parametrize(("layout_", "layers"), [(LAYOUTS[0], "layer*"),
+                                              (LAYOUTS[1], "layer*.blocks")], ids=IDS)
+def test_bonsai_resnet_with_frozen_statistics_exact(layout_, layers):
+    """ResNet-50's code at five bottlenecks (``ModelConfig([2, 1, 1, 1])``), BatchNorm
+    statistics moved off their init so that each block's own matter (a block reading another's
+    would be far off). Its blocks are unequal (the first of each stage downsamples and widens):
+    ``layers="layer*"`` names the four stages, ``"layer*.blocks"`` every stage's bottlenecks in
+    order, so that a pipeline cuts between any two of them, not only between stages."""
     resnet = bonsai("resnet")
-    model = resnet.ResNet(resnet.ModelConfig([1, 1, 1, 1], num_classes=10), rngs=nnx.Rngs(0))
+    model = resnet.ResNet(resnet.ModelConfig([2, 1, 1, 1], num_classes=10), rngs=nnx.Rngs(0))
     stats = nnx.state(model, nnx.BatchStat)
     keys = iter(jax.random.split(jax.random.key(5), len(jax.tree.leaves(stats))))
     nnx.update(model, jax.tree_util.tree_map_with_path(
@@ -61,7 +64,11 @@ def test_bonsai_resnet_with_frozen_statistics_exact(layout_):
                           else 0.1 * jax.random.normal(next(keys), v.shape)), stats))
     batch = {"x": jax.random.normal(jax.random.key(1), (8, 16, 16, 3)),
              "labels": jax.random.randint(jax.random.key(2), (8,), 0, 10)}
-    check_exact(model, lambda m: m(batch["x"]), labels_ce, batch, "layer*", layout_)
+    trainer = check_exact(model, lambda m: m(batch["x"]), labels_ce, batch, layers, layout_)
+    first = (("layer0",), ("layer1",)) if layers == "layer*" else (
+        ("layer0", "blocks", 0), ("layer0", "blocks", 1))
+    assert trainer.staged.block_keys[:2] == first
+    assert len(trainer.staged.block_keys) == (4 if layers == "layer*" else 5)
 
 
 @pytest.mark.parametrize("layout_", LAYOUTS, ids=IDS)

@@ -47,7 +47,6 @@ from fiddlejax.adaptation import dropout, scanned
 from fiddlejax.adaptation.blocks import (
     FROZEN,
     block_constants,
-    block_keys,
     check_frozen,
     check_unwritten,
     find_blocks,
@@ -342,9 +341,9 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str,
               if p.name != "self"]
     stack = stacked_at(model, layers)
     if stack is None:
-        _, attr, keys, blocks = find_blocks(model, layers)
+        paths, blocks = find_blocks(model, layers)
     else:  # one module stacked with nnx.vmap: the layer axis is already there
-        attr, keys, blocks = layers.split(".")[-1], [], [stack[0]]
+        paths, blocks = (tuple(layers.split(".")),), [stack[0]]
     check_frozen(model, layers)
     if stack is None:
         sharding.infer_names(model)
@@ -363,17 +362,16 @@ def adapt(model: nnx.Module, loss_fn: Loss | None, layers: str,
         unit_rest.append(rest if stack is None else scanned.per_layer(rest, 0))
     consts = block_constants(blocks, unit, stack is not None)
     # The model without its blocks: stand-ins take their places (on a copy).
-    copy = without_blocks(model, layers, attr, keys,
+    copy = without_blocks(model, layers, paths,
                           None if stack is None else scanned.ScanStandIn(stack[1]))
     graphdef, _, rest = nnx.split(copy, nnx.Param, ...)
     n_layers = len(blocks) // unit if stack is None else stack[1]
-    bkeys = (tuple(layers.split(".")),) if stack else block_keys(layers, attr, keys)
     staged = AdaptedModel(
         graphdef=graphdef, rest=rest, stack=layers, layer_graphdef=tuple(unit_graphdefs),
         num_layers=n_layers, loss_fn=loss_fn, unit=unit, scanned=stack is not None,
         ignored=ignored, block_output=block_output,
         unit_graphdefs=tuple(unit_graphdefs), unit_rest=tuple(unit_rest), unit_consts=consts,
-        block_keys=bkeys, template=_abstract(canonical),
+        block_keys=paths, template=_abstract(canonical),
         callsite=f"{name}.{layers}",
         call_names=tuple(p.name for p in params), call_nones=_required_optional(params),
         shift=shift, dropout=bool(dropout.rates(model)),

@@ -24,42 +24,53 @@ from flax import nnx
 from fiddlejax import sharding
 
 
-def find_blocks(model: nnx.Module, layers: str) -> tuple[Any, str, list[str | int], list]:
-    """(parent module, attribute, state keys of the blocks, the blocks) for ``layers``."""
+def find_blocks(model: nnx.Module, layers: str) -> tuple[tuple[tuple, ...], list]:
+    """The state path of each block at ``layers`` and the blocks, in order. Each dotted part
+    is an attribute; ``name*`` stands for the numbered attributes ``name0, name1, ...``; a part
+    that holds a list stands for each of its elements, so ``'layer*.blocks'`` is every stage's
+    blocks, stage after stage."""
     parts = layers.split(".")
-    parent = model
-    for k, part in enumerate(parts[:-1]):
-        if not hasattr(parent, part):
-            raise ValueError(_not_found(model, ".".join(parts[: k + 1]), layers))
-        parent = getattr(parent, part)
-    last = parts[-1]
-    if last.endswith("*"):
-        prefix = last[:-1]
-        found = {}
-        for name in vars(parent):
-            m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
-            if m:
-                found[int(m.group(1))] = name
+    found: list[tuple[tuple, Any]] = [((), model)]
+    for k, part in enumerate(parts):
+        found = [((*path, name), getattr(m, name))
+                 for path, m in found for name in _attributes(m, part)]
         if not found:
-            raise ValueError(_not_found(model, layers, layers))
-        names = [found[i] for i in sorted(found)]
-        return parent, last, names, [getattr(parent, n) for n in names]
-    if not hasattr(parent, last):
-        raise ValueError(_not_found(model, layers, layers))
-    held = getattr(parent, last)
-    if isinstance(held, list | tuple | nnx.List):
-        blocks = list(held)
-        if not blocks or not all(isinstance(b, nnx.Module) for b in blocks):
-            raise TypeError(f"{type(model).__name__}.{layers} must hold nnx.Module blocks; it "
-                            f"holds {[type(b).__name__ for b in blocks][:4]}")
-        return parent, last, list(range(len(blocks))), blocks
-    if isinstance(held, nnx.Module):
+            raise ValueError(_not_found(model, ".".join(parts[: k + 1]), layers))
+        if k < len(parts) - 1:
+            found = [leaf for f in found for leaf in _elements(*f)]
+    if (len(found) == 1 and "*" not in layers and isinstance(found[0][1], nnx.Module)
+            and not isinstance(found[0][1], nnx.List)):
         raise TypeError(
-            f"{type(model).__name__}.{layers} is one module ({type(held).__name__}) whose "
-            "parameters share no leading layer axis, not a list of blocks nor a stack of them "
-            "(nnx.vmap); name the list, or the stacked module, that holds the blocks")
-    raise TypeError(f"{type(model).__name__}.{layers} is a {type(held).__name__}; name a list, "
-                    "an nnx.List or numbered attributes ('block_*') holding the blocks")
+            f"{type(model).__name__}.{layers} is one module ({type(found[0][1]).__name__}) "
+            "whose parameters share no leading layer axis, not a list of blocks nor a stack of "
+            "them (nnx.vmap); name the list, or the stacked module, that holds the blocks")
+    found = [leaf for f in found for leaf in _elements(*f)]
+    bad = [type(b).__name__ for _, b in found if not isinstance(b, nnx.Module)]
+    if bad or not found:
+        raise TypeError(f"{type(model).__name__}.{layers} must hold nnx.Module blocks (a list, "
+                        "an nnx.List or numbered attributes such as 'block_*'); it holds "
+                        f"{bad[:4] or 'an empty list'}")
+    return tuple(path for path, _ in found), [b for _, b in found]
+
+
+def _attributes(module: Any, part: str) -> list[str]:
+    """The attribute names ``part`` stands for on ``module``: itself, or with a trailing
+    ``*`` the numbered ones (``block_*``: ``block_0, block_1, ...``) in numeric order."""
+    if not part.endswith("*"):
+        return [part] if hasattr(module, part) else []
+    numbered = {}
+    for name in vars(module):
+        m = re.fullmatch(re.escape(part[:-1]) + r"(\d+)", name)
+        if m:
+            numbered[int(m.group(1))] = name
+    return [numbered[i] for i in sorted(numbered)]
+
+
+def _elements(path: tuple, held: Any) -> list[tuple[tuple, Any]]:
+    """``held`` at ``path``, or each element of it (with its index) when it is a list."""
+    if isinstance(held, list | tuple | nnx.List):
+        return [((*path, i), b) for i, b in enumerate(held)]
+    return [(path, held)]
 
 
 def stacked_at(model: nnx.Module, layers: str) -> tuple[nnx.Module, int] | None:
@@ -80,15 +91,8 @@ def _not_found(model, what: str, layers: str) -> str:
                    if isinstance(v, nnx.Module | list | tuple) and not k.startswith("_"))
     return (f"layers={layers!r}: {type(model).__name__} has no {what!r}; its submodules are "
             f"{attrs}. Name the attribute path of the repeated blocks, e.g. layers='decoder."
-            "blocks', or 'decoder.block_*' for numbered attributes")
-
-
-def block_keys(layers: str, attr: str, keys: list[str | int]) -> tuple[tuple, ...]:
-    """The model's state paths of each block (attributes below the root, then the key)."""
-    prefix = tuple(layers.split(".")[:-1])
-    if attr.endswith("*"):
-        return tuple((*prefix, k) for k in keys)
-    return tuple((*prefix, attr, k) for k in keys)
+            "blocks', 'decoder.block_*' for numbered attributes, or 'stage*.blocks' for the "
+            "blocks of every stage")
 
 
 def static_diff(a: Any, b: Any, path: str = "") -> str | None:

@@ -66,24 +66,31 @@ def acting(*mode: Any) -> Iterator[None]:
         yield
 
 
-def without_blocks(model: nnx.Module, layers: str, attr: str, keys: list,
+def without_blocks(model: nnx.Module, layers: str, paths: tuple[tuple, ...],
                    stack_stand_in: nnx.Module | None = None) -> nnx.Module:
-    """A copy of ``model`` whose blocks (found at ``layers``) are stand-ins (``stack_stand_in``
-    in place of one stacked module, :mod:`fiddlejax.adaptation.scanned`)."""
+    """A copy of ``model`` whose blocks (at the state ``paths``) are stand-ins
+    (``stack_stand_in`` in place of the one stacked module at ``layers``,
+    :mod:`fiddlejax.adaptation.scanned`)."""
     copy = nnx.merge(*nnx.split(model), copy=True)
-    host = copy
-    for part in layers.split(".")[:-1]:
-        host = getattr(host, part)
     if stack_stand_in is not None:
-        setattr(host, attr, stack_stand_in)
+        *outer, attr = layers.split(".")
+        setattr(_at(copy, outer), attr, stack_stand_in)
         return copy
-    stand_ins = [StandIn(i) for i in range(len(keys))]
-    if attr.endswith("*"):
-        for k, s in zip(keys, stand_ins, strict=True):
-            object.__setattr__(host, k, s)
-    else:
-        object.__setattr__(host, attr, tuple(stand_ins))
+    lists: dict[tuple, list] = {}
+    for i, path in enumerate(paths):
+        if isinstance(path[-1], int):  # an element of a list: the list becomes stand-ins
+            lists.setdefault(path[:-1], []).append(StandIn(i))
+        else:  # a numbered attribute
+            object.__setattr__(_at(copy, path[:-1]), path[-1], StandIn(i))
+    for path, stand_ins in lists.items():
+        object.__setattr__(_at(copy, path[:-1]), path[-1], tuple(stand_ins))
     return copy
+
+
+def _at(module: Any, path) -> Any:
+    for part in path:
+        module = module[part] if isinstance(part, int) else getattr(module, part)
+    return module
 
 
 @dataclasses.dataclass(frozen=True)
