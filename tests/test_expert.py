@@ -95,6 +95,21 @@ def test_capacity_on_expert4_tensor_matches_one_device():
     assert trainer.lower_loss_and_grads(state, batch).as_text().count("all_to_all") >= 2
 
 
+@pytest.mark.parametrize("sizes", [{"data": 2, "expert": 4}, {"expert": 4, "tensor": 2}])
+def test_zero3_stores_dense_weights_over_data_and_expert(sizes):
+    """zero=3 with expert=4: outside the MoE layers ``expert`` is more data parallelism, so the
+    dense weights (attention, embedding, router) are stored over data x expert too, 1/8 on each
+    device (with data=1, over expert alone); the experts' own, split over ``expert`` by expert,
+    shard over ``data`` beside it. Loss and gradients equal one device's."""
+    trainer, state, _ = check_exact(sizes, zero=3)
+    mesh = dict(trainer.plan.mesh.shape)
+    for k, w in specs_of(state.params).items():
+        axes = jax.tree.leaves(tuple(w.sharding.spec))
+        assert "expert" in axes and ("data" in axes) == (mesh["data"] > 1), (k, axes)
+        held = max(s.data.nbytes for s in w.addressable_shards) / w.nbytes
+        assert held == 1 / np.prod([mesh[a] for a in axes]) <= 1 / 4, (k, held)
+
+
 class OutsideMoE(nnx.Module):
     """An MoE block written without fiddlejax: no sharding names, stacked expert weights, its
     own dense dispatch (every expert on every token, weighted by the top-2 softmax gates)."""

@@ -45,6 +45,23 @@ def test_expert_weights_split_over_the_expert_axis():
         16 * 3 * H * F * E / 8)
 
 
+def test_zero3_stores_dense_weights_over_data_and_expert():
+    """zero=3 without a pipeline, as the runtime stores them: the dense weights over data x
+    expert, the experts' (a quarter each at expert=4 already) over data; with data=1 it still
+    shards, over expert alone."""
+    m = planner.preset("mixtral-8x7b")
+    base = dict(microbatch_size=1, global_batch=16, remat="full", precision="bf16-mixed")
+    for data in (2, 1):
+        lo = planner.Layout(data=data, expert=4, zero=3, **base)
+        assert lo.fsdp and lo.fsdp_shards == 4 * data
+        n = footprint.stage_params(m, lo)
+        ex = footprint.stage_expert_params(m, lo)
+        held = (n - ex) / (4 * data) + ex / data
+        assert footprint.fsdp_held(m, lo, n) == pytest.approx(held)
+        mem = footprint.memory(m, lo)
+        assert mem.params == pytest.approx(4 * held) and mem.optimizer == pytest.approx(8 * held)
+
+
 def test_alltoall_volume_and_time_by_hand():
     """Per MoE layer and device, forward: dispatch + combine, each k x tokens x h x bytes x
     (E_axis - 1) / E_axis; backward the same, and full remat sends the forward's again. The

@@ -54,17 +54,24 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def fsdp_dims(params: nnx.State, spec_tree: nnx.State, data: int, lead: Callable) -> nnx.State:
+def fsdp_dims(params: nnx.State, spec_tree: nnx.State, data: int | Callable,
+              lead: Callable) -> nnx.State:
     """The dimension of each leaf sharded over ``data`` (-1: replicated).
 
     The largest dimension that ``data`` divides and no other mesh axis shards, after the
-    ``lead(path)`` leading dimensions that index layers or stages. Raises, naming the parameter,
-    for a large leaf with no such dimension.
+    ``lead(path)`` leading dimensions that index layers or stages. ``data``: the shard count,
+    or a function of a leaf's spec giving it (1: the leaf stays whole). Raises, naming the
+    parameter, for a large leaf with no such dimension.
     """
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
     specs = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
     dims = []
+    shards_of = data if callable(data) else lambda _: data
     for (path, v), spec in zip(flat, specs, strict=True):
+        data = shards_of(spec)
+        if data == 1:
+            dims.append(-1)
+            continue
         parts = tuple(spec) + (None,) * (v.ndim - len(spec))
         start = lead(path)
         free = [d for d in range(start, v.ndim) if parts[d] is None and v.shape[d] % data == 0]
@@ -92,15 +99,26 @@ def add_data_axis(spec: P, d: int, axes: str | tuple[str, ...] = "data") -> P:
 
 def with_data_axis(spec_tree: nnx.State, dims: nnx.State,
                    axes: str | tuple[str, ...] = "data") -> nnx.State:
-    """``spec_tree`` with ``data`` (or the storage ``axes``) added on each leaf's FSDP
-    dimension."""
+    """``spec_tree`` with ``data`` (or the storage ``axes``, less those a leaf is already split
+    over: :func:`free_of`) added on each leaf's FSDP dimension."""
     def add(spec, d):
-        return add_data_axis(spec, d, axes)
+        if isinstance(axes, str):
+            return add_data_axis(spec, d, axes)
+        mine = free_of(axes, spec)
+        return spec if d < 0 else add_data_axis(spec, d, mine if len(mine) > 1 else mine[0])
 
     def one(d, s):
         return s.replace(add(s.get_value(), d)) if _is_var(s) else add(s, d)
 
     return jax.tree.map(one, dims, spec_tree)
+
+
+def free_of(axes: tuple[str, ...], spec: P) -> tuple[str, ...]:
+    """``axes`` less those ``spec`` already splits a dimension over: zero=3 stores the dense
+    weights over ``data`` x ``expert``, the experts' own (split over ``expert`` by expert)
+    over ``data`` alone."""
+    used = {a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))}
+    return tuple(a for a in axes if a not in used)
 
 
 def only_data(dims: Any, spec_tree: Any) -> Any:
@@ -132,7 +150,7 @@ def gather_whole(params: Any, dims: Any, specs: Any, dtype: Any = None,
         if d < 0:
             return x
         if over is not None:  # over the manual ``axes`` inside a shard_map of its own
-            mesh, axes = over
+            mesh, axes = over[0], free_of(over[1], spec)
             return _per_device(
                 lambda a: from_storage(_gathered(to_storage(a), d, axes, False), a.dtype),
                 x, spec, add_data_axis(spec, d, axes), mesh)
@@ -152,7 +170,7 @@ def scatter_whole(grads: Any, dims: Any, specs: Any,
         if d < 0:
             return g
         if over is not None:  # the partitioner sums the replicas; each keeps its slice
-            mesh, axes = over
+            mesh, axes = over[0], free_of(over[1], spec)
 
             def own_slice(a):  # the transpose of _gathered's tiled gather over ``axes``
                 size = a.shape[d] // math.prod(mesh.shape[ax] for ax in axes)
@@ -283,7 +301,8 @@ class ParamView:
     ``specs`` trees (the same prefixes) give each gathered leaf's split over the other axes.
     ``matmul="fp8"``: each layer's dense matmuls in float8 (:mod:`fiddlejax.compute.fp8`). ``also``:
     automatic axes the FSDP shards also split over, inside ``data`` (``("context",)``: context
-    replicas hold the same parameters, so they store a share each, as data replicas do)."""
+    replicas hold the same parameters, so they store a share each, as data replicas do; or
+    ``("expert",)`` for the weights not already split over it: :func:`free_of`)."""
 
     dtype: Any = None
     matmul: str | None = None
@@ -295,15 +314,15 @@ class ParamView:
                 and x.dtype != self.dtype)
         if dim >= 0:
             spec = spec if spec is not None else P()
-            stored = add_data_axis(spec, dim, self.also) if self.also else None
+            also = free_of(self.also, spec)
+            stored = add_data_axis(spec, dim, also) if also else None
             if cast and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16):
                 def gather(a):  # cast first: the gather in the compute dtype
-                    return _fsdp_gather_16bit(a, dim, self.also, _data_manual(),
+                    return _fsdp_gather_16bit(a, dim, also, _data_manual(),
                                               jnp.dtype(self.dtype))
 
                 return _per_device(gather, x, spec, stored, self.mesh)
-            x = _per_device(lambda a: _gathered(a, dim, self.also), x, spec, stored,
-                            self.mesh)
+            x = _per_device(lambda a: _gathered(a, dim, also), x, spec, stored, self.mesh)
         if cast:
             x = x.astype(self.dtype)
         return x
@@ -390,4 +409,4 @@ class ViewedModel:
 
 
 __all__ = ["ParamView", "ViewedModel", "add_data_axis", "fsdp_dims", "gather_whole",
-           "grad_dtype", "only_data", "scatter_whole", "with_data_axis"]
+           "free_of", "grad_dtype", "only_data", "scatter_whole", "with_data_axis"]

@@ -3,8 +3,8 @@
 - ZeRO-1 (``zero=1``): each optimizer-state leaf also splits over ``data`` on its first free
   dimension that divides; ZeRO-2 (``zero=2``) reduce-scatters the gradients onto those shards.
 - ZeRO-3 (``zero=3``): the parameters split over ``data`` too
-  (:func:`fiddlejax.compute.fsdp_dims`), and over ``context`` outside a pipeline
-  (:func:`store_also`), and the computation sees them through a
+  (:func:`fiddlejax.compute.fsdp_dims`), and over ``context`` or ``expert`` outside a
+  pipeline (:func:`store_also`), and the computation sees them through a
   :class:`~fiddlejax.compute.ParamView` that gathers each layer's weights when it runs
   (``fsdp_gather="layer"``) or the whole tree once per step (``"step"``), in the compute
   dtype, keeping the ``pipe``/``tensor`` split.
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -72,8 +73,12 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
 
     dims, gather_specs = None, specs
     also = store_also(plan, pipelined)
-    shards = plan.data * axis_size(plan.mesh, "context") if also else plan.data
-    if plan.zero == 3 and shards > 1:
+
+    def shards(spec) -> int:  # data x the ``also`` axes the leaf is not already split over
+        return plan.data * math.prod(axis_size(plan.mesh, a)
+                                     for a in compute.free_of(also, spec))
+
+    if plan.zero == 3 and shards(P()) > 1:
         if vocab_services and not pipelined and not also and plan.fsdp_gather == "layer":
             specs = vocab.free_vocab(specs, internal, dict(plan.mesh.shape))
         dims = compute.fsdp_dims(internal, specs, shards,
@@ -85,8 +90,8 @@ def lay_out(internal: nnx.State, specs: nnx.State, plan: Plan, stack: str,
     if gather_step and also:
         raise ValueError(
             f"fsdp_gather='step' gathers the FSDP shards over data once per step, but with "
-            f"context={axis_size(plan.mesh, 'context')} zero=3 also shards them over context; "
-            "use fsdp_gather='layer'")
+            f"{also[0]}={axis_size(plan.mesh, also[0])} zero=3 also shards them over "
+            f"{also[0]}; use fsdp_gather='layer'")
     per_use = dims if not gather_step else None
     view = (compute.ParamView(dtype, plan.matmul_dtype, also, plan.mesh)
             if per_use is not None or dtype is not None else None)
@@ -145,10 +150,13 @@ def vocab_services(staged) -> bool:
 
 
 def store_also(plan: Plan, pipelined: bool) -> tuple[str, ...]:
-    """The axes besides ``data`` zero=3 shards the parameters over: ``context`` (its replicas
-    hold the same parameters; Megatron and MaxText shard over both) outside a pipeline."""
-    return ("context",) if plan.zero == 3 and not pipelined and axis_size(
-        plan.mesh, "context") > 1 else ()
+    """The axes besides ``data`` zero=3 shards the parameters over, outside a pipeline:
+    ``context`` (its replicas hold the same parameters; Megatron and MaxText shard over both)
+    or ``expert`` (more data parallelism outside the MoE layers: the dense weights shard over
+    it too, as MaxText's and FSDP2's do; the experts' own are split over it already)."""
+    if plan.zero != 3 or pipelined:
+        return ()
+    return tuple(a for a in ("context", "expert") if axis_size(plan.mesh, a) > 1)
 
 
 def grad_shardings(plan: Plan, specs: nnx.State, internal: nnx.State, params: Any) -> Any:

@@ -270,6 +270,16 @@ def stage_expert_params(model: ModelSpec, layout: Layout) -> float:
             + _outer_experts(model, layout))
 
 
+def fsdp_held(model: ModelSpec, layout: Layout, n: float) -> float:
+    """Of ``n`` parameters (a GPU's, :func:`stage_params`), those it stores: all of them
+    without ZeRO-3; with it, the dense ones over ``layout.fsdp_shards`` and the experts'
+    (split over ``expert`` already) over ``data`` (x ``context``) alone."""
+    if not layout.fsdp:
+        return n
+    ex = stage_expert_params(model, layout) if layout.expert > 1 and layout.pipe == 1 else 0.0
+    return (n - ex) / layout.fsdp_shards + ex * layout.expert / layout.fsdp_shards
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -292,17 +302,17 @@ def memory(model: ModelSpec, layout: Layout, cluster: ClusterSpec | None = None)
     param_copies = 4 if two_bw else 1
     if two_bw:
         grads_copies = 3
-    shard = layout.fsdp_shards if layout.fsdp else 1  # ZeRO-3: parameters and gradients too
+    held = fsdp_held(model, layout, n)  # ZeRO-3: parameters and gradients too
     # Megatron-Core's distributed optimizer shards over data x context (its dp-cp group)
     dc = d * layout.context if layout.master == "optimizer" else d
-    opt = n * ob / (shard if layout.fsdp else dc if layout.zero else 1)
+    opt = held * ob if layout.fsdp else n * ob / (dc if layout.zero else 1)
     # FSDP gathered once per step: the stage's weights held gathered in the compute dtype and
     # the gradients accumulated at full size, reduce-scattered into their shards at the end.
-    gathered, grad_shard = 0.0, shard
+    gathered, grads_held = 0.0, held
     if layout.gathers_once:
-        gathered, grads_copies, grad_shard = n * ab, grads_copies + 1 / d, 1
-    return Memory(params=n * pb * param_copies / shard + gathered,
-                  grads=n * gb * grads_copies / grad_shard,
+        gathered, grads_copies, grads_held = n * ab, grads_copies + 1 / d, n
+    return Memory(params=held * pb * param_copies + gathered,
+                  grads=grads_held * gb * grads_copies,
                   optimizer=opt, activations=_stash(model, layout),
                   working=_working_set(model, layout, n, fused))
 

@@ -16,9 +16,11 @@ Two runtimes, two sources, every figure in tokens per second per GPU as publishe
   is ``dots``'s residual set).
 - NeMo AutoModel 26.02 performance summary (PyTorch FSDP2 with TE layers and DeepEP, DGX H100,
   bf16; https://docs.nvidia.com/nemo/automodel/nightly/performance-summary.html,
-  "Pre-Training Performance"): FSDP over every GPU outside context and expert parallelism,
-  float32 sharded state, per-layer gathers prefetched under compute (``zero=3``,
-  ``dp_overlap=1``), dropless expert dispatch (``dispatch="dropless"``).
+  "Pre-Training Performance"): FSDP of the dense weights over every GPU (its ``dp_shard_cp``
+  mesh, expert ranks included), of the experts' over the GPUs outside expert parallelism
+  (``nemo_automodel.components.moe.parallelizer.apply_fsdp``), float32 sharded state,
+  per-layer gathers prefetched under compute (``zero=3``, ``dp_overlap=1``), dropless expert
+  dispatch (``dispatch="dropless"``).
 
 - Megatron-Bridge 25.11 performance summary (Megatron-Core + TE, DGX H100;
   https://github.com/NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md, "25.11 NeMo
@@ -94,7 +96,7 @@ def _automodel(name: str, model: ModelSpec, gpus: int, gbs: int, mbs: int, cp: i
                tokens: float) -> RecentRun:
     lo = Layout(data=gpus // (cp * ep), context=cp, expert=ep, microbatch_size=mbs,
                 global_batch=gbs, precision="bf16-mixed", attention="fused",
-                zero=3 if gpus // (cp * ep) > 1 else 0, dp_overlap=1.0,
+                zero=3, dp_overlap=1.0,
                 dispatch="dropless")
     return RecentRun(name, AUTOMODEL_2602, model, "h100", cheapest_remat(model, "h100", lo),
                      tokens, held_out=True)

@@ -83,8 +83,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                 for sched, v in scheds:
                     k = steps_per_call if sched == "2bw" else 1
                     for remat in remats:
-                        # FSDP also shards over context outside a pipeline
-                        stores = d > 1 or (c > 1 and p == 1)
+                        # FSDP also shards over context or expert outside a pipeline
+                        stores = d > 1 or (c * e > 1 and p == 1)
                         zs = (0,) if sched == "2bw" or not stores else zero if d > 1 else (
                             tuple(z for z in zero if z in (0, 3)) or (0,))
                         for z in zs:

@@ -187,14 +187,16 @@ class Layout:
 
     @property
     def fsdp_shards(self) -> int:
-        """Devices ZeRO-3 shards over: ``data``, and ``context`` outside a pipeline (context
-        replicas hold the same parameters; ``fiddlejax.parallel.zero.store_also``)."""
-        return self.data * (self.context if self.pipe == 1 else 1)
+        """Devices ZeRO-3 shards the dense weights over: ``data``, and ``context`` or
+        ``expert`` outside a pipeline (their replicas hold the same dense weights;
+        ``fiddlejax.parallel.zero.store_also``; the experts' own split over ``data`` x
+        ``context`` only: ``planner.footprint.fsdp_held``)."""
+        return self.data * (self.context * self.expert if self.pipe == 1 else 1)
 
     @property
     def fsdp(self) -> bool:
         """ZeRO-3: parameters, gradients and optimizer state sharded over ``data`` (and
-        ``context``)."""
+        ``context`` or ``expert``)."""
         return self.zero == 3 and self.fsdp_shards > 1
 
     @property
@@ -359,7 +361,8 @@ def _check_options(lo: Layout, model: ModelSpec) -> None:
                          "shard the parameters: set zero=3")
     if lo.fsdp_gather == "step" and lo.fsdp_shards > lo.data:
         raise ValueError(f"fsdp_gather='step' gathers over data once per step, but zero=3 "
-                         f"also shards over context={lo.context}; use fsdp_gather='layer'")
+                         f"also shards over context={lo.context} x expert={lo.expert}; use "
+                         "fsdp_gather='layer'")
     if lo.precision not in PRECISIONS:
         raise ValueError(f"precision={lo.precision!r} must be one of {PRECISIONS}")
     if lo.head not in HEADS:

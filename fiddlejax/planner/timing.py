@@ -224,7 +224,8 @@ def _reduction(cluster: ClusterSpec, layout: Layout, n_params: float, d: int,
     if layout.fsdp:  # per microbatch: all-gather forward and backward, reduce-scatter (each
         # half a ring all-reduce) of the stage's weights, instead of one gradient all-reduce;
         # gathered once per step: one all-gather and one reduce-scatter
-        wide = layout.fsdp_shards // layout.data  # context too (outside a pipeline)
+        wide = layout.context if layout.pipe == 1 else 1  # context too (outside a pipeline);
+        # over expert the dense weights' ``d`` is data x expert already
         g, gs = (d, stride) if wide == 1 else (d * wide, layout.tensor)
         gather = allreduce_seconds(cluster, g, gs, n_params * ab) / 2
         scatter = allreduce_seconds(cluster, g, gs, n_params * gb) / 2
