@@ -25,10 +25,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import reporting  # noqa: E402
 from run import GPU_REPORTS, REPORTS  # noqa: E402
 
-# Reports not yet regenerated since the header and the runner came (issue 51): expected to fail
-# (no header: stale and unattributed) until `python benchmarks/run.py --cpu --only NAME` writes
-# them; strict, so a regenerated report must leave this set. Empty it with one `--cpu` run.
-PENDING: set[str] = set()
+# Reports whose inputs changed and that are not yet regenerated (issue 51): expected to fail
+# (stale) until `python benchmarks/run.py --cpu --only NAME` writes them; strict, so a
+# regenerated report must leave this set. pipeline_2bw_reference.md: its inputs gained
+# model.param_dtype (float32 by default: the same numbers); a rerun at a7588ef gave its first 10
+# of 13 rows byte for byte before it was stopped (the table takes ~100 minutes of both cores).
+PENDING: set[str] = {"pipeline_2bw_reference.md"}
 
 CITE = re.compile(r"benchmarks/results/([\w.-]+\.md)")
 FIGURE = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+\.\d+(?!\d)")  # not Llama-3.2
@@ -195,8 +197,8 @@ def test_inputs_hold_every_module_the_script_imports(name):
 
 
 def _cpu_params():
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue 51: not yet "
-                                                    "regenerated with its header"))
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue 51: its inputs "
+                                                    "changed; not yet regenerated"))
             if n in PENDING else n for n in REPORTS]
 
 
